@@ -1,0 +1,167 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What went wrong, in broad strokes. The [`Error`]'s message says exactly what.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// An argument was refused before anything was written: an empty or over-long key or topic,
+    /// an oversized payload, a malformed value. Nothing was written.
+    InvalidInput,
+    /// An idempotency key was reused for a request with another fingerprint. Nothing was written.
+    KeyReused,
+    /// The database could not be reached (connection refused, timed out, pool exhausted).
+    Connect,
+    /// The database answered with an error, or the connection broke during a statement.
+    Database,
+    /// The schema migrations could not be applied.
+    Migration,
+    /// A configuration value is invalid.
+    Config,
+    /// A value could not be converted to or from JSON.
+    Json,
+    /// The embedded throwaway PostgreSQL could not be started or controlled.
+    Embedded,
+}
+
+/// An error from outbox-relay.
+///
+/// Use [`Error::kind`] to tell the cases apart, and [`Error::code`] for the SQLSTATE of a
+/// database error. Messages never contain a password.
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Error { kind, message: message.into(), source: None }
+    }
+
+    pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    pub(crate) fn invalid_input(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::InvalidInput, message)
+    }
+
+    pub(crate) fn config(message: impl Into<String>) -> Self {
+        Error::new(ErrorKind::Config, message)
+    }
+
+    /// Wraps a database error that happened while doing `context` (e.g. "claiming events").
+    pub(crate) fn database(context: &str, err: tokio_postgres::Error) -> Self {
+        Error::new(ErrorKind::Database, context.to_string()).with_source(err)
+    }
+
+    /// The broad kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// True when the input was refused before anything was written.
+    pub fn is_invalid_input(&self) -> bool {
+        self.kind == ErrorKind::InvalidInput
+    }
+
+    /// True when an idempotency key was reused for a different request.
+    pub fn is_key_reused(&self) -> bool {
+        self.kind == ErrorKind::KeyReused
+    }
+
+    /// True when the database could not be reached.
+    pub fn is_connect(&self) -> bool {
+        self.kind == ErrorKind::Connect
+    }
+
+    /// The SQLSTATE code, when PostgreSQL answered with an error.
+    pub fn code(&self) -> Option<&tokio_postgres::error::SqlState> {
+        self.pg_error().and_then(|e| e.code())
+    }
+
+    /// True when the connection to the database was closed (the statement's outcome is unknown).
+    pub fn is_closed(&self) -> bool {
+        self.pg_error().is_some_and(|e| e.is_closed())
+    }
+
+    fn pg_error(&self) -> Option<&tokio_postgres::Error> {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = self.source.as_deref().map(|e| e as _);
+        while let Some(err) = source {
+            if let Some(pg) = err.downcast_ref::<tokio_postgres::Error>() {
+                return Some(pg);
+            }
+            source = err.source();
+        }
+        None
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)?;
+        if let Some(source) = &self.source {
+            match source.downcast_ref::<tokio_postgres::Error>().and_then(|e| e.as_db_error()) {
+                // PostgreSQL's own words carry what a reader needs ("duplicate key value ...").
+                Some(db) => {
+                    write!(f, ": {}", db.message())?;
+                    if let Some(detail) = db.detail() {
+                        write!(f, " ({detail})")?;
+                    }
+                    if let Some(hint) = db.hint() {
+                        write!(f, " (hint: {hint})")?;
+                    }
+                    write!(f, " [SQLSTATE {}]", db.code().code())?;
+                }
+                None => {
+                    // tokio-postgres keeps the cause ("Connection refused") out of its Display.
+                    write!(f, ": {source}")?;
+                    let mut cause = source.source();
+                    while let Some(c) = cause {
+                        write!(f, ": {c}")?;
+                        cause = c.source();
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Error");
+        d.field("kind", &self.kind).field("message", &self.message);
+        if let Some(source) = &self.source {
+            d.field("source", &source.to_string());
+        }
+        d.finish()
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|e| e as _)
+    }
+}
+
+/// Lets `?` turn the errors of a unit of work's business SQL into this type.
+impl From<tokio_postgres::Error> for Error {
+    fn from(err: tokio_postgres::Error) -> Self {
+        Error::new(ErrorKind::Database, "database error").with_source(err)
+    }
+}
+
+impl From<serde_json::Error> for Error {
+    fn from(err: serde_json::Error) -> Self {
+        Error::new(ErrorKind::Json, "JSON conversion failed").with_source(err)
+    }
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,201 @@
+//! Events: what a writer adds to the outbox and what a relay hands to its handler.
+
+use std::time::{Duration, SystemTime};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+
+/// The longest topic, in characters.
+pub const MAX_TOPIC_LEN: usize = 255;
+/// The longest event key or idempotency key, in characters.
+pub const MAX_KEY_LEN: usize = 255;
+/// The largest payload, in bytes of JSON text (1 MiB).
+pub const MAX_PAYLOAD_BYTES: usize = 1 << 20;
+
+/// An event to add to the outbox.
+///
+/// ```
+/// use outbox_relay::NewEvent;
+/// let event = NewEvent::new("order.placed", serde_json::json!({"order_id": 42})).key("42");
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+#[must_use]
+pub struct NewEvent {
+    pub(crate) topic: String,
+    pub(crate) payload: Value,
+    pub(crate) key: Option<String>,
+    pub(crate) delay: Duration,
+}
+
+impl NewEvent {
+    /// An event on `topic` with a JSON payload, deliverable at once.
+    pub fn new(topic: impl Into<String>, payload: Value) -> Self {
+        NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO }
+    }
+
+    /// An event whose payload is any serializable value.
+    pub fn from_serialize(topic: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
+        Ok(NewEvent::new(topic, serde_json::to_value(payload)?))
+    }
+
+    /// Sets the partition key consumers may use to keep related events together.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Delays delivery by `delay` after the commit's clock (PostgreSQL's `now()`).
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The payload.
+    pub fn payload(&self) -> &Value {
+        &self.payload
+    }
+
+    /// Checks every field against the limits the database enforces too.
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate_topic(&self.topic)?;
+        if let Some(key) = &self.key {
+            validate_key("event key", key)?;
+        }
+        let size = json_size(&self.payload)?;
+        if size > MAX_PAYLOAD_BYTES {
+            return Err(Error::invalid_input(format!(
+                "payload of a {:?} event is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES}",
+                self.topic
+            )));
+        }
+        if self.delay > Duration::from_secs(100 * 365 * 24 * 3600) {
+            return Err(Error::invalid_input(format!("delay {:?} is longer than 100 years", self.delay)));
+        }
+        Ok(())
+    }
+
+    /// The delay in microseconds, as PostgreSQL's interval arithmetic takes it.
+    pub(crate) fn delay_micros(&self) -> i64 {
+        i64::try_from(self.delay.as_micros()).unwrap_or(i64::MAX)
+    }
+}
+
+/// An event as the relay hands it to a handler.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Event {
+    /// The stable id: the same on every delivery of this event. Consumers drop duplicates by it.
+    pub id: i64,
+    /// What happened, e.g. `order.placed`.
+    pub topic: String,
+    /// The partition key, if the writer gave one.
+    pub key: Option<String>,
+    /// The body.
+    pub payload: Value,
+    /// When the event was written (the writer's transaction clock).
+    #[serde(with = "humantime_serde_rfc3339")]
+    pub created_at: SystemTime,
+    /// Which delivery attempt this is, from 1.
+    pub attempts: i32,
+}
+
+mod humantime_serde_rfc3339 {
+    use std::time::SystemTime;
+
+    pub(super) fn serialize<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_rfc3339_micros(*t))
+    }
+}
+
+/// Checks a topic: 1 to 255 characters, letters, digits and `. _ - : /`.
+pub fn validate_topic(topic: &str) -> Result<()> {
+    if topic.is_empty() {
+        return Err(Error::invalid_input("topic must not be empty"));
+    }
+    let len = topic.chars().count();
+    if len > MAX_TOPIC_LEN {
+        return Err(Error::invalid_input(format!("topic is {len} characters long; the limit is {MAX_TOPIC_LEN}")));
+    }
+    if let Some(c) = topic.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'))) {
+        return Err(Error::invalid_input(format!(
+            "topic {topic:?} has the character {c:?}; a topic may hold letters, digits and . _ - : /"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a key (`what` names it in the message): 1 to 255 characters, no control characters.
+pub(crate) fn validate_key(what: &str, key: &str) -> Result<()> {
+    if key.is_empty() {
+        return Err(Error::invalid_input(format!("{what} must not be empty")));
+    }
+    let len = key.chars().count();
+    if len > MAX_KEY_LEN {
+        return Err(Error::invalid_input(format!("{what} is {len} characters long; the limit is {MAX_KEY_LEN}")));
+    }
+    if key.chars().any(char::is_control) {
+        return Err(Error::invalid_input(format!("{what} {key:?} contains a control character")));
+    }
+    Ok(())
+}
+
+/// The length of a value's JSON text, without building the text.
+fn json_size(value: &Value) -> Result<usize> {
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut counter = Counter(0);
+    serde_json::to_writer(&mut counter, value)?;
+    Ok(counter.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn topics_are_checked() {
+        assert!(validate_topic("order.placed").is_ok());
+        assert!(validate_topic("billing/invoice:v2_x-y").is_ok());
+        assert!(validate_topic("").unwrap_err().to_string().contains("empty"));
+        assert!(validate_topic(&"a".repeat(256)).unwrap_err().to_string().contains("limit is 255"));
+        assert!(validate_topic(&"a".repeat(255)).is_ok());
+        assert!(validate_topic("order placed").unwrap_err().to_string().contains("' '"));
+        assert!(validate_topic("order.*").is_err());
+    }
+
+    #[test]
+    fn keys_are_checked() {
+        assert!(validate_key("idempotency key", "abc-123").is_ok());
+        assert!(
+            validate_key("idempotency key", "").unwrap_err().to_string().contains("idempotency key must not be empty")
+        );
+        assert!(validate_key("k", &"é".repeat(255)).is_ok());
+        assert!(validate_key("k", &"é".repeat(256)).unwrap_err().to_string().contains("256 characters"));
+        assert!(validate_key("k", "a\nb").unwrap_err().is_invalid_input());
+    }
+
+    #[test]
+    fn payload_size_is_limited() {
+        let big = "x".repeat(MAX_PAYLOAD_BYTES);
+        let err = NewEvent::new("t", json!(big)).validate().unwrap_err();
+        assert!(err.to_string().contains("limit is 1048576"), "{err}");
+        // the JSON text of a string is the string plus two quotes
+        let fits = "x".repeat(MAX_PAYLOAD_BYTES - 2);
+        assert!(NewEvent::new("t", json!(fits)).validate().is_ok());
+    }
+}

@@ -1,0 +1,104 @@
+//! Applies the SQL files of `migrations/` in order, each once, under an advisory lock.
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::sql;
+
+/// One migration: a numbered plain SQL file from `migrations/`, compiled into the crate.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Migration {
+    pub(crate) version: i32,
+    pub(crate) name: &'static str,
+    pub(crate) sql: &'static str,
+}
+
+/// All migrations, in the order they apply.
+pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "create_outbox_tables",
+    sql: include_str!("../migrations/0001_create_outbox_tables.sql"),
+}];
+
+/// What a migration run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationReport {
+    /// Migrations applied by this run, as `(version, name)`, in order.
+    pub applied: Vec<(i32, String)>,
+    /// How many migrations were already in place.
+    pub already_applied: usize,
+}
+
+impl Migration {
+    fn checksum(&self) -> String {
+        Sha256::digest(self.sql.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// Applies every pending migration in one transaction.
+///
+/// Safe when several processes migrate at once: they queue on a transaction-level advisory lock
+/// taken before anything else, and each finds the others' work recorded. A migration that was
+/// changed after it was applied is refused (its checksum differs).
+pub(crate) async fn run(client: &mut tokio_postgres::Client) -> Result<MigrationReport> {
+    let fail = |what: &str, e: tokio_postgres::Error| {
+        Error::new(ErrorKind::Migration, format!("migrations failed while {what}")).with_source(e)
+    };
+    let tx = client.transaction().await.map_err(|e| fail("starting a transaction", e))?;
+    tx.execute(sql::MIGRATION_LOCK, &[&sql::MIGRATION_LOCK_KEY]).await.map_err(|e| fail("taking the lock", e))?;
+    tx.batch_execute(sql::MIGRATION_TABLE_CREATE).await.map_err(|e| fail("creating the migrations table", e))?;
+    let rows = tx.query(sql::MIGRATION_LIST, &[]).await.map_err(|e| fail("reading applied migrations", e))?;
+
+    let mut report = MigrationReport { applied: Vec::new(), already_applied: 0 };
+    for migration in MIGRATIONS {
+        let checksum = migration.checksum();
+        if let Some(row) = rows.iter().find(|r| r.get::<_, i32>(0) == migration.version) {
+            let recorded: String = row.get(2);
+            if recorded != checksum {
+                return Err(Error::new(
+                    ErrorKind::Migration,
+                    format!(
+                        "migration {} ({}) was changed after it was applied (checksum {recorded} in the database, \
+                         {checksum} in this build); add a new migration instead of editing an applied one",
+                        migration.version, migration.name
+                    ),
+                ));
+            }
+            report.already_applied += 1;
+            continue;
+        }
+        tracing::info!(version = migration.version, name = migration.name, "applying migration");
+        tx.batch_execute(migration.sql)
+            .await
+            .map_err(|e| fail(&format!("applying {:04}_{}", migration.version, migration.name), e))?;
+        tx.execute(sql::MIGRATION_RECORD, &[&migration.version, &migration.name, &checksum])
+            .await
+            .map_err(|e| fail("recording a migration", e))?;
+        report.applied.push((migration.version, migration.name.to_string()));
+    }
+    if let Some(unknown) = rows.iter().map(|r| r.get::<_, i32>(0)).find(|v| MIGRATIONS.iter().all(|m| m.version != *v))
+    {
+        return Err(Error::new(
+            ErrorKind::Migration,
+            format!(
+                "the database has migration {unknown}, which this build does not know: it was migrated by a newer outbox-relay"
+            ),
+        ));
+    }
+    tx.commit().await.map_err(|e| fail("committing", e))?;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_numbered_in_order_and_match_their_files() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version as usize, i + 1);
+            let file = format!("{}/migrations/{:04}_{}.sql", env!("CARGO_MANIFEST_DIR"), m.version, m.name);
+            assert_eq!(std::fs::read_to_string(&file).unwrap(), m.sql, "{file}");
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! Integration tests against a real PostgreSQL: see `harness` for where the server comes from.
+
+mod harness;
+mod migrations;
+mod sql_publish;
+mod write_path;

@@ -1,0 +1,89 @@
+//! `outbox_relay.publish` from plain SQL, and the NOTIFY trigger.
+
+use serde_json::{Value, json};
+use tokio_postgres::error::SqlState;
+
+use crate::harness::TestDb;
+
+#[tokio::test]
+async fn publish_from_plain_sql_commits_and_rolls_back_with_the_transaction() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute("begin; select outbox_relay.publish('order.placed', '{\"n\": 1}'); rollback").await.unwrap();
+    let count: i64 = client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get(0);
+    assert_eq!(count, 0);
+
+    client.batch_execute("begin").await.unwrap();
+    let id: i64 = client
+        .query_one("select outbox_relay.publish('order.placed', '{\"n\": 2}'::jsonb, key => '42')", &[])
+        .await
+        .unwrap()
+        .get(0);
+    client.batch_execute("commit").await.unwrap();
+    let row =
+        client.query_one("select topic, key, payload from outbox_relay.outbox where id = $1", &[&id]).await.unwrap();
+    assert_eq!(row.get::<_, String>(0), "order.placed");
+    assert_eq!(row.get::<_, Option<String>>(1).as_deref(), Some("42"));
+    assert_eq!(row.get::<_, Value>(2), json!({"n": 2}));
+}
+
+#[tokio::test]
+async fn publish_from_sql_validates_like_the_rust_api() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let cases = [
+        ("select outbox_relay.publish('', '{}')", "topic must not be empty"),
+        ("select outbox_relay.publish(repeat('t', 256), '{}')", "the limit is 255"),
+        ("select outbox_relay.publish('order placed', '{}')", "has a character outside"),
+        ("select outbox_relay.publish('t', null)", "payload must not be null"),
+        ("select outbox_relay.publish('t', jsonb_build_object('x', repeat('x', 1048576)))", "the limit is 1048576"),
+        ("select outbox_relay.publish('t', '{}', '')", "key must be 1 to 255 characters"),
+        ("select outbox_relay.publish('t', '{}', repeat('k', 256))", "key must be 1 to 255 characters"),
+    ];
+    for (statement, needle) in cases {
+        let err = client.batch_execute(statement).await.unwrap_err();
+        let db_err = err.as_db_error().unwrap_or_else(|| panic!("{statement}: {err}"));
+        assert_eq!(db_err.code(), &SqlState::INVALID_PARAMETER_VALUE, "{statement}");
+        assert!(db_err.message().contains(needle), "{statement}: {}", db_err.message());
+    }
+    let err = client.batch_execute("select outbox_relay.publish('t', '{not json')").await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INVALID_TEXT_REPRESENTATION));
+    let count: i64 = client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get(0);
+    assert_eq!(count, 0);
+}
+
+#[tokio::test]
+async fn an_insert_notifies_listeners_once_per_statement_without_event_data() {
+    use futures::StreamExt;
+    use tokio_postgres::AsyncMessage;
+
+    let db = TestDb::new().await;
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let (listener, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = message {
+                tx.send((n.channel().to_string(), n.payload().to_string())).ok();
+            }
+        }
+    });
+    listener.batch_execute("listen outbox_relay").await.unwrap();
+
+    let writer = db.client().await;
+    writer
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'bulk', to_jsonb(g) from generate_series(1, 100) g",
+        )
+        .await
+        .unwrap();
+    let (channel, payload) = rx.recv().await.unwrap();
+    assert_eq!(channel, "outbox_relay");
+    assert_eq!(payload, "");
+    // one statement, one notification: a second statement's notification is the next to arrive
+    writer.batch_execute("select outbox_relay.publish('marker', '{}')").await.unwrap();
+    assert_eq!(rx.recv().await.unwrap().0, "outbox_relay");
+    listener.batch_execute("select 1").await.unwrap();
+    assert!(rx.try_recv().is_err(), "no further notification");
+}
