@@ -13,6 +13,8 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Idle time before TCP keepalive probes start, so a dead peer is found in seconds, not in the
 /// operating system's two hours.
 pub(crate) const KEEPALIVES_IDLE: Duration = Duration::from_secs(10);
+/// How long sent data may stay unacknowledged before the connection counts as dead.
+pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default number of pooled connections.
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
@@ -37,6 +39,8 @@ impl DatabaseUrl {
         }
         config.keepalives(true).keepalives_idle(KEEPALIVES_IDLE);
         config.keepalives_interval(Duration::from_secs(5)).keepalives_retries(3);
+        // Data sent but not acknowledged for this long means the peer is gone (a stalled link).
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
         if config.get_application_name().is_none() {
             config.application_name("outbox-relay");
         }
@@ -55,16 +59,20 @@ impl DatabaseUrl {
 
     /// Builds a connection pool of `size` connections. Connections are made lazily.
     pub fn pool(&self, size: usize) -> Result<Pool> {
-        if size == 0 {
-            return Err(Error::config("pool size must be at least 1"));
-        }
-        let manager =
-            Manager::from_config(self.config.clone(), NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
-        Pool::builder(manager)
-            .max_size(size)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(|e| Error::config(format!("cannot build the connection pool: {e}")))
+        build_pool(self.config.clone(), size)
+    }
+
+    /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
+    /// a claim or completion lost in a server crash only causes a redelivery, which at-least-once
+    /// delivery allows, so they need not wait for the WAL flush. Business transactions never use it.
+    pub(crate) fn relay_pool(&self, size: usize) -> Result<Pool> {
+        let mut config = self.config.clone();
+        let options = match config.get_options() {
+            Some(existing) if !existing.is_empty() => format!("{existing} -c synchronous_commit=off"),
+            _ => "-c synchronous_commit=off".to_string(),
+        };
+        config.options(options);
+        build_pool(config, size)
     }
 
     /// Opens one dedicated (not pooled) connection and spawns its I/O task.
@@ -89,6 +97,18 @@ impl std::fmt::Display for DatabaseUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.redacted)
     }
+}
+
+fn build_pool(config: Config, size: usize) -> Result<Pool> {
+    if size == 0 {
+        return Err(Error::config("pool size must be at least 1"));
+    }
+    let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()
+        .map_err(|e| Error::config(format!("cannot build the connection pool: {e}")))
 }
 
 /// The error for a database that cannot be reached, naming the host and port, never the password.

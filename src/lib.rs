@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub)]
 
+mod admin;
 mod connect;
 pub mod embedded;
 mod error;
@@ -9,12 +10,26 @@ mod event;
 mod migrate;
 mod outbox;
 mod publish;
+mod relay;
 mod sql;
 mod wake;
 
+pub use admin::{CleanupReport, DeadLetter, QueueStats};
 pub use connect::{DEFAULT_POOL_SIZE, DatabaseUrl, redact};
 pub use error::{Error, ErrorKind, Result};
 pub use event::{Event, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, MAX_TOPIC_LEN, NewEvent, validate_topic};
 pub use migrate::MigrationReport;
 pub use outbox::{Executed, Outbox, Work};
 pub use publish::{AuditEntry, audit, publish, publish_all};
+pub use relay::{
+    Completion, DeliveryError, Handler, HandlerFn, MetricsSnapshot, Relay, RelayConfig, RelayMetrics, handler_fn,
+};
+/// Defaults and bounds of [`RelayConfig`].
+pub mod defaults {
+    pub use crate::relay::{
+        DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_JITTER, DEFAULT_BACKOFF_MAX, DEFAULT_BATCH_SIZE,
+        DEFAULT_IDEMPOTENCY_RETENTION, DEFAULT_JANITOR_BATCH, DEFAULT_JANITOR_INTERVAL, DEFAULT_LEASE,
+        DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL, DEFAULT_RECONNECT_MAX, DEFAULT_RETENTION, DEFAULT_SHUTDOWN_GRACE,
+        DEFAULT_WORKERS, MAX_BATCH_SIZE, MAX_WORKERS, MIN_LEASE,
+    };
+}

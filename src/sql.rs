@@ -50,3 +50,115 @@ returning key";
 pub(crate) const IDEMPOTENCY_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
 
 pub(crate) const IDEMPOTENCY_STORE_RESPONSE: &str = "update outbox_relay.idempotency set response = $2 where key = $1";
+
+/// Claims up to `$1` deliverable events for a lease of `$2` microseconds under token `$3`.
+/// SKIP LOCKED lets many workers and processes claim side by side without waiting on each other.
+/// The lease moves `available_at` forward, so an event whose worker died comes back when it ends;
+/// `attempts` counts claims, so an event that crashes its worker still runs out of attempts.
+/// `age_us` is the event's age at the claim on the server's clock (no clock skew).
+pub(crate) const EVENT_CLAIM: &str = "\
+with claimable as (
+    select id from outbox_relay.outbox
+     where processed_at is null and available_at <= now()
+     order by available_at, id
+     limit $1
+       for update skip locked
+)
+update outbox_relay.outbox o
+   set available_at = now() + $2::int8 * interval '1 microsecond',
+       attempts = o.attempts + 1,
+       lease_token = $3
+  from claimable c
+ where o.id = c.id
+returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts,
+          (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 as age_us";
+
+/// The earliest time a pending event becomes deliverable, for the relay's timer.
+pub(crate) const EVENT_NEXT_AVAILABLE: &str = "\
+select (extract(epoch from min(available_at) - now()) * 1000000)::int8
+  from outbox_relay.outbox where processed_at is null";
+
+/// Records successful deliveries by keeping the rows with `processed_at`.
+pub(crate) const EVENT_MARK_PROCESSED: &str = "\
+update outbox_relay.outbox set processed_at = now(), lease_token = null, last_error = null
+ where id = any($1) and lease_token = $2";
+
+/// Records successful deliveries by deleting the rows.
+pub(crate) const EVENT_DELETE_PROCESSED: &str =
+    "delete from outbox_relay.outbox where id = any($1) and lease_token = $2";
+
+/// Reschedules failed deliveries: per event a delay in microseconds and an error.
+pub(crate) const EVENT_RESCHEDULE: &str = "\
+update outbox_relay.outbox o
+   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null
+  from unnest($1::int8[], $2::int8[], $3::text[]) as f(id, delay_us, error)
+ where o.id = f.id and o.lease_token = $4";
+
+/// Gives back claimed events that were never handed to the handler (shutdown): deliverable at
+/// once, and the claim's attempt does not count.
+pub(crate) const EVENT_RELEASE: &str = "\
+update outbox_relay.outbox
+   set available_at = now(), lease_token = null, attempts = greatest(attempts - 1, 0)
+ where id = any($1) and lease_token = $2";
+
+/// Moves events to the dead letters with their errors, keeping their ids.
+pub(crate) const EVENT_BURY: &str = "\
+with failed as (
+    delete from outbox_relay.outbox o
+     using unnest($1::int8[], $2::text[]) as f(id, error)
+     where o.id = f.id and o.lease_token = $3
+    returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts, f.error
+)
+insert into outbox_relay.dead_letters (id, topic, key, payload, created_at, attempts, last_error)
+select id, topic, key, payload, created_at, attempts, error from failed
+on conflict (id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Deletes up to `$2` events processed before `$1` microseconds ago; rows others are deleting are skipped.
+pub(crate) const EVENT_DELETE_EXPIRED: &str = "\
+delete from outbox_relay.outbox where id in (
+    select id from outbox_relay.outbox
+     where processed_at < now() - $1::int8 * interval '1 microsecond'
+     order by id
+     limit $2
+       for update skip locked
+)";
+
+/// Deletes up to `$2` idempotency receipts older than `$1` microseconds.
+pub(crate) const IDEMPOTENCY_DELETE_EXPIRED: &str = "\
+delete from outbox_relay.idempotency where key in (
+    select key from outbox_relay.idempotency
+     where created_at < now() - $1::int8 * interval '1 microsecond'
+     order by created_at
+     limit $2
+       for update skip locked
+)";
+
+/// The queue at a glance.
+pub(crate) const QUEUE_STATS: &str = "\
+select count(*) filter (where processed_at is null and available_at <= now()),
+       count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
+       count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
+       count(*) filter (where processed_at is not null),
+       (select count(*) from outbox_relay.dead_letters),
+       (extract(epoch from now() - min(created_at) filter (where processed_at is null)) * 1000)::int8,
+       coalesce(max(attempts) filter (where processed_at is null), 0),
+       pg_notification_queue_usage()
+  from outbox_relay.outbox";
+
+pub(crate) const DEAD_LETTER_LIST: &str = "\
+select id, topic, key, payload, created_at, attempts, last_error, failed_at
+  from outbox_relay.dead_letters order by id limit $1";
+
+/// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset.
+pub(crate) const DEAD_LETTER_RETRY: &str = "\
+with revived as (
+    delete from outbox_relay.dead_letters where id = any($1) or $2
+    returning id, topic, key, payload, created_at
+)
+insert into outbox_relay.outbox (id, topic, key, payload, created_at)
+select id, topic, key, payload, created_at from revived
+returning id";
+
+pub(crate) const DEAD_LETTER_PURGE: &str = "\
+delete from outbox_relay.dead_letters where failed_at < now() - $1::int8 * interval '1 microsecond'";

@@ -2,5 +2,7 @@
 
 mod harness;
 mod migrations;
+mod relay;
+mod relay_support;
 mod sql_publish;
 mod write_path;

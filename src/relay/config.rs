@@ -1,0 +1,182 @@
+//! The relay's settings, their defaults and their validation.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Default number of concurrent delivery workers.
+pub const DEFAULT_WORKERS: usize = 4;
+/// Default number of events one claim takes.
+pub const DEFAULT_BATCH_SIZE: usize = 100;
+/// Default interval of the fallback poll.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+/// Default lease of a claimed event.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// Default number of delivery attempts before an event goes to the dead letters.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
+/// Default first retry delay.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// Default longest retry delay.
+pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
+/// Default share of a retry delay that is randomized.
+pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
+/// Default age after which processed events are deleted.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Default age after which idempotency receipts are deleted.
+pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Default interval between janitor passes.
+pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60);
+/// Default rows a janitor statement deletes at most.
+pub const DEFAULT_JANITOR_BATCH: usize = 1000;
+/// Default time in-flight deliveries get to finish on shutdown.
+pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Default longest wait between reconnection attempts of the listener.
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// The largest batch one claim may take.
+pub const MAX_BATCH_SIZE: usize = 10_000;
+/// The most workers one relay may run.
+pub const MAX_WORKERS: usize = 256;
+/// The shortest lease.
+pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// What the relay does with an event once it is delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Completion {
+    /// Keep the row with `processed_at` set until the retention passes. Defaults to this.
+    #[default]
+    MarkProcessed,
+    /// Delete the row at once.
+    Delete,
+}
+
+/// How the relay delivers: workers, batches, timing, retries and housekeeping.
+#[derive(Debug, Clone, PartialEq)]
+#[must_use]
+pub struct RelayConfig {
+    /// Concurrent delivery workers, each claiming its own batches. Defaults to 4.
+    pub workers: usize,
+    /// Events one claim takes at most. Defaults to 100.
+    pub batch_size: usize,
+    /// Fallback poll for lost notifications. Defaults to 1 s.
+    pub poll_interval: Duration,
+    /// How long a claimed event belongs to its worker. A worker that dies gives its events back
+    /// when the lease ends; a delivery that is still running then is cut off as a failure.
+    /// Defaults to 30 s.
+    pub lease: Duration,
+    /// Delivery attempts before an event goes to the dead letters. Defaults to 12.
+    pub max_attempts: u32,
+    /// Delay before the first retry; it doubles with each attempt. Defaults to 1 s.
+    pub backoff_base: Duration,
+    /// Longest retry delay. Defaults to 1 h.
+    pub backoff_max: Duration,
+    /// Share (0 to 1) of each retry delay that is random, so failing events spread out.
+    /// Defaults to 0.2.
+    pub backoff_jitter: f64,
+    /// Marks delivered events processed or deletes them. Defaults to [`Completion::MarkProcessed`].
+    pub completion: Completion,
+    /// Processed events older than this are deleted by the janitor. Defaults to 7 days.
+    pub retention: Duration,
+    /// Idempotency receipts older than this are deleted by the janitor; a key may be reused after
+    /// that. Defaults to 7 days.
+    pub idempotency_retention: Duration,
+    /// Time between janitor passes; zero turns the janitor off. Defaults to 60 s.
+    pub janitor_interval: Duration,
+    /// Rows one janitor statement deletes at most, to keep locks short. Defaults to 1000.
+    pub janitor_batch: usize,
+    /// Time in-flight deliveries get to finish on shutdown before they are cut off and their
+    /// events released. Defaults to 10 s.
+    pub shutdown_grace: Duration,
+    /// Longest wait between the listener's reconnection attempts. Defaults to 5 s.
+    pub reconnect_max: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            workers: DEFAULT_WORKERS,
+            batch_size: DEFAULT_BATCH_SIZE,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            lease: DEFAULT_LEASE,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff_base: DEFAULT_BACKOFF_BASE,
+            backoff_max: DEFAULT_BACKOFF_MAX,
+            backoff_jitter: DEFAULT_BACKOFF_JITTER,
+            completion: Completion::default(),
+            retention: DEFAULT_RETENTION,
+            idempotency_retention: DEFAULT_IDEMPOTENCY_RETENTION,
+            janitor_interval: DEFAULT_JANITOR_INTERVAL,
+            janitor_batch: DEFAULT_JANITOR_BATCH,
+            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &str, why: String| Err(Error::config(format!("invalid relay config: {field} {why}")));
+        if self.workers == 0 || self.workers > MAX_WORKERS {
+            return bad("workers", format!("is {}; it must be 1 to {MAX_WORKERS}", self.workers));
+        }
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return bad("batch_size", format!("is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size));
+        }
+        if self.poll_interval < Duration::from_millis(1) {
+            return bad("poll_interval", format!("is {:?}; it must be at least 1ms", self.poll_interval));
+        }
+        if self.lease < MIN_LEASE {
+            return bad("lease", format!("is {:?}; it must be at least {MIN_LEASE:?}", self.lease));
+        }
+        if self.max_attempts == 0 {
+            return bad("max_attempts", "is 0; it must be at least 1".into());
+        }
+        if self.backoff_base.is_zero() {
+            return bad("backoff_base", "is 0; it must be positive".into());
+        }
+        if self.backoff_max < self.backoff_base {
+            return bad(
+                "backoff_max",
+                format!("({:?}) is shorter than backoff_base ({:?})", self.backoff_max, self.backoff_base),
+            );
+        }
+        if !(0.0..=1.0).contains(&self.backoff_jitter) {
+            return bad("backoff_jitter", format!("is {}; it must be between 0 and 1", self.backoff_jitter));
+        }
+        if self.janitor_batch == 0 {
+            return bad("janitor_batch", "is 0; it must be at least 1".into());
+        }
+        if self.reconnect_max < Duration::from_millis(10) {
+            return bad("reconnect_max", format!("is {:?}; it must be at least 10ms", self.reconnect_max));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid() {
+        RelayConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (RelayConfig { workers: 0, ..Default::default() }, "workers is 0"),
+            (RelayConfig { batch_size: 0, ..Default::default() }, "batch_size is 0"),
+            (RelayConfig { lease: Duration::from_millis(1), ..Default::default() }, "lease is 1ms"),
+            (RelayConfig { max_attempts: 0, ..Default::default() }, "max_attempts"),
+            (RelayConfig { backoff_max: Duration::from_millis(1), ..Default::default() }, "backoff_max"),
+            (RelayConfig { backoff_jitter: 1.5, ..Default::default() }, "backoff_jitter is 1.5"),
+            (RelayConfig { poll_interval: Duration::ZERO, ..Default::default() }, "poll_interval"),
+        ];
+        for (config, needle) in cases {
+            let err = config.validate().unwrap_err();
+            assert!(err.to_string().contains(needle), "{err} should contain {needle}");
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! A delivery worker: claim a batch, deliver it with no transaction open, record the outcomes.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use tokio::time::Instant;
+use tokio_postgres::types::ToSql;
+
+use super::backoff::retry_delay;
+use super::config::Completion;
+use super::{Handler, Shared};
+use crate::admin::micros;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::sql;
+
+/// Longest pause after a failed claim (the database is down or restarting).
+const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
+
+pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize) {
+    let span = tracing::debug_span!("worker", n);
+    let mut failures: u32 = 0;
+    loop {
+        tokio::select! {
+            biased;
+            _ = shared.stop.cancelled() => return,
+            _ = shared.work.notified() => {}
+        }
+        // Claim until a claim comes back short: then the queue is drained, for now.
+        while !shared.stop.is_cancelled() {
+            match claim_and_deliver(&shared).await {
+                Ok(claimed) if claimed == shared.config.batch_size => {
+                    failures = 0;
+                    // More may be waiting: let an idle worker help while this one claims again.
+                    shared.work.notify_one();
+                }
+                Ok(_) => {
+                    failures = 0;
+                    break;
+                }
+                Err(e) => {
+                    failures += 1;
+                    let pause = retry_delay(failures, Duration::from_millis(50), ERROR_PAUSE_MAX, 0.5, rand::random());
+                    let _entered = span.enter();
+                    tracing::warn!(error = %e, retry_in = ?pause, "claiming events failed");
+                    drop(_entered);
+                    tokio::select! {
+                        _ = shared.stop.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What became of each claimed event.
+#[derive(Default)]
+struct Outcomes {
+    delivered: Vec<i64>,
+    latencies: Vec<Duration>,
+    retry_ids: Vec<i64>,
+    retry_delays_us: Vec<i64>,
+    retry_errors: Vec<String>,
+    bury_ids: Vec<i64>,
+    bury_errors: Vec<String>,
+    released: Vec<i64>,
+}
+
+/// Claims one batch and delivers it; returns how many events were claimed.
+async fn claim_and_deliver<H: Handler>(shared: &Shared<H>) -> Result<usize> {
+    let config = &shared.config;
+    let token: i64 = rand::random();
+    let batch = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
+    let claimed = {
+        let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+        let statement = client.prepare_cached(sql::EVENT_CLAIM).await.map_err(|e| Error::database("preparing", e))?;
+        let claimed = client
+            .query(&statement, &[&batch, &micros(config.lease), &token])
+            .await
+            .map_err(|e| Error::database("claiming events", e))?;
+        shared.metrics.claimed();
+        if claimed.is_empty() {
+            // Woken for nothing deliverable yet: maybe a delayed event or a retry, written by any
+            // process. Sleep until the earliest one rather than up to a poll interval past it.
+            let row = client
+                .query_one(sql::EVENT_NEXT_AVAILABLE, &[])
+                .await
+                .map_err(|e| Error::database("reading the next due event", e))?;
+            if let Some(us) = row.get::<_, Option<i64>>(0).filter(|us| *us > 0) {
+                shared.timer.schedule(Instant::now() + Duration::from_micros(us as u64));
+            }
+            return Ok(0);
+        }
+        claimed
+    };
+    let claimed_at = Instant::now();
+    let count = claimed.len();
+    let mut events: Vec<(Event, Duration)> = claimed
+        .iter()
+        .map(|row| {
+            let event = Event {
+                id: row.get(0),
+                topic: row.get(1),
+                key: row.get(2),
+                payload: row.get(3),
+                created_at: row.get(4),
+                attempts: row.get(5),
+            };
+            let age = Duration::from_micros(row.get::<_, i64>(6).max(0) as u64);
+            (event, age)
+        })
+        .collect();
+    events.sort_unstable_by_key(|(event, _)| event.id);
+    tracing::debug!(count, "claimed events");
+
+    // Deliveries must end well inside the lease, or another worker may claim the same events.
+    let deadline = claimed_at + config.lease.mul_f64(0.9);
+    let mut outcomes = Outcomes::default();
+    for (i, (event, age)) in events.iter().enumerate() {
+        if shared.abort.is_cancelled() || Instant::now() >= deadline {
+            outcomes.released.extend(events[i..].iter().map(|(e, _)| e.id));
+            break;
+        }
+        let delivery = AssertUnwindSafe(shared.handler.handle(event)).catch_unwind();
+        let result = tokio::select! {
+            result = delivery => match result {
+                Ok(result) => result,
+                Err(panic) => Err(super::DeliveryError::transient(format!("handler panicked: {}", panic_message(&panic)))),
+            },
+            _ = tokio::time::sleep_until(deadline) => {
+                Err(super::DeliveryError::transient(format!("delivery did not finish within 90% of the {:?} lease", config.lease)))
+            }
+            _ = shared.abort.cancelled() => {
+                outcomes.released.extend(events[i..].iter().map(|(e, _)| e.id));
+                break;
+            }
+        };
+        match result {
+            Ok(()) => {
+                outcomes.delivered.push(event.id);
+                outcomes.latencies.push(*age + claimed_at.elapsed());
+            }
+            Err(e) if e.is_permanent() => {
+                outcomes.bury_ids.push(event.id);
+                outcomes.bury_errors.push(e.message().to_string());
+            }
+            Err(e) if event.attempts >= i32::try_from(config.max_attempts).unwrap_or(i32::MAX) => {
+                outcomes.bury_ids.push(event.id);
+                outcomes.bury_errors.push(format!("gave up after {} attempts: {}", event.attempts, e.message()));
+            }
+            Err(e) => {
+                let attempt = u32::try_from(event.attempts).unwrap_or(1);
+                let delay = retry_delay(
+                    attempt,
+                    config.backoff_base,
+                    config.backoff_max,
+                    config.backoff_jitter,
+                    rand::random(),
+                );
+                shared.timer.schedule(Instant::now() + delay);
+                outcomes.retry_ids.push(event.id);
+                outcomes.retry_delays_us.push(micros(delay));
+                outcomes.retry_errors.push(e.message().to_string());
+            }
+        }
+    }
+    record(shared, token, outcomes).await;
+    Ok(count)
+}
+
+/// Writes the outcomes of one batch. Each statement only touches rows still holding this
+/// claim's token. A failure here is retried a few times and then left to the lease: the events
+/// come back and are delivered again, which at-least-once delivery allows.
+async fn record<H: Handler>(shared: &Shared<H>, token: i64, outcomes: Outcomes) {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match write_outcomes(shared, token, &outcomes).await {
+            Ok(()) => break,
+            Err(e) if tries < 4 => {
+                tracing::warn!(error = %e, "recording delivery outcomes failed; trying again");
+                tokio::time::sleep(Duration::from_millis(100 * tries)).await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, events = outcomes.delivered.len(), "recording delivery outcomes failed; the events will be delivered again after their lease");
+                return;
+            }
+        }
+    }
+    shared.metrics.delivered(outcomes.latencies.into_iter());
+    shared.metrics.retried(outcomes.retry_ids.len());
+    shared.metrics.dead_lettered(outcomes.bury_ids.len());
+    if !outcomes.bury_ids.is_empty() {
+        tracing::warn!(ids = ?outcomes.bury_ids, errors = ?outcomes.bury_errors, "events moved to the dead letters");
+    }
+}
+
+async fn write_outcomes<H: Handler>(shared: &Shared<H>, token: i64, o: &Outcomes) -> Result<()> {
+    let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+    let complete = match shared.config.completion {
+        Completion::MarkProcessed => sql::EVENT_MARK_PROCESSED,
+        Completion::Delete => sql::EVENT_DELETE_PROCESSED,
+    };
+    let mut statements: Vec<(&str, Vec<&(dyn ToSql + Sync)>)> = Vec::new();
+    if !o.delivered.is_empty() {
+        statements.push((complete, vec![&o.delivered, &token]));
+    }
+    if !o.retry_ids.is_empty() {
+        statements.push((sql::EVENT_RESCHEDULE, vec![&o.retry_ids, &o.retry_delays_us, &o.retry_errors, &token]));
+    }
+    if !o.bury_ids.is_empty() {
+        statements.push((sql::EVENT_BURY, vec![&o.bury_ids, &o.bury_errors, &token]));
+    }
+    if !o.released.is_empty() {
+        statements.push((sql::EVENT_RELEASE, vec![&o.released, &token]));
+    }
+    // Independent statements on one connection are pipelined: one round trip for all of them.
+    let runs = statements.iter().map(|(sql, params)| {
+        let client = &client;
+        async move {
+            let statement = client.prepare_cached(sql).await?;
+            client.execute(&statement, params).await
+        }
+    });
+    for result in futures::future::join_all(runs).await {
+        result.map_err(|e| Error::database("recording delivery outcomes", e))?;
+    }
+    Ok(())
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".to_string())
+}

@@ -1,0 +1,480 @@
+//! The relay: wake-ups, claims, outcomes, crashes and shutdown, against a real PostgreSQL.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use outbox_relay::{Completion, DeliveryError, Event, NewEvent, RelayConfig, handler_fn};
+use serde_json::json;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, Deliveries, config, eventually, listener_pid, listener_ready, recorder};
+
+async fn publish_sql(client: &tokio_postgres::Client, n: i32) -> i64 {
+    client
+        .query_one("select outbox_relay.publish('test.event', jsonb_build_object('n', $1::int))", &[&n])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_events_two_relays_each_delivered_exactly_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'bulk', jsonb_build_object('n', g) from generate_series(1, 10000) g",
+        )
+        .await
+        .unwrap();
+    let (handler, mut deliveries) = recorder();
+    let cfg = RelayConfig { workers: 4, ..config() };
+    let a = support::start(&db.outbox, cfg.clone(), handler.labelled("a"));
+    let b = support::start(&db.outbox, cfg, handler.labelled("b"));
+    let delivered = deliveries.take(10_000).await;
+    a.stop().await;
+    b.stop().await;
+
+    let counts = deliveries.counts();
+    assert_eq!(counts.len(), 10_000);
+    assert!(counts.values().all(|n| *n == 1), "no event twice");
+    assert!(deliveries.is_empty());
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
+    let by_a = delivered.iter().filter(|d| d.by == "a").count();
+    eprintln!("relay a delivered {by_a}, relay b {}", 10_000 - by_a);
+}
+
+#[tokio::test]
+async fn notify_wakes_the_relay_without_polling() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    let writer = db.client().await;
+    listener_ready(&writer).await;
+    // The poll interval is an hour: each of these arrives through NOTIFY (the first may also be
+    // picked up by the start-up catch-up claim; the later ones cannot).
+    for n in 0..3 {
+        let id = publish_sql(&writer, n).await;
+        assert_eq!(deliveries.next().await.event.id, id);
+    }
+    assert!(relay.snapshot().wakeups >= 2, "{:?}", relay.snapshot());
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_writer_in_the_same_process_wakes_the_relay_directly() {
+    let db = TestDb::new().await;
+    // Without the trigger, no NOTIFY is sent: only the in-process wake can deliver.
+    db.client().await.batch_execute("drop trigger outbox_notify_relay on outbox_relay.outbox").await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    listener_ready(&db.client().await).await;
+    for n in 0..3 {
+        let id = db.outbox.publish(&NewEvent::new("inproc", json!({"n": n}))).await.unwrap();
+        assert_eq!(deliveries.next().await.event.id, id);
+    }
+    // and through execute()
+    let executed = db
+        .outbox
+        .execute("key-1", &json!({}), |work| {
+            Box::pin(async move { work.publish(&NewEvent::new("inproc", json!({}))).await })
+        })
+        .await
+        .unwrap();
+    assert_eq!(deliveries.next().await.event.id, executed.response);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn after_the_listener_is_killed_it_catches_up_and_listens_again() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay =
+        support::start(&db.outbox, RelayConfig { reconnect_max: Duration::from_millis(200), ..config() }, handler);
+    let admin = db.client().await;
+    listener_ready(&admin).await;
+    let pid = listener_pid(&admin).await.unwrap();
+    admin.execute("select pg_terminate_backend($1)", &[&pid]).await.unwrap();
+    // Committed while the listener is down: their notifications reach nobody.
+    let during: Vec<i64> = {
+        let mut ids = Vec::new();
+        for n in 0..5 {
+            ids.push(publish_sql(&admin, n).await);
+        }
+        ids
+    };
+    let mut got: Vec<i64> = deliveries.take(5).await.iter().map(|d| d.event.id).collect();
+    got.sort_unstable();
+    assert_eq!(got, during);
+    eventually("a new listener", || async { listener_pid(&admin).await.is_some_and(|p| p != pid) }).await;
+    assert!(relay.snapshot().reconnects >= 1);
+    // and NOTIFY works again on the new connection
+    let id = publish_sql(&admin, 99).await;
+    assert_eq!(deliveries.next().await.event.id, id);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    // A handler that never finishes, as if its process froze mid-batch.
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
+    let stuck = handler_fn(move |event: Event| {
+        let started_tx = started_tx.clone();
+        async move {
+            started_tx.send(event.id).ok();
+            futures::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let lease = Duration::from_millis(500);
+    let crashed = support::start(&db.outbox, RelayConfig { workers: 1, batch_size: 10, lease, ..config() }, stuck);
+    let ids: Vec<i64> =
+        db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    started.recv().await.unwrap();
+    crashed.crash().await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 5);
+
+    let (handler, mut deliveries) = recorder();
+    let rescuer =
+        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
+    let mut got: Vec<Event> = deliveries.take(5).await.into_iter().map(|d| d.event).collect();
+    got.sort_by_key(|e| e.id);
+    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    assert!(got.iter().all(|e| e.attempts == 2), "the crashed claim counts as an attempt: {got:?}");
+    rescuer.stop().await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+}
+
+#[tokio::test]
+async fn a_transient_failure_is_recorded_and_rescheduled_within_the_backoff_bounds() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (failed_tx, mut failed) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let failing = handler_fn(move |_event: Event| {
+        let failed_tx = failed_tx.clone();
+        async move {
+            failed_tx.send(()).ok();
+            Err(DeliveryError::transient("the ERP is down"))
+        }
+    });
+    let hour = Duration::from_secs(3600);
+    let cfg = RelayConfig { backoff_base: hour, backoff_max: 2 * hour, backoff_jitter: 0.5, ..config() };
+    let relay = support::start(&db.outbox, cfg, failing);
+    let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
+    failed.recv().await.unwrap();
+    eventually("the failure to be recorded", || async {
+        count(&client, "select count(*) from outbox_relay.outbox where last_error is not null").await == 1
+    })
+    .await;
+    relay.stop().await;
+    let row = client
+        .query_one(
+            "select attempts, last_error, lease_token is null,
+                    available_at - now() between interval '29 minutes' and interval '60 minutes'
+               from outbox_relay.outbox where id = $1",
+            &[&id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 1);
+    assert_eq!(row.get::<_, String>(1), "the ERP is down");
+    assert!(row.get::<_, bool>(2));
+    assert!(row.get::<_, bool>(3), "first retry between base * (1 - jitter) and base from now");
+}
+
+#[tokio::test]
+async fn a_failing_sink_is_retried_until_it_recovers() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let flaky = {
+        let calls = calls.clone();
+        handler_fn(move |event: Event| {
+            let handler = handler.clone();
+            let calls = calls.clone();
+            async move {
+                if calls.fetch_add(1, Ordering::SeqCst) < 2 {
+                    return Err(DeliveryError::transient("503 from the sink"));
+                }
+                outbox_relay::Handler::handle(&handler, &event).await
+            }
+        })
+    };
+    let relay = support::start(&db.outbox, config(), flaky);
+    let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
+    let delivered = deliveries.next().await.event;
+    assert_eq!(delivered.id, id);
+    assert_eq!(delivered.attempts, 3);
+    assert_eq!(relay.snapshot().retried, 2);
+    relay.stop().await;
+    let row = db
+        .client()
+        .await
+        .query_one("select processed_at is not null, last_error from outbox_relay.outbox where id = $1", &[&id])
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0));
+    assert_eq!(row.get::<_, Option<String>>(1), None);
+}
+
+#[tokio::test]
+async fn permanent_failures_and_exhausted_attempts_go_to_the_dead_letters_and_can_be_retried() {
+    let db = TestDb::new().await;
+    let healthy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (handler, mut deliveries) = recorder();
+    let sink = {
+        let healthy = healthy.clone();
+        handler_fn(move |event: Event| {
+            let handler = handler.clone();
+            let healthy = healthy.clone();
+            async move {
+                if healthy.load(Ordering::SeqCst) {
+                    return outbox_relay::Handler::handle(&handler, &event).await;
+                }
+                match event.topic.as_str() {
+                    "bad" => Err(DeliveryError::permanent("400: malformed order")),
+                    _ => Err(DeliveryError::transient("timeout")),
+                }
+            }
+        })
+    };
+    let relay = support::start(&db.outbox, RelayConfig { max_attempts: 3, ..config() }, sink);
+    let bad = db.outbox.publish(&NewEvent::new("bad", json!({"x": 1}))).await.unwrap();
+    let slow = db.outbox.publish(&NewEvent::new("slow", json!({"y": 2}))).await.unwrap();
+    eventually("both events dead-lettered", || async { db.outbox.queue_stats().await.unwrap().dead_letters == 2 })
+        .await;
+
+    let dead = db.outbox.dead_letters(100).await.unwrap();
+    assert_eq!(dead.iter().map(|d| d.id).collect::<Vec<_>>(), vec![bad, slow]);
+    assert_eq!((dead[0].attempts, dead[0].last_error.as_str()), (1, "400: malformed order"));
+    assert_eq!(dead[1].attempts, 3);
+    assert_eq!(dead[1].last_error, "gave up after 3 attempts: timeout");
+    assert_eq!(dead[0].payload, json!({"x": 1}));
+    assert_eq!(relay.snapshot().dead_lettered, 2);
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.delayed, stats.in_flight), (0, 0, 0));
+
+    healthy.store(true, Ordering::SeqCst);
+    assert_eq!(db.outbox.retry_dead_letters(&[slow]).await.unwrap(), vec![slow]);
+    let again = deliveries.next().await.event;
+    assert_eq!((again.id, again.attempts, again.topic.as_str()), (slow, 1, "slow"), "same id, attempts reset");
+    assert_eq!(db.outbox.retry_all_dead_letters().await.unwrap(), vec![bad]);
+    assert_eq!(deliveries.next().await.event.id, bad);
+    assert!(db.outbox.dead_letters(100).await.unwrap().is_empty());
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn purge_removes_dead_letters_by_age() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at)
+             values (1, 'a', '{}', now(), 3, 'x', now() - interval '2 days'), (2, 'b', '{}', now(), 3, 'x', now())",
+        )
+        .await
+        .unwrap();
+    assert_eq!(db.outbox.purge_dead_letters(Duration::from_secs(86400)).await.unwrap(), 1);
+    assert_eq!(db.outbox.dead_letters(10).await.unwrap().iter().map(|d| d.id).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(db.outbox.purge_dead_letters(Duration::ZERO).await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_is_a_failure_not_a_dead_relay() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let sink = handler_fn(move |event: Event| {
+        let handler = handler.clone();
+        async move {
+            if event.topic == "boom" && event.attempts == 1 {
+                panic!("handler bug");
+            }
+            outbox_relay::Handler::handle(&handler, &event).await
+        }
+    });
+    let relay = support::start(&db.outbox, RelayConfig { workers: 1, ..config() }, sink);
+    let boom = db.outbox.publish(&NewEvent::new("boom", json!({}))).await.unwrap();
+    let fine = db.outbox.publish(&NewEvent::new("fine", json!({}))).await.unwrap();
+    let mut got: Vec<(i64, i32)> = deliveries.take(2).await.iter().map(|d| (d.event.id, d.event.attempts)).collect();
+    got.sort_unstable();
+    assert_eq!(got, vec![(boom, 2), (fine, 1)]);
+    assert_eq!(relay.snapshot().retried, 1);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_delayed_event_is_not_delivered_early_and_is_delivered_after() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    let delay = Duration::from_millis(700);
+    let id = db.outbox.publish(&NewEvent::new("later", json!({})).delay(delay)).await.unwrap();
+    let delivered = deliveries.next().await;
+    assert_eq!(delivered.event.id, id);
+    let available_at: std::time::SystemTime = db
+        .client()
+        .await
+        .query_one("select created_at + interval '700 milliseconds' from outbox_relay.outbox where id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(delivered.at >= available_at, "delivered at {:?}, before {:?}", delivered.at, available_at);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn graceful_shutdown_finishes_in_flight_work_and_leaves_no_lease() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let slow = handler_fn(move |event: Event| {
+        let handler = handler.clone();
+        let started_tx = started_tx.clone();
+        async move {
+            started_tx.send(()).ok();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            outbox_relay::Handler::handle(&handler, &event).await
+        }
+    });
+    let relay = support::start(&db.outbox, RelayConfig { workers: 1, batch_size: 10, ..config() }, slow);
+    db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    started.recv().await.unwrap();
+    relay.stop().await;
+    assert_eq!(deliveries.take(5).await.len(), 5, "the claimed batch was finished");
+    let client = db.client().await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+}
+
+#[tokio::test]
+async fn deliveries_past_the_grace_period_are_cut_off_and_their_events_released() {
+    let db = TestDb::new().await;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let stuck = handler_fn(move |_event: Event| {
+        let started_tx = started_tx.clone();
+        async move {
+            started_tx.send(()).ok();
+            futures::future::pending::<()>().await;
+            Ok(())
+        }
+    });
+    let cfg = RelayConfig { workers: 1, shutdown_grace: Duration::from_millis(100), ..config() };
+    let relay = support::start(&db.outbox, cfg, stuck);
+    db.outbox.publish_all(&(0..3).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    started.recv().await.unwrap();
+    relay.stop().await;
+    let client = db.client().await;
+    let row = client
+        .query_one(
+            "select count(*) filter (where lease_token is null and available_at <= now() and attempts = 0), count(*)
+               from outbox_relay.outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (3, 3), "all released, claimable at once");
+}
+
+#[tokio::test]
+async fn a_stale_worker_does_not_overwrite_a_newer_claim() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let handler = handler_fn(move |event: Event| {
+        let started_tx = started_tx.clone();
+        let mut go = go_rx.clone();
+        async move {
+            started_tx.send(event.id).ok();
+            go.wait_for(|go| *go).await.ok();
+            Ok(())
+        }
+    });
+    let relay = support::start(&db.outbox, RelayConfig { workers: 1, ..config() }, handler);
+    let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
+    assert_eq!(started.recv().await.unwrap(), id);
+    // Meanwhile another worker claimed the event (its lease had ended): a new token.
+    client
+        .execute("update outbox_relay.outbox set lease_token = 42, attempts = 2 where id = $1", &[&id])
+        .await
+        .unwrap();
+    go_tx.send(true).unwrap();
+    relay.stop().await;
+    let row = client
+        .query_one("select processed_at is null, lease_token, attempts from outbox_relay.outbox where id = $1", &[&id])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, bool>(0), row.get::<_, Option<i64>>(1), row.get::<_, i32>(2)), (true, Some(42), 2));
+}
+
+#[tokio::test]
+async fn delete_completion_removes_delivered_rows() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, handler);
+    db.outbox.publish_all(&(0..10).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    deliveries.take(10).await;
+    relay.stop().await;
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 0);
+}
+
+#[tokio::test]
+async fn the_janitor_removes_old_processed_events_and_receipts_in_batches() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload, processed_at)
+                 select 'old', '{}', now() - interval '8 days' from generate_series(1, 25);
+             insert into outbox_relay.outbox (topic, payload, processed_at) values ('recent', '{}', now());
+             insert into outbox_relay.outbox (topic, payload, created_at) values ('pending', '{}', now() - interval '30 days');
+             insert into outbox_relay.idempotency (key, fingerprint, response, created_at)
+                 select 'k' || g, '\\x00', '{}', now() - interval '8 days' from generate_series(1, 7) g;
+             insert into outbox_relay.idempotency (key, fingerprint, response) values ('fresh', '\\x00', '{}');",
+        )
+        .await
+        .unwrap();
+    let day = Duration::from_secs(86400);
+    let report = db.outbox.cleanup(7 * day, 7 * day, 10).await.unwrap();
+    assert_eq!((report.events, report.receipts), (25, 7));
+    let client = db.client().await;
+    let left: Vec<String> = client
+        .query("select topic from outbox_relay.outbox order by topic", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, vec!["pending", "recent"], "pending events are never cleaned, whatever their age");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.idempotency").await, 1);
+}
+
+#[tokio::test]
+async fn metrics_count_deliveries_and_latency() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    db.outbox.publish_all(&(0..20).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    deliveries.take(20).await;
+    eventually("metrics", || async { relay.snapshot().delivered == 20 }).await;
+    let m = relay.snapshot();
+    assert!(m.latency_p50.is_some() && m.latency_p99 >= m.latency_p50, "{m:?}");
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn an_invalid_config_is_refused_naming_the_field() {
+    let db = TestDb::new().await;
+    let (handler, _deliveries): (_, Deliveries) = recorder();
+    let err = outbox_relay::Relay::new(&db.outbox, RelayConfig { workers: 0, ..config() }, handler).err().unwrap();
+    assert!(err.to_string().contains("workers is 0"), "{err}");
+}

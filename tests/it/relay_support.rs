@@ -1,0 +1,166 @@
+//! Test handlers and a relay that runs in the background until stopped.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use outbox_relay::{DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics};
+use tokio::sync::{mpsc, oneshot};
+
+/// A handler that records every delivery and sends it down a channel the test awaits.
+#[derive(Clone)]
+pub struct Recorder {
+    seen: Arc<Mutex<HashMap<i64, usize>>>,
+    tx: mpsc::UnboundedSender<Delivered>,
+    label: &'static str,
+}
+
+/// One delivery as the recorder saw it.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    pub event: Event,
+    pub at: SystemTime,
+    pub by: &'static str,
+}
+
+pub struct Deliveries {
+    rx: mpsc::UnboundedReceiver<Delivered>,
+    seen: Arc<Mutex<HashMap<i64, usize>>>,
+}
+
+pub fn recorder() -> (Recorder, Deliveries) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let seen = Arc::new(Mutex::new(HashMap::new()));
+    (Recorder { seen: seen.clone(), tx, label: "relay" }, Deliveries { rx, seen })
+}
+
+impl Recorder {
+    /// The same recorder, marking deliveries with another label.
+    pub fn labelled(&self, label: &'static str) -> Recorder {
+        Recorder { label, ..self.clone() }
+    }
+}
+
+impl Handler for Recorder {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        *self.seen.lock().unwrap().entry(event.id).or_default() += 1;
+        self.tx.send(Delivered { event: event.clone(), at: SystemTime::now(), by: self.label }).ok();
+        Ok(())
+    }
+}
+
+/// Waits at most this long for something that should happen at once; only a hang makes it fail.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+impl Deliveries {
+    /// The next delivery; fails the test if none comes within [`PATIENCE`].
+    pub async fn next(&mut self) -> Delivered {
+        tokio::time::timeout(PATIENCE, self.rx.recv())
+            .await
+            .expect("no delivery within the patience limit")
+            .expect("recorder dropped")
+    }
+
+    /// The next `n` deliveries.
+    pub async fn take(&mut self, n: usize) -> Vec<Delivered> {
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(self.next().await);
+        }
+        out
+    }
+
+    /// How often each event id was delivered so far.
+    pub fn counts(&self) -> HashMap<i64, usize> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// True when nothing more is queued right now.
+    pub fn is_empty(&mut self) -> bool {
+        self.rx.try_recv().is_err()
+    }
+}
+
+/// A relay running in a background task.
+pub struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
+    pub metrics: Arc<RelayMetrics>,
+}
+
+pub fn start<H: Handler>(outbox: &Outbox, config: RelayConfig, handler: H) -> Running {
+    let relay = Relay::new(outbox, config, handler).expect("valid relay config");
+    let metrics = relay.metrics();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run(async move {
+        stopped.await.ok();
+    }));
+    Running { stop: Some(stop), task, metrics }
+}
+
+impl Running {
+    /// Signals shutdown and waits for `run` to return.
+    pub async fn stop(mut self) {
+        self.stop.take().unwrap().send(()).ok();
+        tokio::time::timeout(PATIENCE, &mut self.task)
+            .await
+            .expect("relay did not stop")
+            .expect("relay task panicked")
+            .expect("relay returned an error");
+    }
+
+    /// Kills the relay as a crash would: its tasks are dropped mid-flight, nothing is recorded.
+    pub async fn crash(self) {
+        self.task.abort();
+        let _ = self.task.await;
+    }
+
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        self.metrics.snapshot()
+    }
+}
+
+/// A config for tests: quick retries, no janitor, a fallback poll that never fires by default so
+/// that a delivery proves the wake-up path.
+pub fn config() -> RelayConfig {
+    RelayConfig {
+        poll_interval: Duration::from_secs(3600),
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(200),
+        janitor_interval: Duration::ZERO,
+        ..RelayConfig::default()
+    }
+}
+
+/// Polls `check` until it is true; for database state that no event announces.
+pub async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !check().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until the relay's listener connection has issued LISTEN.
+pub async fn listener_ready(client: &tokio_postgres::Client) {
+    eventually("the relay's listener", || async { listener_pid(client).await.is_some() }).await;
+}
+
+/// The backend pid of the relay's listener connection.
+pub async fn listener_pid(client: &tokio_postgres::Client) -> Option<i32> {
+    client
+        .query_opt(
+            "select pid from pg_stat_activity
+              where datname = current_database() and query = 'listen outbox_relay' and pid <> pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
