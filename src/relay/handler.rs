@@ -64,6 +64,13 @@ impl std::error::Error for DeliveryError {}
 pub trait Handler: Send + Sync + 'static {
     /// Delivers `event`.
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), DeliveryError>> + Send;
+
+    /// Called after each batch, before its deliveries are recorded: a handler that buffers
+    /// (a file, a socket) makes what it accepted durable here. An error turns every delivery of
+    /// the batch into a transient failure. Defaults to doing nothing.
+    fn flush(&self) -> impl Future<Output = Result<(), DeliveryError>> + Send {
+        std::future::ready(Ok(()))
+    }
 }
 
 /// A handler made from an async closure that takes the event by value.
@@ -100,5 +107,9 @@ where
 impl<H: Handler> Handler for std::sync::Arc<H> {
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), DeliveryError>> + Send {
         (**self).handle(event)
+    }
+
+    fn flush(&self) -> impl Future<Output = Result<(), DeliveryError>> + Send {
+        (**self).flush()
     }
 }

@@ -69,6 +69,25 @@ struct Outcomes {
     released: Vec<i64>,
 }
 
+impl Outcomes {
+    /// Records a transient failure: a retry after backoff, or the dead letters after the last
+    /// allowed attempt. Returns the retry delay, if any.
+    fn retry(&mut self, config: &super::RelayConfig, event: &Event, e: &super::DeliveryError) -> Option<Duration> {
+        if event.attempts >= i32::try_from(config.max_attempts).unwrap_or(i32::MAX) {
+            self.bury_ids.push(event.id);
+            self.bury_errors.push(format!("gave up after {} attempts: {}", event.attempts, e.message()));
+            return None;
+        }
+        let attempt = u32::try_from(event.attempts).unwrap_or(1);
+        let delay =
+            retry_delay(attempt, config.backoff_base, config.backoff_max, config.backoff_jitter, rand::random());
+        self.retry_ids.push(event.id);
+        self.retry_delays_us.push(micros(delay));
+        self.retry_errors.push(e.message().to_string());
+        Some(delay)
+    }
+}
+
 /// Claims one batch and delivers it; returns how many events were claimed.
 async fn claim_and_deliver<H: Handler>(shared: &Shared<H>) -> Result<usize> {
     let config = &shared.config;
@@ -147,23 +166,22 @@ async fn claim_and_deliver<H: Handler>(shared: &Shared<H>) -> Result<usize> {
                 outcomes.bury_ids.push(event.id);
                 outcomes.bury_errors.push(e.message().to_string());
             }
-            Err(e) if event.attempts >= i32::try_from(config.max_attempts).unwrap_or(i32::MAX) => {
-                outcomes.bury_ids.push(event.id);
-                outcomes.bury_errors.push(format!("gave up after {} attempts: {}", event.attempts, e.message()));
-            }
             Err(e) => {
-                let attempt = u32::try_from(event.attempts).unwrap_or(1);
-                let delay = retry_delay(
-                    attempt,
-                    config.backoff_base,
-                    config.backoff_max,
-                    config.backoff_jitter,
-                    rand::random(),
-                );
+                if let Some(delay) = outcomes.retry(config, event, &e) {
+                    shared.timer.schedule(Instant::now() + delay);
+                }
+            }
+        }
+    }
+    if !outcomes.delivered.is_empty()
+        && let Err(e) = shared.handler.flush().await
+    {
+        // Nothing the handler accepted in this batch is safe: retry all of it.
+        let delivered = std::mem::take(&mut outcomes.delivered);
+        outcomes.latencies.clear();
+        for (event, _) in events.iter().filter(|(event, _)| delivered.contains(&event.id)) {
+            if let Some(delay) = outcomes.retry(config, event, &e) {
                 shared.timer.schedule(Instant::now() + delay);
-                outcomes.retry_ids.push(event.id);
-                outcomes.retry_delays_us.push(micros(delay));
-                outcomes.retry_errors.push(e.message().to_string());
             }
         }
     }
