@@ -11,7 +11,9 @@ mod migrate;
 mod outbox;
 mod publish;
 mod relay;
+pub mod sink;
 mod sql;
+mod tls;
 mod wake;
 
 pub use admin::{CleanupReport, DeadLetter, QueueStats};

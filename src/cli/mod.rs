@@ -1,16 +1,19 @@
 //! Argument parsing and the commands of the `outbox-relay` binary.
 
-use std::process::ExitCode;
+mod commands;
 
-use clap::{Parser, Subcommand};
-use outbox_relay::{DatabaseUrl, Outbox};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox_relay::defaults;
 
 /// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about, propagate_version = true)]
-struct Cli {
+pub(crate) struct Cli {
     /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db (or set DATABASE_URL).
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, value_name = "URL")]
     database_url: Option<String>,
 
     #[command(subcommand)]
@@ -21,11 +24,162 @@ struct Cli {
 enum Command {
     /// Apply the library's schema migrations (safe to run again, and from several processes at once).
     Migrate,
+    /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
+    Run(RunArgs),
+    /// Show the queue: pending, delayed, in flight, processed, dead letters.
+    Status {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List, retry or purge dead letters.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+    /// Run one pass of the janitor and print what it removed.
+    Cleanup {
+        /// Delete processed events older than this.
+        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+        retention: Duration,
+        /// Delete idempotency receipts older than this.
+        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+        idempotency_retention: Duration,
+    },
 }
 
-/// Parses the arguments, runs the command, and turns its error into one line and exit code 1.
+#[derive(Debug, Subcommand)]
+enum DeadLetterCommand {
+    /// List dead letters, oldest first.
+    List {
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// Put dead letters back into the outbox under their own ids, attempts reset.
+    Retry {
+        /// Retry every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// The ids to retry.
+        #[arg(required_unless_present = "all", value_name = "ID")]
+        ids: Vec<i64>,
+    },
+    /// Delete dead letters.
+    Purge {
+        /// Only those that failed longer ago than this (default: all).
+        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "0s")]
+        older_than: Duration,
+    },
+}
+
+/// What `run` delivers to, and how.
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Where events go: stdout, http://host[:port]/path, https://..., or nats://host:port.
+    #[arg(long, value_name = "SINK")]
+    sink: String,
+    /// Concurrent delivery workers.
+    #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
+    workers: usize,
+    /// Events per claim.
+    #[arg(long, default_value_t = defaults::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
+    batch_size: usize,
+    /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications).
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1s")]
+    poll_interval: Duration,
+    /// Delivery attempts before an event goes to the dead letters.
+    #[arg(long, default_value_t = defaults::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
+    max_attempts: u32,
+    /// First retry delay; doubles per attempt.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1s")]
+    backoff_base: Duration,
+    /// Longest retry delay.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1h")]
+    backoff_max: Duration,
+    /// Delete processed events older than this.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+    retention: Duration,
+    /// Delete idempotency receipts older than this.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+    idempotency_retention: Duration,
+    /// How long a claimed event belongs to its worker before another may take it.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "30s")]
+    lease: Duration,
+    /// Keep delivered events (marked processed) or delete them.
+    #[arg(long, value_enum, default_value_t = CompletionArg::Mark)]
+    completion: CompletionArg,
+    /// Time in-flight deliveries get to finish on shutdown.
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "10s")]
+    shutdown_grace: Duration,
+    /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements).
+    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "10s")]
+    timeout: Duration,
+    /// NATS subject prefix: events go to <PREFIX>.<topic>.
+    #[arg(long, default_value = outbox_relay::sink::DEFAULT_SUBJECT_PREFIX)]
+    subject_prefix: String,
+    /// Create (or reuse) a JetStream stream of this name capturing <PREFIX>.>.
+    #[arg(long, value_name = "NAME")]
+    create_stream: Option<String>,
+    /// Apply pending migrations before starting.
+    #[arg(long)]
+    migrate: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum CompletionArg {
+    /// Keep delivered rows with processed_at until the retention passes.
+    Mark,
+    /// Delete delivered rows at once.
+    Delete,
+}
+
+/// Parses a humantime duration (`500ms`, `30s`, `5m`, `7d`).
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text)
+        .map_err(|e| format!("{e}; expected a number with a unit, e.g. 500ms, 30s, 5m, 2h or 7d"))
+}
+
+fn parse_workers(text: &str) -> Result<usize, String> {
+    parse_count(text, 1, defaults::MAX_WORKERS)
+}
+
+fn parse_batch_size(text: &str) -> Result<usize, String> {
+    parse_count(text, 1, defaults::MAX_BATCH_SIZE)
+}
+
+fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, String> {
+    let n: usize = text.parse().map_err(|_| format!("expected a whole number from {min} to {max}"))?;
+    if (min..=max).contains(&n) { Ok(n) } else { Err(format!("{n} is out of range; expected {min} to {max}")) }
+}
+
+/// A command's failure: printed as one line.
+pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Parses the arguments, runs the command, and turns its error into one line and exit code 1
+/// (2 for bad arguments).
 pub(crate) fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help and --version
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // clap's message, without the usage block, on one line
+            let text = e.to_string();
+            let reason: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("{} (see --help)", reason.join(" "));
+            return ExitCode::from(2);
+        }
+    };
     init_tracing();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
@@ -34,49 +188,28 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            eprintln!("error: {}", one_line(&e.to_string()));
             ExitCode::FAILURE
         }
     }
+}
+
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `info` by default (PostgreSQL's
 /// notices only from `warn`).
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
-}
-
-/// A command's failure: printed as one line.
-type CliError = Box<dyn std::error::Error + Send + Sync>;
-
-async fn run(cli: Cli) -> Result<(), CliError> {
-    match cli.command {
-        Command::Migrate => migrate(&require_url(cli.database_url)?).await,
-    }
-}
-
-fn require_url(url: Option<String>) -> Result<DatabaseUrl, CliError> {
-    match url.filter(|u| !u.is_empty()) {
-        Some(url) => Ok(DatabaseUrl::parse(&url)?),
-        None => Err("no database given: pass --database-url URL or set DATABASE_URL".into()),
-    }
-}
-
-async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
-    let outbox = Outbox::connect_with(url.clone(), 1).await?;
-    let report = outbox.migrate().await?;
-    for (version, name) in &report.applied {
-        println!("applied {version:04}_{name}");
-    }
-    if report.applied.is_empty() {
-        println!("nothing to apply: {} migrations already applied to {url}", report.already_applied);
-    } else {
-        println!("{} applied, {} already in place, on {url}", report.applied.len(), report.already_applied);
-    }
-    Ok(())
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn,async_nats=warn"));
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 }

@@ -1,5 +1,6 @@
 //! Integration tests against a real PostgreSQL: see `harness` for where the server comes from.
 
+mod cli;
 mod harness;
 mod migrations;
 mod relay;

@@ -1,0 +1,182 @@
+//! The body of each command.
+
+use outbox_relay::sink::{Sink, SinkOptions};
+use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
+
+use super::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs};
+
+pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Migrate => migrate(&require_url(cli.database_url)?).await,
+        Command::Run(args) => run_relay(&require_url(cli.database_url)?, args).await,
+        Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
+        Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
+        Command::Cleanup { retention, idempotency_retention } => {
+            let outbox = connect(&require_url(cli.database_url)?).await?;
+            let report =
+                outbox.cleanup(retention, idempotency_retention, outbox_relay::defaults::DEFAULT_JANITOR_BATCH).await?;
+            println!(
+                "removed {} processed events older than {} and {} idempotency receipts older than {}",
+                report.events,
+                humantime::format_duration(retention),
+                report.receipts,
+                humantime::format_duration(idempotency_retention)
+            );
+            Ok(())
+        }
+    }
+}
+
+fn require_url(url: Option<String>) -> Result<DatabaseUrl, CliError> {
+    match url.filter(|u| !u.is_empty()) {
+        Some(url) => Ok(DatabaseUrl::parse(&url)?),
+        None => Err("no database given: pass --database-url URL or set DATABASE_URL".into()),
+    }
+}
+
+async fn connect(url: &DatabaseUrl) -> Result<Outbox, CliError> {
+    let outbox = Outbox::connect_with(url.clone(), 4).await?;
+    let client = outbox.client().await?;
+    let present: bool = client.query_one("select to_regclass('outbox_relay.outbox') is not null", &[]).await?.get(0);
+    if !present {
+        return Err(format!("the outbox schema is missing in {url}: run `outbox-relay migrate` first").into());
+    }
+    Ok(outbox)
+}
+
+async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
+    let outbox = Outbox::connect_with(url.clone(), 1).await?;
+    let report = outbox.migrate().await?;
+    for (version, name) in &report.applied {
+        println!("applied {version:04}_{name}");
+    }
+    if report.applied.is_empty() {
+        println!("nothing to apply: {} migrations already applied to {url}", report.already_applied);
+    } else {
+        println!("{} applied, {} already in place, on {url}", report.applied.len(), report.already_applied);
+    }
+    Ok(())
+}
+
+async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
+    let config = RelayConfig {
+        workers: args.workers,
+        batch_size: args.batch_size,
+        poll_interval: args.poll_interval,
+        lease: args.lease,
+        max_attempts: args.max_attempts,
+        backoff_base: args.backoff_base,
+        backoff_max: args.backoff_max,
+        completion: match args.completion {
+            CompletionArg::Mark => Completion::MarkProcessed,
+            CompletionArg::Delete => Completion::Delete,
+        },
+        retention: args.retention,
+        idempotency_retention: args.idempotency_retention,
+        shutdown_grace: args.shutdown_grace,
+        ..RelayConfig::default()
+    };
+    config.validate()?;
+    let options =
+        SinkOptions { timeout: args.timeout, subject_prefix: args.subject_prefix, create_stream: args.create_stream };
+    // The sink first: a bad spec is refused before anything touches the database.
+    let sink = Sink::connect(&args.sink, &options).await?;
+    let outbox = if args.migrate {
+        let outbox = Outbox::connect_with(url.clone(), config.workers + 2).await?;
+        outbox.migrate().await?;
+        outbox
+    } else {
+        connect(url).await?
+    };
+    let relay = Relay::new(&outbox, config, sink)?;
+    tracing::info!(sink = %args.sink, "delivering; stop with SIGINT or SIGTERM");
+    relay.run(shutdown_signal()).await?;
+    Ok(())
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut interrupt), Ok(mut terminate)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
+    else {
+        tracing::error!("cannot install signal handlers; stopping");
+        return;
+    };
+    tokio::select! {
+        _ = interrupt.recv() => tracing::info!("SIGINT received"),
+        _ = terminate.recv() => tracing::info!("SIGTERM received"),
+    }
+}
+
+async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
+    let stats = connect(url).await?.queue_stats().await?;
+    if json {
+        println!("{}", serde_json::to_string(&stats)?);
+        return Ok(());
+    }
+    let age = stats
+        .oldest_pending_age_ms
+        .map(|ms| humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)).to_string())
+        .unwrap_or_else(|| "-".into());
+    println!("pending (ready)           {}", stats.pending);
+    println!("pending (delayed)         {}", stats.delayed);
+    println!("in flight                 {}", stats.in_flight);
+    println!("processed (kept)          {}", stats.processed);
+    println!("dead letters              {}", stats.dead_letters);
+    println!("oldest pending            {age}");
+    println!("highest attempts          {}", stats.max_attempts);
+    println!("notification queue usage  {:.6}", stats.notification_queue_usage);
+    Ok(())
+}
+
+async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(), CliError> {
+    let outbox = connect(url).await?;
+    match command {
+        DeadLetterCommand::List { json, limit } => {
+            let letters = outbox.dead_letters(limit).await?;
+            if json {
+                println!("{}", serde_json::to_string(&letters)?);
+                return Ok(());
+            }
+            if letters.is_empty() {
+                println!("no dead letters");
+                return Ok(());
+            }
+            println!("{:>10}  {:<24}  {:>8}  {:<27}  last error", "id", "topic", "attempts", "failed at");
+            for d in &letters {
+                let failed = humantime::format_rfc3339_seconds(d.failed_at).to_string();
+                println!(
+                    "{:>10}  {:<24}  {:>8}  {:<27}  {}",
+                    d.id,
+                    d.topic,
+                    d.attempts,
+                    failed,
+                    super::one_line(&d.last_error)
+                );
+            }
+        }
+        DeadLetterCommand::Retry { all, ids } => {
+            let revived =
+                if all { outbox.retry_all_dead_letters().await? } else { outbox.retry_dead_letters(&ids).await? };
+            println!("retried {} dead letters{}", revived.len(), list_ids(&revived));
+            let missing: Vec<i64> = ids.iter().copied().filter(|id| !revived.contains(id)).collect();
+            if !missing.is_empty() {
+                return Err(format!("no dead letter with id{}", list_ids(&missing)).into());
+            }
+        }
+        DeadLetterCommand::Purge { older_than } => {
+            let purged = outbox.purge_dead_letters(older_than).await?;
+            println!("purged {purged} dead letters");
+        }
+    }
+    Ok(())
+}
+
+fn list_ids(ids: &[i64]) -> String {
+    if ids.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<String> = ids.iter().take(20).map(i64::to_string).collect();
+    let more = if ids.len() > 20 { format!(" and {} more", ids.len() - 20) } else { String::new() };
+    format!(": {}{more}", shown.join(", "))
+}

@@ -1,0 +1,108 @@
+//! NATS JetStream: one acknowledged publish per event, deduplicated by event id.
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, context::PublishErrorKind};
+
+use super::{SinkOptions, event_json};
+use crate::error::{Error, ErrorKind, Result};
+use crate::event::Event;
+use crate::relay::{DeliveryError, Handler};
+
+/// Publishes each event to JetStream on subject `<prefix>.<topic>`, with the event id as
+/// `Nats-Msg-Id` so the stream drops a redelivered event inside its duplicate window, and waits
+/// for the stream's acknowledgement before the event counts as delivered.
+///
+/// No acknowledgement (no stream captures the subject, a timeout, a lost connection) is a
+/// transient failure: the event stays pending with a `last_error` that says why.
+#[derive(Debug, Clone)]
+pub struct NatsSink {
+    jetstream: jetstream::Context,
+    prefix: String,
+}
+
+impl NatsSink {
+    /// Connects to the NATS server of `url` (`nats://host:port`); creates the stream named in
+    /// `options.create_stream`, if any.
+    pub async fn connect(url: &str, options: &SinkOptions) -> Result<Self> {
+        validate_prefix(&options.subject_prefix)?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(options.timeout)
+            .connect(url)
+            .await
+            .map_err(|e| Error::new(ErrorKind::Connect, format!("cannot connect to NATS at {url}: {e}")))?;
+        let mut jetstream = jetstream::new(client);
+        jetstream.set_timeout(options.timeout);
+        if let Some(name) = &options.create_stream {
+            let subjects = format!("{}.>", options.subject_prefix);
+            jetstream
+                .get_or_create_stream(jetstream::stream::Config {
+                    name: name.clone(),
+                    subjects: vec![subjects.clone()],
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| {
+                    Error::new(
+                        ErrorKind::Config,
+                        format!("cannot create JetStream stream {name:?} for {subjects}: {e}"),
+                    )
+                })?;
+        }
+        Ok(NatsSink { jetstream, prefix: options.subject_prefix.clone() })
+    }
+
+    fn subject(&self, event: &Event) -> String {
+        format!("{}.{}", self.prefix, event.topic)
+    }
+}
+
+/// A prefix is one or more NATS tokens: no spaces, no wildcards, no empty token.
+fn validate_prefix(prefix: &str) -> Result<()> {
+    let valid = !prefix.is_empty()
+        && prefix.split('.').all(|token| !token.is_empty() && !token.contains([' ', '\t', '*', '>']));
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::config(format!(
+            "invalid subject prefix {prefix:?}: use dot-separated tokens without spaces or wildcards, e.g. outbox"
+        )))
+    }
+}
+
+impl Handler for NatsSink {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        let subject = self.subject(event);
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", event.id.to_string().as_str());
+        headers.insert("Outbox-Topic", event.topic.as_str());
+        let payload = event_json(event)?;
+        let ack = self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await;
+        let result = match ack {
+            Ok(ack) => ack.await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        result.map_err(|e| match e.kind() {
+            PublishErrorKind::StreamNotFound => DeliveryError::transient(format!(
+                "no JetStream stream captures subject {subject}: create one, or run with --create-stream NAME"
+            )),
+            PublishErrorKind::MaxPayloadExceeded => {
+                DeliveryError::permanent(format!("event is larger than the NATS server accepts: {e}"))
+            }
+            _ => DeliveryError::transient(format!("publishing to {subject} failed: {e}")),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::validate_prefix;
+
+    #[test]
+    fn prefixes_are_checked() {
+        assert!(validate_prefix("outbox").is_ok());
+        assert!(validate_prefix("shop.events").is_ok());
+        for bad in ["", "a..b", "a b", "a.*", "a.>", "."] {
+            assert!(validate_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! The `outbox-relay` binary, spawned for real against the test database.
+
+use std::collections::HashMap;
+use std::process::{Output, Stdio};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// Runs the binary to completion.
+async fn cli(url: &str, args: &[&str]) -> Output {
+    let run = Command::new(BIN).args(args).env("DATABASE_URL", url).env("RUST_LOG", "warn").output();
+    tokio::time::timeout(PATIENCE, run).await.expect("command hung").expect("cannot run the binary")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Starts `outbox-relay run` with these arguments.
+fn spawn_run(url: &str, args: &[&str]) -> Child {
+    Command::new(BIN)
+        .arg("run")
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start outbox-relay run")
+}
+
+/// Sends SIGTERM and returns the exit code.
+async fn terminate(mut child: Child) -> Option<i32> {
+    let pid = child.id().expect("running").to_string();
+    let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = tokio::time::timeout(PATIENCE, child.wait()).await.expect("did not stop after SIGTERM").unwrap();
+    status.code()
+}
+
+async fn publish(db: &TestDb, topic: &str, payload: Value) -> i64 {
+    db.client().await.query_one("select outbox_relay.publish($1, $2)", &[&topic, &payload]).await.unwrap().get(0)
+}
+
+#[tokio::test]
+async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
+    let db = TestDb::new().await;
+    let mut child = spawn_run(&db.url, &["--sink", "stdout", "--poll-interval", "1h"]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = publish(&db, "order.placed", json!({"order_id": 1})).await;
+    let second = publish(&db, "order.shipped", json!({"order_id": 1, "carrier": "x"})).await;
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("no output").unwrap().expect("eof");
+        let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON: {line}: {e}"));
+        for field in ["id", "topic", "key", "payload", "created_at", "attempts"] {
+            assert!(event.get(field).is_some(), "{field} missing in {line}");
+        }
+        seen.push(event);
+    }
+    assert_eq!(seen[0]["id"], json!(first));
+    assert_eq!(seen[0]["topic"], json!("order.placed"));
+    assert_eq!(seen[0]["payload"], json!({"order_id": 1}));
+    assert_eq!(seen[0]["attempts"], json!(1));
+    assert_eq!(seen[1]["id"], json!(second));
+    assert!(humantime::parse_rfc3339(seen[1]["created_at"].as_str().unwrap()).is_ok());
+    assert_eq!(terminate(child).await, Some(0));
+}
+
+/// One request as the receiver saw it: lower-cased headers and the JSON body.
+type Request = (HashMap<String, String>, Value);
+
+/// A receiver whose answer depends on the topic header: `*.ok` 200, `*.flaky` 500 twice then
+/// 200, `*.bad` 400. It records the headers of every request.
+#[derive(Clone, Default)]
+struct Receiver {
+    requests: Arc<Mutex<Vec<Request>>>,
+    flaky_failures: Arc<Mutex<u32>>,
+}
+
+async fn receive(State(receiver): State<Receiver>, headers: HeaderMap, body: axum::Json<Value>) -> StatusCode {
+    let headers: HashMap<String, String> =
+        headers.iter().map(|(k, v)| (k.as_str().to_string(), v.to_str().unwrap_or("").to_string())).collect();
+    let topic = headers.get("outbox-topic").cloned().unwrap_or_default();
+    receiver.requests.lock().unwrap().push((headers, body.0));
+    if topic.ends_with(".bad") {
+        return StatusCode::BAD_REQUEST;
+    }
+    if topic.ends_with(".flaky") {
+        let mut failures = receiver.flaky_failures.lock().unwrap();
+        if *failures < 2 {
+            *failures += 1;
+            return StatusCode::INTERNAL_SERVER_ERROR;
+        }
+    }
+    StatusCode::OK
+}
+
+#[tokio::test]
+async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
+    let db = TestDb::new().await;
+    let receiver = Receiver::default();
+    let app = axum::Router::new().route("/hook", axum::routing::post(receive)).with_state(receiver.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let sink = format!("http://{addr}/hook");
+    let args = ["--sink", &sink, "--backoff-base", "20ms", "--backoff-max", "100ms", "--poll-interval", "50ms"];
+    let child = spawn_run(&db.url, &args);
+    let ok = publish(&db, "order.ok", json!({"n": 1})).await;
+    let flaky = publish(&db, "order.flaky", json!({"n": 2})).await;
+    let bad = publish(&db, "order.bad", json!({"n": 3})).await;
+    eventually("all three events settled", || async {
+        let stats = db.outbox.queue_stats().await.unwrap();
+        stats.processed == 2 && stats.dead_letters == 1
+    })
+    .await;
+    assert_eq!(terminate(child).await, Some(0));
+
+    let requests = receiver.requests.lock().unwrap().clone();
+    let for_id = |id: i64| -> Vec<&Request> {
+        requests.iter().filter(|(h, _)| h.get("outbox-event-id") == Some(&id.to_string())).collect()
+    };
+    let ok_requests = for_id(ok);
+    assert_eq!(ok_requests.len(), 1);
+    assert_eq!(ok_requests[0].0["outbox-topic"], "order.ok");
+    assert_eq!(ok_requests[0].0["content-type"], "application/json");
+    assert_eq!(ok_requests[0].1["id"], json!(ok));
+    assert_eq!(ok_requests[0].1["payload"], json!({"n": 1}));
+    let flaky_attempts: Vec<&str> = for_id(flaky).iter().map(|(h, _)| h["outbox-attempt"].as_str()).collect();
+    assert_eq!(flaky_attempts, vec!["1", "2", "3"], "500 twice, then delivered");
+    assert_eq!(for_id(bad).len(), 1, "a 400 is not retried");
+    let dead = db.outbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, bad);
+    assert!(dead[0].last_error.contains("400"), "{}", dead[0].last_error);
+}
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string())
+}
+
+async fn nats() -> async_nats::jetstream::Context {
+    let url = nats_url();
+    let client = async_nats::connect(&url).await.unwrap_or_else(|e| {
+        panic!("no NATS server at {url} ({e}); start one with `nats-server -js` or set NATS_URL (.ci/run does this)")
+    });
+    async_nats::jetstream::new(client)
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}{}_{}", std::process::id(), rand::random::<u32>())
+}
+
+#[tokio::test]
+async fn run_nats_publishes_to_jetstream_once_per_event_id() {
+    let db = TestDb::new().await;
+    let js = nats().await;
+    let prefix = unique("outboxtest");
+    let mut stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: prefix.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+    let first = publish(&db, "order.placed", json!({"n": 1})).await;
+    publish(&db, "order.shipped", json!({"n": 2})).await;
+    eventually("both published", || async { db.outbox.queue_stats().await.unwrap().processed == 2 }).await;
+    assert_eq!(terminate(child).await, Some(0));
+    assert_eq!(stream.info().await.unwrap().state.messages, 2);
+    let message = stream.get_last_raw_message_by_subject(&format!("{prefix}.order.placed")).await.unwrap();
+    let body: Value = serde_json::from_slice(&message.payload).unwrap();
+    assert_eq!(body["id"], json!(first));
+
+    // A redelivery of the same event (a relay that died before recording the outcome) is
+    // dropped by the stream: Nats-Msg-Id is the event id.
+    db.client()
+        .await
+        .execute("update outbox_relay.outbox set processed_at = null, available_at = now() where id = $1", &[&first])
+        .await
+        .unwrap();
+    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+    eventually("redelivered", || async { db.outbox.queue_stats().await.unwrap().processed == 2 }).await;
+    assert_eq!(terminate(child).await, Some(0));
+    assert_eq!(stream.info().await.unwrap().state.messages, 2, "the duplicate was dropped");
+    js.delete_stream(&prefix).await.unwrap();
+}
+
+#[tokio::test]
+async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() {
+    let db = TestDb::new().await;
+    nats().await;
+    let prefix = unique("nostream");
+    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix, "--timeout", "2s"]);
+    let id = publish(&db, "order.placed", json!({})).await;
+    let client = db.client().await;
+    eventually("the failure recorded", || async {
+        client
+            .query_one("select last_error is not null from outbox_relay.outbox where id = $1", &[&id])
+            .await
+            .unwrap()
+            .get(0)
+    })
+    .await;
+    assert_eq!(terminate(child).await, Some(0));
+    let row = client
+        .query_one("select processed_at is null, last_error from outbox_relay.outbox where id = $1", &[&id])
+        .await
+        .unwrap();
+    assert!(row.get::<_, bool>(0));
+    let error: String = row.get(1);
+    assert!(error.contains("no JetStream stream captures subject"), "{error}");
+}
+
+#[tokio::test]
+async fn status_json_matches_the_table() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload, created_at) values ('ready', '{}', now() - interval '5 seconds');
+             insert into outbox_relay.outbox (topic, payload) values ('ready', '{}');
+             insert into outbox_relay.outbox (topic, payload, available_at) values ('later', '{}', now() + interval '1 hour');
+             insert into outbox_relay.outbox (topic, payload, available_at, lease_token, attempts)
+                 values ('leased', '{}', now() + interval '30 seconds', 7, 3);
+             insert into outbox_relay.outbox (topic, payload, processed_at) values ('done', '{}', now());
+             insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error)
+                 values (1000, 'dead', '{}', now(), 12, 'gave up');",
+        )
+        .await
+        .unwrap();
+    let output = cli(&db.url, &["status", "--json"]).await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    let status: Value = serde_json::from_str(stdout(&output).trim()).unwrap();
+    assert_eq!(status["pending"], json!(2));
+    assert_eq!(status["delayed"], json!(1));
+    assert_eq!(status["in_flight"], json!(1));
+    assert_eq!(status["processed"], json!(1));
+    assert_eq!(status["dead_letters"], json!(1));
+    assert!(status["oldest_pending_age_ms"].as_i64().unwrap() >= 5000, "{status}");
+    assert_eq!(status["max_attempts"], json!(3));
+    assert!(status["notification_queue_usage"].as_f64().unwrap() < 0.01);
+
+    let table = cli(&db.url, &["status"]).await;
+    assert!(stdout(&table).contains("dead letters              1"), "{}", stdout(&table));
+}
+
+#[tokio::test]
+async fn dead_letters_list_retry_and_purge() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at) values
+                 (1001, 'a', '{\"n\": 1}', now(), 12, 'gave up after 12 attempts: 503', now()),
+                 (1002, 'b', '{}', now(), 1, '400: bad', now() - interval '3 days'),
+                 (1003, 'c', '{}', now(), 1, '400: bad', now());",
+        )
+        .await
+        .unwrap();
+    let list = cli(&db.url, &["dead-letters", "list", "--json"]).await;
+    assert!(list.status.success(), "{}", stderr(&list));
+    let letters: Vec<Value> = serde_json::from_str(stdout(&list).trim()).unwrap();
+    assert_eq!(letters.iter().map(|l| l["id"].as_i64().unwrap()).collect::<Vec<_>>(), vec![1001, 1002, 1003]);
+    assert_eq!(letters[0]["last_error"], json!("gave up after 12 attempts: 503"));
+    let table = cli(&db.url, &["dead-letters", "list"]).await;
+    assert!(stdout(&table).contains("1001"));
+
+    let retry = cli(&db.url, &["dead-letters", "retry", "1001"]).await;
+    assert!(retry.status.success(), "{}", stderr(&retry));
+    assert!(stdout(&retry).contains("retried 1 dead letters: 1001"), "{}", stdout(&retry));
+    let row = db
+        .client()
+        .await
+        .query_one("select topic, attempts, payload from outbox_relay.outbox where id = 1001", &[])
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, String>(0), row.get::<_, i32>(1)), ("a".to_string(), 0));
+    assert_eq!(row.get::<_, Value>(2), json!({"n": 1}));
+
+    let missing = cli(&db.url, &["dead-letters", "retry", "4242"]).await;
+    assert!(!missing.status.success());
+    assert!(stderr(&missing).contains("no dead letter with id: 4242"), "{}", stderr(&missing));
+
+    let purge = cli(&db.url, &["dead-letters", "purge", "--older-than", "1d"]).await;
+    assert!(stdout(&purge).contains("purged 1 dead letters"), "{}", stdout(&purge));
+    let all = cli(&db.url, &["dead-letters", "retry", "--all"]).await;
+    assert!(stdout(&all).contains("retried 1 dead letters: 1003"), "{}", stdout(&all));
+}
+
+#[tokio::test]
+async fn cleanup_prints_what_it_removed() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload, processed_at) select 'old', '{}', now() - interval '3 days' from generate_series(1, 4);
+             insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
+        )
+        .await
+        .unwrap();
+    let output = cli(&db.url, &["cleanup", "--retention", "2d", "--idempotency-retention", "2d"]).await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("removed 4 processed events"), "{}", stdout(&output));
+    assert!(stdout(&output).contains("1 idempotency receipts"), "{}", stdout(&output));
+}
+
+#[tokio::test]
+async fn migrate_reports_and_a_second_run_applies_nothing() {
+    let db = TestDb::empty().await;
+    let first = cli(&db.url, &["migrate"]).await;
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(stdout(&first).contains("applied 0001_create_outbox_tables"), "{}", stdout(&first));
+    let second = cli(&db.url, &["migrate"]).await;
+    assert!(stdout(&second).contains("nothing to apply"), "{}", stdout(&second));
+}
+
+/// Bad input: one line on stderr, a non-zero exit, nothing started.
+#[tokio::test]
+async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
+    let db = TestDb::new().await;
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "--sink", "ftp://x"], "unknown sink \"ftp://x\""),
+        (vec!["run", "--sink", "stdout", "--poll-interval", "soon"], "--poll-interval"),
+        (vec!["run", "--sink", "stdout", "--lease", "10"], "expected a number with a unit"),
+        (vec!["run", "--sink", "stdout", "--workers", "0"], "--workers"),
+        (vec!["run", "--sink", "stdout", "--backoff-base", "1h", "--backoff-max", "1s"], "backoff_max"),
+        (
+            vec!["run", "--sink", "nats://127.0.0.1:1", "--timeout", "500ms"],
+            "cannot connect to NATS at nats://127.0.0.1:1",
+        ),
+        (vec!["status", "--json", "--bogus"], "--bogus"),
+    ];
+    for (args, needle) in cases {
+        let output = cli(&db.url, &args).await;
+        let err = stderr(&output);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line expected, got {err}");
+        assert!(err.contains(needle), "{args:?}: {err} should mention {needle}");
+    }
+    let unreachable = cli("postgres://app:hunter2@127.0.0.1:1/x", &["status"]).await;
+    let err = stderr(&unreachable);
+    assert!(!unreachable.status.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(err.contains("127.0.0.1:1") && !err.contains("hunter2"), "{err}");
+    let no_db = Command::new(BIN).arg("status").env_remove("DATABASE_URL").output().await.unwrap();
+    assert!(String::from_utf8_lossy(&no_db.stderr).contains("no database given"));
+}
