@@ -47,6 +47,15 @@ impl DatabaseUrl {
         Ok(DatabaseUrl { config, redacted: redact(url) })
     }
 
+    /// The same server and credentials, another database.
+    pub fn for_database(&self, database: &str) -> DatabaseUrl {
+        let mut config = self.config.clone();
+        config.dbname(database);
+        let user = config.get_user().map(|u| format!("{u}@")).unwrap_or_default();
+        let redacted = format!("postgres://{user}{}/{database}", describe_target(&config));
+        DatabaseUrl { config, redacted }
+    }
+
     /// The tokio-postgres configuration.
     pub fn config(&self) -> &Config {
         &self.config

@@ -1,6 +1,7 @@
 //! Argument parsing and the commands of the `outbox-relay` binary.
 
 mod commands;
+mod demo;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -22,6 +23,9 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the article's scenario end to end and print a report (a throwaway PostgreSQL when no
+    /// database is given; with one, a fresh database on that server, dropped at the end).
+    Demo(demo::DemoArgs),
     /// Apply the library's schema migrations (safe to run again, and from several processes at once).
     Migrate,
     /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
@@ -180,7 +184,8 @@ pub(crate) fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_tracing();
+    // The demo prints a report; its expected failures (a dead letter) need not be logged too.
+    init_tracing(if matches!(cli.command, Command::Demo(_)) { "error" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -201,11 +206,11 @@ fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `info` by default (PostgreSQL's
+/// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default (PostgreSQL's
 /// notices only from `warn`).
-fn init_tracing() {
+fn init_tracing(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn,async_nats=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")));
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)

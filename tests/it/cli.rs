@@ -365,3 +365,15 @@ async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
     let no_db = Command::new(BIN).arg("status").env_remove("DATABASE_URL").output().await.unwrap();
     assert!(String::from_utf8_lossy(&no_db.stderr).contains("no database given"));
 }
+
+#[tokio::test]
+async fn demo_runs_the_article_scenario_and_every_check_passes() {
+    // On the test server: the demo makes (and drops) a database of its own there.
+    let server = crate::harness::server().url_for("postgres");
+    let output = cli(&server, &["demo", "--orders", "12"]).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    assert!(out.contains("all 8 checks passed"), "{out}");
+    assert!(!out.contains("FAIL"), "{out}");
+    assert!(out.contains("commit-to-delivery latency"), "{out}");
+}

@@ -3,6 +3,7 @@
 mod cli;
 mod harness;
 mod migrations;
+mod orders_service;
 mod relay;
 mod relay_support;
 mod sql_publish;

@@ -1,0 +1,261 @@
+//! `outbox-relay bench`: a quick measurement of delivery latency, drain throughput and write
+//! throughput on a real server (the measuring code is `outbox_relay::bench`, shared with
+//! `cargo bench`, whose criterion suite goes further).
+
+use std::time::Duration;
+
+use outbox_relay::Completion;
+use outbox_relay::bench::{self, BenchDb, Percentiles, WakePath};
+use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
+use serde_json::json;
+
+/// The command's failure: printed as one line by the caller.
+type BenchError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Poll interval of the poll-only latency measurement.
+const POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// Concurrent writers of the write-throughput measurement.
+const WRITERS: usize = 16;
+/// How long each write-throughput measurement runs.
+const WRITE_DURATION: Duration = Duration::from_secs(3);
+/// Steps, for the progress lines.
+const STEPS: usize = 6;
+
+/// Measure commit-to-handler latency, relay drain throughput and write throughput.
+///
+/// Uses the server of --database-url / DATABASE_URL (its user must be allowed to create
+/// databases: the run uses a fresh database `outbox_bench_cli` and drops it at the end), or else a
+/// private embedded PostgreSQL with fsync on. Results go to stdout, progress to stderr.
+#[derive(Debug, clap::Args)]
+pub(crate) struct BenchArgs {
+    /// Print exactly one JSON object on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Events pre-filled and drained by the throughput measurement.
+    #[arg(long, default_value_t = 20000)]
+    events: usize,
+    /// Relay workers of the throughput measurement.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Events per claim in the throughput measurement.
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Latency samples per wake-up path (a quarter of them, at least one, for the 100 ms poll).
+    #[arg(long, default_value_t = 200)]
+    samples: usize,
+}
+
+impl BenchArgs {
+    fn validate(&self) -> Result<(), BenchError> {
+        if self.events == 0 {
+            return Err("--events must be at least 1".into());
+        }
+        if self.samples == 0 {
+            return Err("--samples must be at least 1".into());
+        }
+        if self.workers == 0 || self.workers > MAX_WORKERS {
+            return Err(format!("--workers is {}; it must be 1 to {MAX_WORKERS}", self.workers).into());
+        }
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return Err(format!("--batch-size is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size).into());
+        }
+        Ok(())
+    }
+
+    fn poll_samples(&self) -> usize {
+        (self.samples / 4).max(1)
+    }
+}
+
+/// What one run measured.
+struct Report {
+    server: String,
+    embedded: bool,
+    version: String,
+    cores: usize,
+    notify: Percentiles,
+    in_process: Percentiles,
+    poll: Percentiles,
+    throughput: f64,
+    tps_trigger: f64,
+    tps_no_trigger: f64,
+}
+
+/// Runs the measurements on the server `database_url` names, or on an embedded durable cluster.
+pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result<(), BenchError> {
+    args.validate()?;
+    let url = database_url.filter(|u| !u.is_empty());
+    if url.is_none() {
+        eprintln!("starting an embedded PostgreSQL (durable: fsync on)...");
+    }
+    let server = tokio::task::spawn_blocking(move || BenchDb::start(url.as_deref())).await??;
+    let measured = measure(&args, &server).await;
+    if !server.is_embedded()
+        && let Err(e) = server.drop_database(DATABASE).await
+    {
+        eprintln!("warning: could not drop the benchmark database: {e}");
+    }
+    // Stopping an embedded cluster blocks for a moment.
+    tokio::task::spawn_blocking(move || drop(server)).await?;
+    let report = measured?;
+    if args.json {
+        println!("{}", to_json(&args, &report));
+    } else {
+        print_table(&args, &report);
+    }
+    Ok(())
+}
+
+/// The name hint of the run's database (`outbox_bench_cli`).
+const DATABASE: &str = "cli";
+
+async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchError> {
+    let (_, outbox) = server.fresh_database(DATABASE).await?;
+    let version = bench::server_version(&outbox).await?;
+    eprintln!("measuring on the {} (PostgreSQL {version})", server.describe());
+
+    let mut step = 0;
+    let mut progress = |what: String| {
+        step += 1;
+        eprintln!("[{step}/{STEPS}] {what}...");
+    };
+    let latency = async |path: WakePath, samples: usize| -> Result<Percentiles, BenchError> {
+        let mut taken = bench::latency(&outbox, path, samples).await?;
+        Percentiles::from_samples(&mut taken).ok_or_else(|| "no latency samples were taken".into())
+    };
+
+    progress(format!("latency (NOTIFY), {} samples", args.samples));
+    let notify = latency(WakePath::Notify, args.samples).await?;
+    progress(format!("latency (in-process), {} samples", args.samples));
+    let in_process = latency(WakePath::InProcess, args.samples).await?;
+    let poll = WakePath::Poll(POLL_INTERVAL);
+    progress(format!("latency ({poll}), {} samples", args.poll_samples()));
+    let poll = latency(poll, args.poll_samples()).await?;
+
+    progress(format!(
+        "drain throughput: {} events, {} workers, batch {}",
+        args.events, args.workers, args.batch_size
+    ));
+    let throughput =
+        bench::drain_throughput(&outbox, args.events, args.workers, args.batch_size, Completion::MarkProcessed).await?;
+
+    let seconds = WRITE_DURATION.as_secs();
+    progress(format!("write throughput with the NOTIFY trigger: {WRITERS} writers, {seconds} s"));
+    let tps_trigger = bench::write_tps(&outbox, WRITERS, WRITE_DURATION, true).await?;
+    progress(format!("write throughput without the trigger: {WRITERS} writers, {seconds} s"));
+    let tps_no_trigger = bench::write_tps(&outbox, WRITERS, WRITE_DURATION, false).await?;
+    outbox.pool().close();
+
+    Ok(Report {
+        server: server.describe(),
+        embedded: server.is_embedded(),
+        version,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        notify,
+        in_process,
+        poll,
+        throughput,
+        tps_trigger,
+        tps_no_trigger,
+    })
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn percentiles_json(p: &Percentiles) -> serde_json::Value {
+    json!({"p50": ms(p.p50), "p90": ms(p.p90), "p99": ms(p.p99), "max": ms(p.max)})
+}
+
+fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
+    json!({
+        "latency_notify_ms": percentiles_json(&r.notify),
+        "latency_inprocess_ms": percentiles_json(&r.in_process),
+        "latency_poll_ms": percentiles_json(&r.poll),
+        "throughput_events_per_s": r.throughput,
+        "write_tps_trigger": r.tps_trigger,
+        "write_tps_no_trigger": r.tps_no_trigger,
+        "events": args.events,
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "completion": "mark_processed",
+        "latency_samples": args.samples,
+        "latency_poll_samples": args.poll_samples(),
+        "poll_interval_ms": ms(POLL_INTERVAL),
+        "write_writers": WRITERS,
+        "write_seconds": WRITE_DURATION.as_secs_f64(),
+        "cores": r.cores,
+        "server": if r.embedded { "embedded" } else { "external" },
+        "durable": if r.embedded { Some(true) } else { None },
+        "postgres_version": r.version,
+    })
+}
+
+fn print_table(args: &BenchArgs, r: &Report) {
+    println!("outbox-relay bench on the {}", r.server);
+    println!("PostgreSQL {}, {} cores", r.version, r.cores);
+    println!();
+    println!("{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}", "latency, commit to handler", "samples", "p50", "p90", "p99", "max");
+    let rows = [
+        ("NOTIFY", args.samples, &r.notify),
+        ("in-process", args.samples, &r.in_process),
+        ("poll 100ms", args.poll_samples(), &r.poll),
+    ];
+    for (name, samples, p) in rows {
+        println!(
+            "  {name:<26}{samples:>8}{:>11}{:>11}{:>11}{:>11}",
+            format_ms(p.p50),
+            format_ms(p.p90),
+            format_ms(p.p99),
+            format_ms(p.max)
+        );
+    }
+    println!();
+    println!(
+        "drain throughput ({} events, {} workers, batch {}, mark processed): {} events/s",
+        args.events,
+        args.workers,
+        args.batch_size,
+        grouped(r.throughput)
+    );
+    println!();
+    println!("write throughput ({WRITERS} writers, full transaction, {} s each):", WRITE_DURATION.as_secs());
+    println!("  {:<26}{:>12} tx/s", "with the NOTIFY trigger", grouped(r.tps_trigger));
+    println!("  {:<26}{:>12} tx/s", "without the trigger", grouped(r.tps_no_trigger));
+    if r.tps_no_trigger > 0.0 {
+        let cost = (1.0 - r.tps_trigger / r.tps_no_trigger) * 100.0;
+        println!("  the trigger costs {cost:.1} % of the write throughput");
+    }
+}
+
+fn format_ms(d: Duration) -> String {
+    format!("{:.2} ms", ms(d))
+}
+
+/// A rate rounded to a whole number, with thousands separators: `12,345`.
+fn grouped(value: f64) -> String {
+    let digits = format!("{:.0}", value.max(0.0));
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_grouped_by_thousands() {
+        assert_eq!(grouped(0.4), "0");
+        assert_eq!(grouped(999.0), "999");
+        assert_eq!(grouped(1234.5), "1,235");
+        assert_eq!(grouped(1_234_567.0), "1,234,567");
+        assert_eq!(grouped(-3.0), "0");
+    }
+}
