@@ -14,11 +14,18 @@ pub(crate) struct Migration {
 }
 
 /// All migrations, in the order they apply.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "create_outbox_tables",
-    sql: include_str!("../migrations/0001_create_outbox_tables.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create_outbox_tables",
+        sql: include_str!("../migrations/0001_create_outbox_tables.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "notify_only_waiting_relays",
+        sql: include_str!("../migrations/0002_notify_only_waiting_relays.sql"),
+    },
+];
 
 /// What a migration run did.
 #[derive(Debug, Clone, PartialEq, Eq)]

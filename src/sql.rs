@@ -162,3 +162,29 @@ returning id";
 
 pub(crate) const DEAD_LETTER_PURGE: &str = "\
 delete from outbox_relay.dead_letters where failed_at < now() - $1::int8 * interval '1 microsecond'";
+
+/// Marks this relay as waiting: from the commit of this statement on, every insert notifies.
+pub(crate) const RELAY_MARK_WAITING: &str = "\
+insert into outbox_relay.relays (id, listener_pid, waiting) values ($1, $2, true)
+on conflict (id) do update set waiting = true, listener_pid = excluded.listener_pid, updated_at = now()";
+
+/// Marks this relay as busy: writers need not notify it.
+pub(crate) const RELAY_MARK_BUSY: &str =
+    "update outbox_relay.relays set waiting = false, updated_at = now() where id = $1";
+
+pub(crate) const RELAY_REMOVE: &str = "delete from outbox_relay.relays where id = $1";
+
+/// Removes relays whose listener backend is gone (crashed without removing themselves).
+pub(crate) const RELAY_REMOVE_DEAD: &str = "\
+delete from outbox_relay.relays where listener_pid not in (select pid from pg_stat_activity)";
+
+/// The virtual transaction ids of every transaction open in this database now, but ours. Each
+/// transaction holds a lock on its own virtual id from its start, before it has a real xid.
+pub(crate) const TRANSACTIONS_OPEN: &str = "\
+select coalesce(array_agg(l.virtualxid), '{}')
+  from pg_locks l join pg_stat_activity a on a.pid = l.pid
+ where l.locktype = 'virtualxid' and l.granted and l.pid <> pg_backend_pid() and a.datname = current_database()";
+
+/// How many of the given virtual transactions are still open.
+pub(crate) const TRANSACTIONS_STILL_OPEN: &str =
+    "select count(*) from pg_locks where locktype = 'virtualxid' and virtualxid = any($1)";

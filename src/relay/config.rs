@@ -30,6 +30,8 @@ pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60);
 pub const DEFAULT_JANITOR_BATCH: usize = 1000;
 /// Default time in-flight deliveries get to finish on shutdown.
 pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// Default quiet time before an idle relay asks writers to notify it.
+pub const DEFAULT_LINGER: Duration = Duration::from_millis(20);
 /// Default longest wait between reconnection attempts of the listener.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
 
@@ -89,6 +91,10 @@ pub struct RelayConfig {
     pub shutdown_grace: Duration,
     /// Longest wait between the listener's reconnection attempts. Defaults to 5 s.
     pub reconnect_max: Duration,
+    /// How long an idle relay keeps claiming every millisecond before it marks itself waiting and
+    /// writers start to notify it. Under sustained load it never marks itself waiting, so writers
+    /// pay nothing for NOTIFY. Defaults to 20 ms.
+    pub linger: Duration,
 }
 
 impl Default for RelayConfig {
@@ -109,6 +115,7 @@ impl Default for RelayConfig {
             janitor_batch: DEFAULT_JANITOR_BATCH,
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             reconnect_max: DEFAULT_RECONNECT_MAX,
+            linger: DEFAULT_LINGER,
         }
     }
 }
@@ -149,6 +156,9 @@ impl RelayConfig {
         }
         if self.reconnect_max < Duration::from_millis(10) {
             return bad("reconnect_max", format!("is {:?}; it must be at least 10ms", self.reconnect_max));
+        }
+        if self.linger > Duration::from_secs(10) {
+            return bad("linger", format!("is {:?}; it must be at most 10s", self.linger));
         }
         Ok(())
     }

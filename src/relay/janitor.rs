@@ -14,6 +14,11 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
             Ok(_) => tracing::debug!("janitor found nothing to remove"),
             Err(e) => tracing::warn!(error = %e, "janitor pass failed; trying again next interval"),
         }
+        if let Ok(client) = shared.pool.get().await
+            && let Err(e) = client.execute(crate::sql::RELAY_REMOVE_DEAD, &[]).await
+        {
+            tracing::warn!(error = %e, "removing the marks of dead relays failed");
+        }
         tokio::select! {
             _ = shared.stop.cancelled() => return,
             _ = tokio::time::sleep(config.janitor_interval) => {}

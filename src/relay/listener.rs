@@ -5,6 +5,7 @@
 //! transaction that inserts events) fails. So this task does nothing but read and wake.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -14,6 +15,9 @@ use super::backoff::retry_delay;
 use super::{CHANNEL, Handler, Shared};
 use crate::connect::connect_error;
 use crate::error::{Error, Result};
+
+/// The listener's `application_name`, so operators can tell it apart in `pg_stat_activity`.
+pub(crate) const LISTENER_APPLICATION_NAME: &str = "outbox-relay listener";
 
 /// First wait before reconnecting; it doubles up to `reconnect_max`.
 const RECONNECT_BASE: Duration = Duration::from_millis(50);
@@ -41,8 +45,9 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
 /// the connection fails (an error) or the relay stops (`Ok`). The failure counter is reset only by
 /// a connection that got as far as LISTEN.
 async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool, failures: &mut u32) -> Result<()> {
-    let config = shared.outbox.url().config();
-    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| connect_error(config, e))?;
+    let mut config = shared.outbox.url().config().clone();
+    config.application_name(LISTENER_APPLICATION_NAME);
+    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| connect_error(&config, e))?;
     let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
     let forwarder = {
         let shared = shared.clone();
@@ -62,13 +67,23 @@ async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool
     };
     tokio::pin!(forwarder);
 
+    // The connection only makes progress while `forwarder` is polled: run statements beside it.
     let listen_statement = format!("listen {CHANNEL}");
-    tokio::select! {
+    let setup = async {
+        client.batch_execute(&listen_statement).await.map_err(|e| Error::database("starting to listen", e))?;
+        let row = client
+            .query_one("select pg_backend_pid()", &[])
+            .await
+            .map_err(|e| Error::database("reading the listener's backend pid", e))?;
+        Ok::<i32, Error>(row.get(0))
+    };
+    let pid = tokio::select! {
         lost = &mut forwarder => return Err(lost),
-        listened = client.batch_execute(&listen_statement) => {
-            listened.map_err(|e| Error::database("starting to listen", e))?;
-        }
-    }
+        pid = setup => pid?,
+    };
+    // The waiting mark may be gone with a restarted server (its table is unlogged): write it anew.
+    shared.idle.forget().await;
+    shared.listener_pid.store(pid, Ordering::Release);
     if *connected_before {
         shared.metrics.reconnected();
         tracing::info!("relay listener reconnected; catching up on what was committed meanwhile");
@@ -78,8 +93,10 @@ async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool
     // Anything committed while we were not listening sent its notification to nobody.
     shared.work.notify_one();
 
-    tokio::select! {
+    let result = tokio::select! {
         lost = &mut forwarder => Err(lost),
         _ = shared.stop.cancelled() => Ok(()),
-    }
+    };
+    shared.listener_pid.store(0, Ordering::Release);
+    result
 }

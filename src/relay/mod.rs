@@ -29,6 +29,7 @@
 mod backoff;
 mod config;
 mod handler;
+mod idle;
 mod janitor;
 mod listener;
 mod metrics;
@@ -37,6 +38,7 @@ mod worker;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, AtomicU32};
 
 use deadpool_postgres::Pool;
 use tokio::sync::Notify;
@@ -45,7 +47,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::{
     Completion, DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_JITTER, DEFAULT_BACKOFF_MAX, DEFAULT_BATCH_SIZE,
-    DEFAULT_IDEMPOTENCY_RETENTION, DEFAULT_JANITOR_BATCH, DEFAULT_JANITOR_INTERVAL, DEFAULT_LEASE,
+    DEFAULT_IDEMPOTENCY_RETENTION, DEFAULT_JANITOR_BATCH, DEFAULT_JANITOR_INTERVAL, DEFAULT_LEASE, DEFAULT_LINGER,
     DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL, DEFAULT_RECONNECT_MAX, DEFAULT_RETENTION, DEFAULT_SHUTDOWN_GRACE,
     DEFAULT_WORKERS, MAX_BATCH_SIZE, MAX_WORKERS, MIN_LEASE, RelayConfig,
 };
@@ -93,6 +95,14 @@ pub(crate) struct Shared<H> {
     pub(crate) stop: CancellationToken,
     /// Stop delivering now; release what is in hand.
     pub(crate) abort: CancellationToken,
+    /// This relay's row in `outbox_relay.relays`.
+    pub(crate) relay_id: i64,
+    /// Backend pid of the listener connection while it listens; 0 while it does not.
+    pub(crate) listener_pid: AtomicI32,
+    /// Whether writers are told to notify this relay.
+    pub(crate) idle: idle::Idle,
+    /// Claims that failed in a row, for the pause before the next one.
+    pub(crate) claim_failures: AtomicU32,
 }
 
 impl<H: Handler> Relay<H> {
@@ -125,6 +135,10 @@ impl<H: Handler> Relay<H> {
             metrics: self.metrics,
             stop: CancellationToken::new(),
             abort: CancellationToken::new(),
+            relay_id: rand::random::<i64>().abs(),
+            listener_pid: AtomicI32::new(0),
+            idle: idle::Idle::default(),
+            claim_failures: AtomicU32::new(0),
         });
         let span = tracing::info_span!("relay", workers = shared.config.workers);
         let _entered = span.enter();
@@ -161,6 +175,10 @@ impl<H: Handler> Relay<H> {
             drain(&mut workers).await;
         }
         drain(&mut services).await;
+        if let Ok(client) = shared.pool.get().await {
+            // Writers need not notify a relay that is gone.
+            let _ = client.execute(crate::sql::RELAY_REMOVE, &[&shared.relay_id]).await;
+        }
         shared.pool.close();
         tracing::info!("relay stopped");
         Ok(())

@@ -10,7 +10,7 @@ use tokio_postgres::types::ToSql;
 
 use super::backoff::retry_delay;
 use super::config::Completion;
-use super::{Handler, Shared};
+use super::{Handler, Shared, idle};
 use crate::admin::micros;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -21,38 +21,60 @@ const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
 
 pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>, n: usize) {
     let span = tracing::debug_span!("worker", n);
-    let mut failures: u32 = 0;
     loop {
         tokio::select! {
             biased;
             _ = shared.stop.cancelled() => return,
             _ = shared.work.notified() => {}
         }
-        // Claim until a claim comes back short: then the queue is drained, for now.
-        while !shared.stop.is_cancelled() {
-            match claim_and_deliver(&shared).await {
-                Ok(claimed) if claimed == shared.config.batch_size => {
-                    failures = 0;
-                    // More may be waiting: let an idle worker help while this one claims again.
-                    shared.work.notify_one();
-                }
-                Ok(_) => {
-                    failures = 0;
-                    break;
-                }
-                Err(e) => {
-                    failures += 1;
-                    let pause = retry_delay(failures, Duration::from_millis(50), ERROR_PAUSE_MAX, 0.5, rand::random());
-                    let _entered = span.enter();
-                    tracing::warn!(error = %e, retry_in = ?pause, "claiming events failed");
-                    drop(_entered);
-                    tokio::select! {
-                        _ = shared.stop.cancelled() => return,
-                        _ = tokio::time::sleep(pause) => {}
-                    }
-                }
+        if let Err(e) = drain(&shared).await {
+            let _entered = span.enter();
+            tracing::warn!(error = %e, "claiming events failed");
+            drop(_entered);
+            if !pause_after_error(&shared).await {
+                return;
+            }
+            shared.work.notify_one(); // try again, this worker or another
+            continue;
+        }
+        // Out of work. Unless the relay is already marked waiting, one worker lingers for it and
+        // then marks it waiting for NOTIFY. Workers queue for that turn rather than skip it: a
+        // worker that unmarked the relay while another was lingering must see to it that someone
+        // lingers and marks again, or writers would stop notifying an idle relay.
+        if !shared.idle.is_marked() {
+            let _turn = shared.idle.lingering.lock().await;
+            if !shared.idle.is_marked() {
+                idle::linger(&shared).await;
             }
         }
+    }
+}
+
+/// Claims until a claim comes back short: then the queue is drained, for now.
+async fn drain<H: Handler>(shared: &Shared<H>) -> Result<()> {
+    while !shared.stop.is_cancelled() {
+        let claimed = claim_and_deliver(shared, true).await?;
+        if claimed > 0 && shared.idle.is_marked() {
+            // Busy: writers need not notify until this relay is idle again.
+            shared.idle.set(shared, false).await?;
+        }
+        if claimed < shared.config.batch_size {
+            break;
+        }
+        // More may be waiting: let an idle worker help while this one claims again.
+        shared.work.notify_one();
+    }
+    Ok(())
+}
+
+/// Waits a little after a failed claim (the database is down or restarting); false when the relay
+/// is stopping.
+async fn pause_after_error<H: Handler>(shared: &Shared<H>) -> bool {
+    let failures = shared.claim_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    let pause = retry_delay(failures, Duration::from_millis(50), ERROR_PAUSE_MAX, 0.5, rand::random());
+    tokio::select! {
+        _ = shared.stop.cancelled() => false,
+        _ = tokio::time::sleep(pause) => true,
     }
 }
 
@@ -88,8 +110,9 @@ impl Outcomes {
     }
 }
 
-/// Claims one batch and delivers it; returns how many events were claimed.
-async fn claim_and_deliver<H: Handler>(shared: &Shared<H>) -> Result<usize> {
+/// Claims one batch and delivers it; returns how many events were claimed. When the claim comes
+/// back empty and `schedule_next` is set, the timer is set to the earliest future event.
+pub(crate) async fn claim_and_deliver<H: Handler>(shared: &Shared<H>, schedule_next: bool) -> Result<usize> {
     let config = &shared.config;
     let token: i64 = rand::random();
     let batch = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
@@ -101,6 +124,10 @@ async fn claim_and_deliver<H: Handler>(shared: &Shared<H>) -> Result<usize> {
             .await
             .map_err(|e| Error::database("claiming events", e))?;
         shared.metrics.claimed();
+        shared.claim_failures.store(0, std::sync::atomic::Ordering::Relaxed);
+        if claimed.is_empty() && !schedule_next {
+            return Ok(0);
+        }
         if claimed.is_empty() {
             // Woken for nothing deliverable yet: maybe a delayed event or a retry, written by any
             // process. Sleep until the earliest one rather than up to a poll interval past it.

@@ -91,6 +91,13 @@ pub struct Running {
 }
 
 pub fn start<H: Handler>(outbox: &Outbox, config: RelayConfig, handler: H) -> Running {
+    // RUST_LOG=outbox_relay=debug shows what the relay does in a failing test.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_test_writer()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .try_init();
+    }
     let relay = Relay::new(outbox, config, handler).expect("valid relay config");
     let metrics = relay.metrics();
     let (stop, stopped) = oneshot::channel::<()>();
@@ -157,10 +164,19 @@ pub async fn listener_pid(client: &tokio_postgres::Client) -> Option<i32> {
     client
         .query_opt(
             "select pid from pg_stat_activity
-              where datname = current_database() and query = 'listen outbox_relay' and pid <> pg_backend_pid()",
+              where datname = current_database() and application_name = 'outbox-relay listener'
+                and query = 'select pg_backend_pid()'",
             &[],
         )
         .await
         .unwrap()
         .map(|r| r.get(0))
+}
+
+/// Waits until a relay has marked itself waiting: from then on inserts notify it.
+pub async fn relay_waiting(client: &tokio_postgres::Client) {
+    eventually("a relay waiting for NOTIFY", || async {
+        client.query_one("select exists (select 1 from outbox_relay.relays where waiting)", &[]).await.unwrap().get(0)
+    })
+    .await;
 }
