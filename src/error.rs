@@ -135,12 +135,8 @@ impl fmt::Display for Error {
 
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("Error");
-        d.field("kind", &self.kind).field("message", &self.message);
-        if let Some(source) = &self.source {
-            d.field("source", &source.to_string());
-        }
-        d.finish()
+        // The full message, PostgreSQL's words included; never a password (none is ever in it).
+        f.debug_struct("Error").field("kind", &self.kind).field("message", &self.to_string()).finish()
     }
 }
 

@@ -4,6 +4,7 @@ mod cli;
 mod harness;
 mod migrations;
 mod orders_service;
+mod privileges;
 mod relay;
 mod relay_support;
 mod sql_publish;

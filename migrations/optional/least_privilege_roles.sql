@@ -1,0 +1,48 @@
+-- Least-privilege roles for outbox-relay. Not applied by `outbox-relay migrate`: roles are
+-- cluster-wide objects and creating them needs CREATEROLE. Apply once per database, after the
+-- migrations, as a superuser or the schema owner with CREATEROLE:
+--
+--   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f migrations/optional/least_privilege_roles.sql
+--
+-- Then give each login role the group it needs:
+--
+--   create role orders_service login password '...' in role outbox_writer;   -- plus its own business grants
+--   create role outbox_relay_daemon login password '...' in role outbox_relayer;
+--
+-- outbox_writer:  services that add events, audit entries and idempotency receipts inside their
+--                 own transactions (Outbox::execute, publish, outbox_relay.publish). It cannot read
+--                 or change events once written, nor touch dead letters.
+-- outbox_relayer: the relay (`outbox-relay run`, `status`, `dead-letters`, `cleanup`). It reads and
+--                 updates the library's tables and nothing else: no business table.
+
+do $$
+begin
+    if not exists (select from pg_roles where rolname = 'outbox_writer') then
+        create role outbox_writer nologin;
+    end if;
+    if not exists (select from pg_roles where rolname = 'outbox_relayer') then
+        create role outbox_relayer nologin;
+    end if;
+end
+$$;
+
+grant usage on schema outbox_relay to outbox_writer, outbox_relayer;
+
+-- Writers: add rows; read and update only their idempotency receipts (claim, replay, response).
+grant insert on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
+-- `insert ... returning id` needs to read the id, and only the id.
+grant select (id) on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
+grant usage on sequence outbox_relay.outbox_id_seq, outbox_relay.audit_id_seq to outbox_writer;
+grant select, insert, update on outbox_relay.idempotency to outbox_writer;
+-- The outbox trigger runs as the writer and reads whether a relay is waiting.
+grant select on outbox_relay.relays to outbox_writer;
+grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writer;
+
+-- The relay: claim, complete, retry, bury; its waiting mark; the janitor; operators' commands
+-- (a dead-letter retry puts the event back into the outbox under its own id).
+grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
+grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
+grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
+-- (the janitor locks the rows it deletes, FOR UPDATE SKIP LOCKED, which needs UPDATE)
+grant select, update, delete on outbox_relay.idempotency to outbox_relayer;
+grant select on outbox_relay.schema_migrations to outbox_relayer;

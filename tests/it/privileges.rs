@@ -1,0 +1,107 @@
+//! Least privilege: the roles of `migrations/optional/least_privilege_roles.sql` are enough for
+//! their jobs and no more.
+
+use outbox_relay::{AuditEntry, DeliveryError, Event, NewEvent, Outbox, RelayConfig, handler_fn};
+use serde_json::json;
+use tokio_postgres::error::SqlState;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, config, eventually, recorder};
+
+const ROLES_SQL: &str = include_str!("../../migrations/optional/least_privilege_roles.sql");
+
+/// The URL of the test database for another user (trust authentication on the test server).
+fn url_as(db: &TestDb, user: &str) -> String {
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+    };
+    let port = config.get_ports()[0];
+    format!("postgres://{user}@{host}:{port}/{}", db.name)
+}
+
+#[tokio::test]
+async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_only_writes() {
+    let db = TestDb::new().await;
+    if crate::harness::server().embedded().is_none() {
+        eprintln!("note: DATABASE_URL is set; this test needs to create roles, which the server may refuse");
+    }
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying the roles file");
+    // Login roles of our own (roles are cluster-wide: unique names per test database).
+    let writer = format!("{}_writer", db.name);
+    let relayer = format!("{}_relayer", db.name);
+    admin
+        .batch_execute(&format!(
+            "create role {writer} login in role outbox_writer;
+             create role {relayer} login in role outbox_relayer;
+             create table orders (id bigserial primary key, customer text not null);
+             grant insert, select on orders to {writer};
+             grant usage on sequence orders_id_seq to {writer};
+             insert into orders (customer) values ('someone');"
+        ))
+        .await
+        .unwrap();
+
+    // The service writes an order, its audit entry, receipt and event as the writer role.
+    let service = Outbox::connect(&url_as(&db, &writer)).await.unwrap();
+    let placed = service
+        .execute("key-1", &json!({"customer": "ana"}), |work| {
+            Box::pin(async move {
+                let id: i64 =
+                    work.query_one("insert into orders (customer) values ('ana') returning id", &[]).await?.get(0);
+                work.audit(&AuditEntry::new("order", id, "placed", &json!({"customer": "ana"}))?).await?;
+                work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
+                work.publish(&NewEvent::new("order.refused", json!({"order_id": id}))).await?;
+                Ok::<_, outbox_relay::Error>(id)
+            })
+        })
+        .await
+        .unwrap();
+    let replay = service
+        .execute("key-1", &json!({"customer": "ana"}), |_work| Box::pin(async { Ok::<_, outbox_relay::Error>(0) }))
+        .await
+        .unwrap();
+    assert!(replay.replayed && replay.response == placed.response);
+    // ... and cannot read events back or touch the dead letters.
+    let as_writer = service.client().await.unwrap();
+    let err = as_writer.query("select * from outbox_relay.outbox", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
+    let err = as_writer.query("delete from outbox_relay.dead_letters", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
+
+    // The relay runs as the relay role: delivers, dead-letters, cleans up, marks itself waiting.
+    let relay_outbox = Outbox::connect(&url_as(&db, &relayer)).await.unwrap();
+    let (recorded, mut deliveries) = recorder();
+    let handler = handler_fn(move |event: Event| {
+        let recorded = recorded.clone();
+        async move {
+            if event.topic == "order.refused" {
+                return Err(DeliveryError::permanent("refused"));
+            }
+            outbox_relay::Handler::handle(&recorded, &event).await
+        }
+    });
+    let cfg = RelayConfig { janitor_interval: std::time::Duration::from_millis(50), ..config() };
+    let relay = support::start(&relay_outbox, cfg, handler);
+    assert_eq!(deliveries.next().await.event.topic, "order.placed");
+    eventually("the refused event dead-lettered", || async {
+        relay_outbox.queue_stats().await.unwrap().dead_letters == 1
+    })
+    .await;
+    support::relay_waiting(&admin).await;
+    relay.stop().await;
+    assert_eq!(relay_outbox.retry_all_dead_letters().await.unwrap().len(), 1);
+    assert_eq!(relay_outbox.cleanup(std::time::Duration::ZERO, std::time::Duration::ZERO, 100).await.unwrap().receipts, 1);
+
+    let as_relayer = relay_outbox.client().await.unwrap();
+    let err = as_relayer.query("select * from orders", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    let err = as_relayer.execute("insert into orders (customer) values ('x')", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
+
+    drop((service, relay_outbox, as_writer, as_relayer));
+    // Clean the cluster-wide login roles (the database goes with the test).
+    admin.batch_execute(&format!("drop owned by {writer}, {relayer}; drop role {writer}; drop role {relayer}")).await.ok();
+}
