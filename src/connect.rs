@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::Config;
 use tokio_postgres::config::Host;
-use tokio_postgres::{Config, NoTls};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use crate::error::{Error, ErrorKind, Result};
 
@@ -23,12 +24,18 @@ pub const DEFAULT_POOL_SIZE: usize = 16;
 pub struct DatabaseUrl {
     config: Config,
     redacted: String,
+    tls: MakeRustlsConnect,
 }
 
 impl DatabaseUrl {
     /// Parses `postgres://user:password@host:port/db?...` or `host=... user=...`.
+    ///
+    /// TLS follows libpq's `sslmode` (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`)
+    /// and `sslrootcert` (a PEM file of trusted roots; the system's store when absent).
     pub fn parse(url: &str) -> Result<Self> {
-        let mut config: Config = url.parse().map_err(|e: tokio_postgres::Error| {
+        let (rewritten, verify, root) = crate::tls::split_tls_options(url)?;
+        let tls = crate::tls::connector(verify, root.as_deref())?;
+        let mut config: Config = rewritten.parse().map_err(|e: tokio_postgres::Error| {
             Error::config(format!(
                 "invalid database URL {}: {e} (expected postgres://user[:password]@host[:port]/database)",
                 redact(url)
@@ -44,7 +51,7 @@ impl DatabaseUrl {
         if config.get_application_name().is_none() {
             config.application_name("outbox-relay");
         }
-        Ok(DatabaseUrl { config, redacted: redact(url) })
+        Ok(DatabaseUrl { config, redacted: redact(url), tls })
     }
 
     /// The same server and credentials, another database.
@@ -53,7 +60,7 @@ impl DatabaseUrl {
         config.dbname(database);
         let user = config.get_user().map(|u| format!("{u}@")).unwrap_or_default();
         let redacted = format!("postgres://{user}{}/{database}", describe_target(&config));
-        DatabaseUrl { config, redacted }
+        DatabaseUrl { config, redacted, tls: self.tls.clone() }
     }
 
     /// The tokio-postgres configuration.
@@ -68,7 +75,7 @@ impl DatabaseUrl {
 
     /// Builds a connection pool of `size` connections. Connections are made lazily.
     pub fn pool(&self, size: usize) -> Result<Pool> {
-        build_pool(self.config.clone(), size)
+        build_pool(self.config.clone(), self.tls.clone(), size)
     }
 
     /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
@@ -81,12 +88,18 @@ impl DatabaseUrl {
             _ => "-c synchronous_commit=off".to_string(),
         };
         config.options(options);
-        build_pool(config, size)
+        build_pool(config, self.tls.clone(), size)
+    }
+
+    /// The TLS connector for this URL's `sslmode`.
+    pub(crate) fn tls(&self) -> MakeRustlsConnect {
+        self.tls.clone()
     }
 
     /// Opens one dedicated (not pooled) connection and spawns its I/O task.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
-        let (client, connection) = self.config.connect(NoTls).await.map_err(|e| connect_error(&self.config, e))?;
+        let (client, connection) =
+            self.config.connect(self.tls.clone()).await.map_err(|e| connect_error(&self.config, e))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "database connection closed");
@@ -108,11 +121,11 @@ impl std::fmt::Display for DatabaseUrl {
     }
 }
 
-fn build_pool(config: Config, size: usize) -> Result<Pool> {
+fn build_pool(config: Config, tls: MakeRustlsConnect, size: usize) -> Result<Pool> {
     if size == 0 {
         return Err(Error::config("pool size must be at least 1"));
     }
-    let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    let manager = Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     Pool::builder(manager)
         .max_size(size)
         .runtime(deadpool_postgres::Runtime::Tokio1)

@@ -1,4 +1,26 @@
-//! TLS set-up shared by the HTTP sink (and any other rustls user in the process).
+//! TLS to PostgreSQL (rustls), with libpq's `sslmode` semantics, and the crypto provider shared
+//! with the HTTP sink.
+//!
+//! | `sslmode` | encrypted | server certificate checked |
+//! |---|---|---|
+//! | `disable` | no | - |
+//! | `prefer` (tokio-postgres' default) | if the server offers TLS | no |
+//! | `require` | yes | no (as libpq without a root certificate) |
+//! | `verify-ca` | yes | chain to a trusted root |
+//! | `verify-full` | yes | chain and host name |
+//!
+//! Trusted roots: the file named by `sslrootcert` (PEM), else the system's certificate store.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{CertificateError, DigitallySignedStruct, Error as TlsError, RootCertStore, SignatureScheme};
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::error::{Error, Result};
 
 /// Installs rustls' ring provider as the process default, once; a provider installed earlier
 /// (by the application) is kept.
@@ -7,4 +29,231 @@ pub(crate) fn install_crypto_provider() {
     ONCE.call_once(|| {
         let _already_installed = rustls::crypto::ring::default_provider().install_default();
     });
+}
+
+/// How the server's certificate is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verify {
+    /// Not at all (`disable`, `prefer`, `require`).
+    None,
+    /// The chain (`verify-ca`).
+    Chain,
+    /// The chain and the host name (`verify-full`).
+    Full,
+}
+
+/// Takes libpq's `sslmode` and `sslrootcert` out of a connection string, since tokio-postgres
+/// knows neither `verify-ca`/`verify-full` nor `sslrootcert`: returns the string tokio-postgres
+/// can parse (`verify-*` become `require`), how to verify, and the root certificate file.
+pub(crate) fn split_tls_options(url: &str) -> Result<(String, Verify, Option<PathBuf>)> {
+    let mut verify = Verify::None;
+    let mut root = None;
+    let mut take = |key: &str, value: &str| -> Result<Option<String>> {
+        match (key, value) {
+            ("sslmode", "verify-full") => {
+                verify = Verify::Full;
+                Ok(Some("require".into()))
+            }
+            ("sslmode", "verify-ca") => {
+                verify = Verify::Chain;
+                Ok(Some("require".into()))
+            }
+            ("sslmode", "disable" | "prefer" | "require" | "allow") => {
+                Ok(Some(if value == "allow" { "prefer".into() } else { value.into() }))
+            }
+            ("sslmode", other) => Err(Error::config(format!(
+                "invalid sslmode {other:?}: expected disable, prefer, require, verify-ca or verify-full"
+            ))),
+            ("sslrootcert", path) => {
+                root = Some(PathBuf::from(path));
+                Ok(None)
+            }
+            _ => Ok(Some(value.to_string())),
+        }
+    };
+    let rewritten = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        match url.split_once('?') {
+            None => url.to_string(),
+            Some((base, query)) => {
+                let mut pairs = Vec::new();
+                for pair in query.split('&').filter(|p| !p.is_empty()) {
+                    let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                    if let Some(value) = take(key, value)? {
+                        pairs.push(format!("{key}={value}"));
+                    }
+                }
+                if pairs.is_empty() { base.to_string() } else { format!("{base}?{}", pairs.join("&")) }
+            }
+        }
+    } else {
+        let mut pairs = Vec::new();
+        for pair in url.split_whitespace() {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            if let Some(value) = take(key, value)? {
+                pairs.push(format!("{key}={value}"));
+            }
+        }
+        pairs.join(" ")
+    };
+    Ok((rewritten, verify, root))
+}
+
+/// The rustls connector for `verify`, trusting `root` (or the system's roots).
+pub(crate) fn connector(verify: Verify, root: Option<&Path>) -> Result<MakeRustlsConnect> {
+    install_crypto_provider();
+    let builder = rustls::ClientConfig::builder();
+    let config = match verify {
+        Verify::None => {
+            builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate)).with_no_client_auth()
+        }
+        Verify::Chain | Verify::Full => {
+            let roots = Arc::new(trusted_roots(root)?);
+            let webpki = rustls::client::WebPkiServerVerifier::builder(roots)
+                .build()
+                .map_err(|e| Error::config(format!("cannot build the TLS certificate verifier: {e}")))?;
+            if verify == Verify::Full {
+                builder.with_webpki_verifier(webpki).with_no_client_auth()
+            } else {
+                builder.dangerous().with_custom_certificate_verifier(Arc::new(ChainOnly(webpki))).with_no_client_auth()
+            }
+        }
+    };
+    Ok(MakeRustlsConnect::new(config))
+}
+
+fn trusted_roots(root: Option<&Path>) -> Result<RootCertStore> {
+    let mut store = RootCertStore::empty();
+    match root {
+        Some(path) => {
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<std::result::Result<Vec<_>, _>>())
+                .map_err(|e| Error::config(format!("cannot read sslrootcert {}: {e}", path.display())))?;
+            if certs.is_empty() {
+                return Err(Error::config(format!("sslrootcert {} holds no PEM certificate", path.display())));
+            }
+            for cert in certs {
+                store
+                    .add(cert)
+                    .map_err(|e| Error::config(format!("sslrootcert {}: unusable certificate: {e}", path.display())))?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            for cert in found.certs {
+                let _unusable_system_certificate_skipped = store.add(cert);
+            }
+            if store.is_empty() {
+                return Err(Error::config(
+                    "sslmode verify-ca/verify-full needs trusted roots: none in the system store; pass sslrootcert=FILE",
+                ));
+            }
+        }
+    }
+    Ok(store)
+}
+
+/// `require`: encryption without authentication, as libpq does without a root certificate.
+#[derive(Debug)]
+struct AnyCertificate;
+
+impl ServerCertVerifier for AnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, TlsError> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, TlsError> {
+        let algorithms = rustls::crypto::ring::default_provider().signature_verification_algorithms;
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, TlsError> {
+        let algorithms = rustls::crypto::ring::default_provider().signature_verification_algorithms;
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        rustls::crypto::ring::default_provider().signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the chain must lead to a trusted root; the host name is not checked.
+#[derive(Debug)]
+struct ChainOnly(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> std::result::Result<ServerCertVerified, TlsError> {
+        match self.0.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
+            Err(TlsError::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, TlsError> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> std::result::Result<HandshakeSignatureValid, TlsError> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sslmode_and_sslrootcert_are_taken_out() {
+        let (url, verify, root) =
+            split_tls_options("postgres://u@db/x?sslmode=verify-full&sslrootcert=/etc/ca.pem&connect_timeout=5")
+                .unwrap();
+        assert_eq!(url, "postgres://u@db/x?sslmode=require&connect_timeout=5");
+        assert_eq!(verify, Verify::Full);
+        assert_eq!(root.as_deref(), Some(Path::new("/etc/ca.pem")));
+        let (url, verify, _) = split_tls_options("host=db sslmode=verify-ca user=u").unwrap();
+        assert_eq!(url, "host=db sslmode=require user=u");
+        assert_eq!(verify, Verify::Chain);
+        assert_eq!(split_tls_options("postgres://db/x").unwrap().0, "postgres://db/x");
+        let err = split_tls_options("postgres://db/x?sslmode=always").unwrap_err();
+        assert!(err.to_string().contains("invalid sslmode \"always\""), "{err}");
+    }
 }

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 
 use super::backoff::retry_delay;
 use super::{CHANNEL, Handler, Shared};
@@ -47,7 +47,8 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
 async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool, failures: &mut u32) -> Result<()> {
     let mut config = shared.outbox.url().config().clone();
     config.application_name(LISTENER_APPLICATION_NAME);
-    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| connect_error(&config, e))?;
+    let (client, mut connection) =
+        config.connect(shared.outbox.url().tls()).await.map_err(|e| connect_error(&config, e))?;
     let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
     let forwarder = {
         let shared = shared.clone();

@@ -377,3 +377,52 @@ async fn demo_runs_the_article_scenario_and_every_check_passes() {
     assert!(!out.contains("FAIL"), "{out}");
     assert!(out.contains("commit-to-delivery latency"), "{out}");
 }
+
+/// The password of the database URL never reaches the logs, errors or output.
+#[tokio::test]
+async fn the_password_never_appears_in_logs_or_errors() {
+    let db = TestDb::new().await;
+    // The test server trusts local connections, so a password in the URL is accepted and unused.
+    let with_password = db.url.replacen("://postgres@", "://postgres:s3cr3t-pw@", 1);
+    assert_ne!(with_password, db.url, "the test URL has the expected shape");
+    let mut child = Command::new(BIN)
+        .args(["run", "--sink", "stdout"])
+        .env("DATABASE_URL", &with_password)
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut errors = BufReader::new(child.stderr.take().unwrap()).lines();
+    // wait until it logged its start (which names the database)
+    loop {
+        let line = tokio::time::timeout(PATIENCE, errors.next_line()).await.unwrap().unwrap().expect("log line");
+        assert!(!line.contains("s3cr3t-pw"), "{line}");
+        if line.contains("relay starting") {
+            assert!(line.contains("postgres:***@"), "{line}");
+            break;
+        }
+    }
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    while let Ok(Some(line)) = errors.next_line().await {
+        assert!(!line.contains("s3cr3t-pw"), "{line}");
+    }
+    assert_eq!(child.wait().await.unwrap().code(), Some(0));
+
+    // errors and the migrate report
+    let bad = with_password.replacen(&format!("/{}", db.name), "/no_such_database", 1);
+    for args in [&["status"][..], &["migrate"][..]] {
+        let output = cli(&bad, args).await;
+        assert!(!stderr(&output).contains("s3cr3t-pw") && !stdout(&output).contains("s3cr3t-pw"));
+        assert!(stderr(&output).contains("no_such_database"), "{}", stderr(&output));
+    }
+    let migrate = cli(&with_password, &["migrate"]).await;
+    assert!(stdout(&migrate).contains("postgres:***@"), "{}", stdout(&migrate));
+    assert!(!stdout(&migrate).contains("s3cr3t-pw"));
+    // Debug of the library's handles
+    let outbox = outbox_relay::Outbox::connect(&with_password).await.unwrap();
+    let debug = format!("{outbox:?} {:?} {}", outbox.url(), outbox.url());
+    assert!(!debug.contains("s3cr3t-pw") && debug.contains("***"), "{debug}");
+}

@@ -8,4 +8,5 @@ mod privileges;
 mod relay;
 mod relay_support;
 mod sql_publish;
+mod tls;
 mod write_path;
