@@ -40,7 +40,8 @@ pub struct DeadLetter {
     pub topic: String,
     /// Its partition key.
     pub key: Option<String>,
-    /// Its payload.
+    /// Its payload. One that serde_json cannot hold (a number beyond f64, such as `1e999`) comes
+    /// as a JSON string holding PostgreSQL's text of it.
     pub payload: Value,
     /// When it was written.
     #[serde(serialize_with = "rfc3339")]
@@ -102,7 +103,10 @@ impl Outbox {
                 id: r.get(0),
                 topic: r.get(1),
                 key: r.get(2),
-                payload: r.get(3),
+                payload: {
+                    let text: String = r.get(3);
+                    serde_json::from_str(&text).unwrap_or(Value::String(text))
+                },
                 created_at: r.get(4),
                 attempts: r.get(5),
                 last_error: r.get(6),

@@ -147,7 +147,7 @@ select count(*) filter (where processed_at is null and available_at <= now()),
   from outbox_relay.outbox";
 
 pub(crate) const DEAD_LETTER_LIST: &str = "\
-select id, topic, key, payload, created_at, attempts, last_error, failed_at
+select id, topic, key, payload::text, created_at, attempts, last_error, failed_at
   from outbox_relay.dead_letters order by id limit $1";
 
 /// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset.

@@ -144,7 +144,7 @@ fn trusted_roots(root: Option<&Path>) -> Result<RootCertStore> {
             }
             if store.is_empty() {
                 return Err(Error::config(
-                    "sslmode verify-ca/verify-full needs trusted roots: none in the system store; pass sslrootcert=FILE",
+                    "sslmode verify-ca/verify-full needs trusted root certificates: none in the system store; pass sslrootcert=FILE",
                 ));
             }
         }

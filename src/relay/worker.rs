@@ -144,27 +144,30 @@ pub(crate) async fn claim_and_deliver<H: Handler>(shared: &Shared<H>, schedule_n
     };
     let claimed_at = Instant::now();
     let count = claimed.len();
-    let mut events: Vec<(Event, Duration)> = claimed
-        .iter()
-        .map(|row| {
-            let event = Event {
-                id: row.get(0),
-                topic: row.get(1),
-                key: row.get(2),
-                payload: row.get(3),
-                created_at: row.get(4),
-                attempts: row.get(5),
-            };
-            let age = Duration::from_micros(row.get::<_, i64>(6).max(0) as u64);
-            (event, age)
-        })
-        .collect();
+    let mut outcomes = Outcomes::default();
+    let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
+    for row in &claimed {
+        let id: i64 = row.get(0);
+        // A payload PostgreSQL accepts but serde_json cannot hold (a number beyond f64, such as
+        // 1e999) would fail every delivery: it goes to the dead letters at once, saying why.
+        let payload = match row.try_get::<_, serde_json::Value>(3) {
+            Ok(payload) => payload,
+            Err(e) => {
+                outcomes.bury_ids.push(id);
+                outcomes.bury_errors.push(format!("the payload cannot be read as JSON by the relay: {e:#}"));
+                continue;
+            }
+        };
+        let event =
+            Event { id, topic: row.get(1), key: row.get(2), payload, created_at: row.get(4), attempts: row.get(5) };
+        let age = Duration::from_micros(row.get::<_, i64>(6).max(0) as u64);
+        events.push((event, age));
+    }
     events.sort_unstable_by_key(|(event, _)| event.id);
     tracing::debug!(count, "claimed events");
 
     // Deliveries must end well inside the lease, or another worker may claim the same events.
     let deadline = claimed_at + config.lease.mul_f64(0.9);
-    let mut outcomes = Outcomes::default();
     for (i, (event, age)) in events.iter().enumerate() {
         if shared.abort.is_cancelled() || Instant::now() >= deadline {
             outcomes.released.extend(events[i..].iter().map(|(e, _)| e.id));

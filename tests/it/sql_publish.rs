@@ -46,8 +46,11 @@ async fn publish_from_sql_validates_like_the_rust_api() {
         assert_eq!(db_err.code(), &SqlState::INVALID_PARAMETER_VALUE, "{statement}");
         assert!(db_err.message().contains(needle), "{statement}: {}", db_err.message());
     }
-    let err = client.batch_execute("select outbox_relay.publish('t', '{not json')").await.unwrap_err();
-    assert_eq!(err.code(), Some(&SqlState::INVALID_TEXT_REPRESENTATION));
+    // invalid JSON, and the NaN and Infinity that JSON does not have
+    for bad in ["'{not json'", "'NaN'", "'{\"x\": NaN}'", "'{\"x\": Infinity}'", "'[1, -Infinity]'"] {
+        let err = client.batch_execute(&format!("select outbox_relay.publish('t', {bad})")).await.unwrap_err();
+        assert_eq!(err.code(), Some(&SqlState::INVALID_TEXT_REPRESENTATION), "{bad}");
+    }
     let count: i64 = client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get(0);
     assert_eq!(count, 0);
 }
