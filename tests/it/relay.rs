@@ -524,9 +524,6 @@ async fn no_event_waits_for_the_fallback_poll_as_the_relay_goes_idle_and_back() 
 /// Under sustained load the relay never marks itself waiting, so writers do not notify.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn under_sustained_load_writers_do_not_notify() {
-    use futures::StreamExt;
-    use tokio_postgres::AsyncMessage;
-
     let db = TestDb::new().await;
     let (handler, mut deliveries) = recorder();
     // A long linger, so that scheduling noise on a busy machine cannot look like a quiet spell.
@@ -535,19 +532,7 @@ async fn under_sustained_load_writers_do_not_notify() {
     let writer = db.client().await;
     relay_waiting(&writer).await;
 
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let (listener, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
-    let notifications = Arc::new(AtomicUsize::new(0));
-    let counter = notifications.clone();
-    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-    tokio::spawn(async move {
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notification(_) = message {
-                counter.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    });
-    listener.batch_execute("listen outbox_relay").await.unwrap();
+    let (listener, mut notifications) = support::listen(&db).await;
 
     let inserts = 300;
     for n in 0..inserts {
@@ -556,7 +541,10 @@ async fn under_sustained_load_writers_do_not_notify() {
     }
     deliveries.take(inserts as usize).await;
     listener.batch_execute("select 1").await.unwrap();
-    let sent = notifications.load(Ordering::SeqCst);
+    let mut sent = 0;
+    while notifications.try_recv().is_ok() {
+        sent += 1;
+    }
     assert!(sent < 30, "{sent} of {inserts} inserts notified; the relay should have been lingering, not waiting");
     relay.stop().await;
 }

@@ -180,3 +180,26 @@ pub async fn relay_waiting(client: &tokio_postgres::Client) {
     })
     .await;
 }
+
+/// A connection that LISTENs on the outbox channel; each notification arrives on the receiver as
+/// `(channel, payload)`. Notifications are read as they come, like the relay's listener does.
+pub async fn listen(
+    db: &crate::harness::TestDb,
+) -> (tokio_postgres::Client, mpsc::UnboundedReceiver<(String, String)>) {
+    use futures::StreamExt;
+    use tokio_postgres::AsyncMessage;
+
+    let config: tokio_postgres::Config = db.url.parse().unwrap();
+    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+    tokio::spawn(async move {
+        while let Some(Ok(message)) = messages.next().await {
+            if let AsyncMessage::Notification(n) = message {
+                tx.send((n.channel().to_string(), n.payload().to_string())).ok();
+            }
+        }
+    });
+    client.batch_execute("listen outbox_relay").await.unwrap();
+    (client, rx)
+}

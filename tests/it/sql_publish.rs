@@ -4,6 +4,7 @@ use serde_json::{Value, json};
 use tokio_postgres::error::SqlState;
 
 use crate::harness::TestDb;
+use crate::relay_support::listen;
 
 #[tokio::test]
 async fn publish_from_plain_sql_commits_and_rolls_back_with_the_transaction() {
@@ -57,22 +58,8 @@ async fn publish_from_sql_validates_like_the_rust_api() {
 
 #[tokio::test]
 async fn an_insert_notifies_listeners_once_per_statement_without_event_data() {
-    use futures::StreamExt;
-    use tokio_postgres::AsyncMessage;
-
     let db = TestDb::new().await;
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let (listener, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-    tokio::spawn(async move {
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notification(n) = message {
-                tx.send((n.channel().to_string(), n.payload().to_string())).ok();
-            }
-        }
-    });
-    listener.batch_execute("listen outbox_relay").await.unwrap();
+    let (listener, mut rx) = listen(&db).await;
     // Writers notify only while a relay is marked waiting (migration 0002).
     listener
         .batch_execute("insert into outbox_relay.relays (id, listener_pid, waiting) values (1, pg_backend_pid(), true)")
@@ -98,22 +85,8 @@ async fn an_insert_notifies_listeners_once_per_statement_without_event_data() {
 
 #[tokio::test]
 async fn writers_do_not_notify_when_no_relay_is_waiting() {
-    use futures::StreamExt;
-    use tokio_postgres::AsyncMessage;
-
     let db = TestDb::new().await;
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let (listener, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-    tokio::spawn(async move {
-        while let Some(Ok(message)) = messages.next().await {
-            if let AsyncMessage::Notification(n) = message {
-                tx.send(n.channel().to_string()).ok();
-            }
-        }
-    });
-    listener.batch_execute("listen outbox_relay").await.unwrap();
+    let (listener, mut rx) = listen(&db).await;
     listener
         .batch_execute(
             "insert into outbox_relay.relays (id, listener_pid, waiting) values (1, pg_backend_pid(), false)",
@@ -125,7 +98,7 @@ async fn writers_do_not_notify_when_no_relay_is_waiting() {
     // The relay is busy: no notification. Then it waits: the next insert notifies.
     listener.batch_execute("update outbox_relay.relays set waiting = true").await.unwrap();
     writer.batch_execute("select outbox_relay.publish('loud', '{}')").await.unwrap();
-    assert_eq!(rx.recv().await.unwrap(), "outbox_relay");
+    assert_eq!(rx.recv().await.unwrap().0, "outbox_relay");
     listener.batch_execute("select 1").await.unwrap();
     assert!(rx.try_recv().is_err(), "only the insert made while a relay waited notified");
 }
