@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use outbox_relay::Completion;
-use outbox_relay::bench::{self, BenchDb, Percentiles, WakePath};
+use outbox_relay::bench::{self, BenchDb, NotifyMode, Percentiles, ServerInfo, WakePath};
 use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
 use serde_json::json;
 
@@ -16,10 +16,8 @@ type BenchError = Box<dyn std::error::Error + Send + Sync>;
 const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Concurrent writers of the write-throughput measurement.
 const WRITERS: usize = 16;
-/// How long each write-throughput measurement runs.
-const WRITE_DURATION: Duration = Duration::from_secs(3);
 /// Steps, for the progress lines.
-const STEPS: usize = 6;
+const STEPS: usize = 7;
 
 /// Measure commit-to-handler latency, relay drain throughput and write throughput.
 ///
@@ -43,6 +41,9 @@ pub(crate) struct BenchArgs {
     /// Latency samples per wake-up path (a quarter of them, at least one, for the 100 ms poll).
     #[arg(long, default_value_t = 200)]
     samples: usize,
+    /// How long each write-throughput measurement runs.
+    #[arg(long, value_name = "DUR", value_parser = super::parse_duration, default_value = "3s")]
+    write_duration: Duration,
 }
 
 impl BenchArgs {
@@ -71,13 +72,14 @@ impl BenchArgs {
 struct Report {
     server: String,
     embedded: bool,
-    version: String,
+    info: ServerInfo,
     cores: usize,
     notify: Percentiles,
     in_process: Percentiles,
     poll: Percentiles,
     throughput: f64,
     tps_trigger: f64,
+    tps_notify_every_commit: f64,
     tps_no_trigger: f64,
 }
 
@@ -111,8 +113,8 @@ const DATABASE: &str = "cli";
 
 async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchError> {
     let (_, outbox) = server.fresh_database(DATABASE).await?;
-    let version = bench::server_version(&outbox).await?;
-    eprintln!("measuring on the {} (PostgreSQL {version})", server.describe());
+    let info = bench::server_info(&outbox).await?;
+    eprintln!("measuring on the {}, PostgreSQL {}", server.describe(), info.version);
 
     let mut step = 0;
     let mut progress = |what: String| {
@@ -132,30 +134,31 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     progress(format!("latency ({poll}), {} samples", args.poll_samples()));
     let poll = latency(poll, args.poll_samples()).await?;
 
-    progress(format!(
-        "drain throughput: {} events, {} workers, batch {}",
-        args.events, args.workers, args.batch_size
-    ));
+    progress(format!("drain throughput: {} events, {} workers, batch {}", args.events, args.workers, args.batch_size));
     let throughput =
         bench::drain_throughput(&outbox, args.events, args.workers, args.batch_size, Completion::MarkProcessed).await?;
 
-    let seconds = WRITE_DURATION.as_secs();
-    progress(format!("write throughput with the NOTIFY trigger: {WRITERS} writers, {seconds} s"));
-    let tps_trigger = bench::write_tps(&outbox, WRITERS, WRITE_DURATION, true).await?;
-    progress(format!("write throughput without the trigger: {WRITERS} writers, {seconds} s"));
-    let tps_no_trigger = bench::write_tps(&outbox, WRITERS, WRITE_DURATION, false).await?;
+    let seconds = args.write_duration.as_secs_f64();
+    progress(format!("write throughput, the trigger as shipped (no relay waiting): {WRITERS} writers, {seconds} s"));
+    let tps_trigger = bench::write_tps(&outbox, WRITERS, args.write_duration, NotifyMode::Trigger).await?;
+    progress(format!("write throughput, every commit sending NOTIFY: {WRITERS} writers, {seconds} s"));
+    let tps_notify_every_commit =
+        bench::write_tps(&outbox, WRITERS, args.write_duration, NotifyMode::NotifyEveryCommit).await?;
+    progress(format!("write throughput, trigger dropped: {WRITERS} writers, {seconds} s"));
+    let tps_no_trigger = bench::write_tps(&outbox, WRITERS, args.write_duration, NotifyMode::NoTrigger).await?;
     outbox.pool().close();
 
     Ok(Report {
         server: server.describe(),
         embedded: server.is_embedded(),
-        version,
+        info,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         notify,
         in_process,
         poll,
         throughput,
         tps_trigger,
+        tps_notify_every_commit,
         tps_no_trigger,
     })
 }
@@ -165,7 +168,14 @@ fn ms(d: Duration) -> f64 {
 }
 
 fn percentiles_json(p: &Percentiles) -> serde_json::Value {
-    json!({"p50": ms(p.p50), "p90": ms(p.p90), "p99": ms(p.p99), "max": ms(p.max)})
+    let millis = |d: Duration| rounded(ms(d), 3);
+    json!({"p50": millis(p.p50), "p90": millis(p.p90), "p99": millis(p.p99), "max": millis(p.max)})
+}
+
+/// `value` rounded to `decimals` places, so the JSON shows no binary noise (`0.9248100000000001`).
+fn rounded(value: f64, decimals: i32) -> f64 {
+    let scale = 10f64.powi(decimals);
+    (value * scale).round() / scale
 }
 
 fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
@@ -173,9 +183,10 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "latency_notify_ms": percentiles_json(&r.notify),
         "latency_inprocess_ms": percentiles_json(&r.in_process),
         "latency_poll_ms": percentiles_json(&r.poll),
-        "throughput_events_per_s": r.throughput,
-        "write_tps_trigger": r.tps_trigger,
-        "write_tps_no_trigger": r.tps_no_trigger,
+        "throughput_events_per_s": rounded(r.throughput, 1),
+        "write_tps_trigger": rounded(r.tps_trigger, 1),
+        "write_tps_no_trigger": rounded(r.tps_no_trigger, 1),
+        "write_tps_notify_every_commit": rounded(r.tps_notify_every_commit, 1),
         "events": args.events,
         "workers": args.workers,
         "batch_size": args.batch_size,
@@ -184,19 +195,26 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "latency_poll_samples": args.poll_samples(),
         "poll_interval_ms": ms(POLL_INTERVAL),
         "write_writers": WRITERS,
-        "write_seconds": WRITE_DURATION.as_secs_f64(),
+        "write_seconds": args.write_duration.as_secs_f64(),
         "cores": r.cores,
         "server": if r.embedded { "embedded" } else { "external" },
-        "durable": if r.embedded { Some(true) } else { None },
-        "postgres_version": r.version,
+        "fsync": r.info.fsync,
+        "synchronous_commit": r.info.synchronous_commit,
+        "postgres_version": r.info.version,
     })
 }
 
 fn print_table(args: &BenchArgs, r: &Report) {
     println!("outbox-relay bench on the {}", r.server);
-    println!("PostgreSQL {}, {} cores", r.version, r.cores);
+    println!(
+        "PostgreSQL {}, fsync {}, synchronous_commit {}, {} cores",
+        r.info.version, r.info.fsync, r.info.synchronous_commit, r.cores
+    );
     println!();
-    println!("{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}", "latency, commit to handler", "samples", "p50", "p90", "p99", "max");
+    println!(
+        "{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}",
+        "latency, commit to handler", "samples", "p50", "p90", "p99", "max"
+    );
     let rows = [
         ("NOTIFY", args.samples, &r.notify),
         ("in-process", args.samples, &r.in_process),
@@ -220,12 +238,17 @@ fn print_table(args: &BenchArgs, r: &Report) {
         grouped(r.throughput)
     );
     println!();
-    println!("write throughput ({WRITERS} writers, full transaction, {} s each):", WRITE_DURATION.as_secs());
-    println!("  {:<26}{:>12} tx/s", "with the NOTIFY trigger", grouped(r.tps_trigger));
-    println!("  {:<26}{:>12} tx/s", "without the trigger", grouped(r.tps_no_trigger));
+    println!("write throughput ({WRITERS} writers, full transaction, {} s each):", args.write_duration.as_secs_f64());
+    println!("  {:<40}{:>12} tx/s", "trigger as shipped (relay busy/lingering)", grouped(r.tps_trigger));
+    println!("  {:<40}{:>12} tx/s", "NOTIFY on every commit (relay waiting)", grouped(r.tps_notify_every_commit));
+    println!("  {:<40}{:>12} tx/s", "trigger dropped", grouped(r.tps_no_trigger));
     if r.tps_no_trigger > 0.0 {
-        let cost = (1.0 - r.tps_trigger / r.tps_no_trigger) * 100.0;
-        println!("  the trigger costs {cost:.1} % of the write throughput");
+        let cost = |tps: f64| (1.0 - tps / r.tps_no_trigger) * 100.0;
+        println!(
+            "  the trigger costs {:.1} % of the write throughput under load; notifying every commit would cost {:.1} %",
+            cost(r.tps_trigger),
+            cost(r.tps_notify_every_commit)
+        );
     }
 }
 
@@ -254,8 +277,14 @@ mod tests {
     fn rates_are_grouped_by_thousands() {
         assert_eq!(grouped(0.4), "0");
         assert_eq!(grouped(999.0), "999");
-        assert_eq!(grouped(1234.5), "1,235");
+        assert_eq!(grouped(1234.6), "1,235");
         assert_eq!(grouped(1_234_567.0), "1,234,567");
         assert_eq!(grouped(-3.0), "0");
+    }
+
+    #[test]
+    fn json_numbers_are_rounded() {
+        assert_eq!(rounded(0.924_810_000_000_000_1, 3), 0.925);
+        assert_eq!(rounded(25_817.134_376, 1), 25_817.1);
     }
 }

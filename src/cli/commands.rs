@@ -8,6 +8,7 @@ use super::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs};
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Demo(args) => super::demo::run(args, cli.database_url).await,
+        Command::Bench(args) => super::bench::run(args, cli.database_url).await,
         Command::Migrate => migrate(&require_url(cli.database_url)?).await,
         Command::Run(args) => run_relay(&require_url(cli.database_url)?, args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,

@@ -1,5 +1,6 @@
 //! Argument parsing and the commands of the `outbox-relay` binary.
 
+mod bench;
 mod commands;
 mod demo;
 
@@ -26,6 +27,9 @@ enum Command {
     /// Run the article's scenario end to end and print a report (a throwaway PostgreSQL when no
     /// database is given; with one, a fresh database on that server, dropped at the end).
     Demo(demo::DemoArgs),
+    /// Measure commit-to-delivery latency, drain throughput and the trigger's cost on writes (a
+    /// throwaway PostgreSQL, fsync on, when no database is given).
+    Bench(bench::BenchArgs),
     /// Apply the library's schema migrations (safe to run again, and from several processes at once).
     Migrate,
     /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
@@ -185,7 +189,7 @@ pub(crate) fn main() -> ExitCode {
         }
     };
     // The demo prints a report; its expected failures (a dead letter) need not be logged too.
-    init_tracing(if matches!(cli.command, Command::Demo(_)) { "error" } else { "info" });
+    init_tracing(if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) { "error" } else { "info" });
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {

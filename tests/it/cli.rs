@@ -426,3 +426,27 @@ async fn the_password_never_appears_in_logs_or_errors() {
     let debug = format!("{outbox:?} {:?} {}", outbox.url(), outbox.url());
     assert!(!debug.contains("s3cr3t-pw") && debug.contains("***"), "{debug}");
 }
+
+#[tokio::test]
+async fn bench_json_prints_one_object_with_every_figure() {
+    // A short run on the test server (the bench makes and drops databases of its own there).
+    let server = crate::harness::server().url_for("postgres");
+    let args = ["bench", "--json", "--events", "1000", "--samples", "8", "--write-duration", "300ms"];
+    let output = cli(&server, &args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    assert_eq!(out.trim().lines().count(), 1, "exactly one JSON object on stdout: {out}");
+    let report: Value = serde_json::from_str(out.trim()).unwrap();
+    for path in ["latency_notify_ms", "latency_inprocess_ms", "latency_poll_ms"] {
+        for p in ["p50", "p90", "p99", "max"] {
+            let v = report[path][p].as_f64().unwrap_or_else(|| panic!("{path}.{p} missing: {report}"));
+            assert!(v > 0.0, "{path}.{p} = {v}");
+        }
+    }
+    for field in
+        ["throughput_events_per_s", "write_tps_trigger", "write_tps_no_trigger", "write_tps_notify_every_commit"]
+    {
+        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+    }
+    assert!(stderr(&output).contains("[1/7]"), "progress goes to stderr");
+}

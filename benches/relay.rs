@@ -1,0 +1,273 @@
+//! Benchmarks of the outbox and its relay on a real PostgreSQL: `cargo bench --bench relay`.
+//!
+//! The server is the one `DATABASE_URL` names (its user must be allowed to create databases:
+//! each group runs in a fresh `outbox_bench_<group>` database, dropped at the end), or else a
+//! private embedded cluster with `fsync` on (see `outbox_relay::bench`, which holds the measuring
+//! code shared with `outbox-relay bench` and documents exactly what each figure covers).
+//!
+//! Groups:
+//! - `latency/{notify,in_process,poll_100ms}`: commit to handler, one event at a time. Criterion
+//!   reports the mean; the p50/p90/p99/max of all samples taken go to stderr.
+//! - `throughput/{mark,delete}/w{1,2,4,8}/b{1,10,100,500}`: events per second drained from a
+//!   pre-filled outbox (5,000 events per iteration; 500 with batch 1). One iteration is one
+//!   pre-fill plus one drain, and only the drain is timed. Ten iterations per combination, so
+//!   this group takes most of the run.
+//! - `write_path/*`: one business transaction on one connection, growing from the bare business
+//!   insert to the full transaction with ten events (trigger in place, no relay running).
+//! - `notify_cost/{no_trigger,trigger,notify_every_commit}/{1,4,16}`: the full transaction from
+//!   1, 4 and 16 concurrent writers, in transactions per second: without the trigger; with the
+//!   trigger as shipped and no relay waiting (what writers pay under load); and with every commit
+//!   sending `NOTIFY` (a relay waiting; what an always-notifying trigger costs). See
+//!   `bench::NotifyMode`.
+//!
+//! Nothing touches the database until a benchmark actually runs, so `-- --list` and filters
+//! (`cargo bench --bench relay -- latency/notify`) only set up what they select. The whole suite
+//! takes about eight minutes on a (busy) two-core machine, five of them in `throughput`.
+//! `RUST_LOG=outbox_relay=debug` shows the library's logs on stderr.
+
+use std::cell::{OnceCell, RefCell};
+use std::time::Duration;
+
+use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput, measurement::WallTime};
+use outbox_relay::Completion;
+use outbox_relay::Outbox;
+use outbox_relay::bench::{
+    self, BenchDb, BoxError, DrainSetup, LatencyProbe, NotifyMode, Percentiles, WakePath, WriteTx, Writers,
+};
+use tokio::runtime::Runtime;
+
+/// Events per throughput iteration, and with a batch size of 1 (one claim per event is slow).
+const DRAIN_EVENTS: usize = 5_000;
+const DRAIN_EVENTS_BATCH_1: usize = 500;
+
+fn main() {
+    // The library's logs, on stderr, only when asked for (RUST_LOG=outbox_relay=debug).
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let mut criterion = Criterion::default().configure_from_args();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
+    let env = Env { runtime, server: OnceCell::new(), databases: RefCell::new(Vec::new()) };
+
+    latency(&mut criterion, &env);
+    throughput(&mut criterion, &env);
+    write_path(&mut criterion, &env);
+    notify_cost(&mut criterion, &env);
+
+    criterion.final_summary();
+    env.close();
+}
+
+/// The runtime, the server (started on first use) and the databases made so far.
+struct Env {
+    runtime: Runtime,
+    server: OnceCell<BenchDb>,
+    databases: RefCell<Vec<(&'static str, Outbox)>>,
+}
+
+impl Env {
+    fn server(&self) -> &BenchDb {
+        self.server.get_or_init(|| {
+            let url = std::env::var("DATABASE_URL").ok();
+            let server = ok(BenchDb::start(url.as_deref()), "starting the benchmark server");
+            eprintln!("benchmarks run on the {}", server.describe());
+            server
+        })
+    }
+
+    /// The database of a group, created (fresh and migrated) on first use.
+    fn database(&self, group: &'static str) -> Outbox {
+        if let Some((_, outbox)) = self.databases.borrow().iter().find(|(name, _)| *name == group) {
+            return outbox.clone();
+        }
+        let server = self.server();
+        let (_, outbox) = ok(self.block_on(server.fresh_database(group)), "creating a benchmark database");
+        self.databases.borrow_mut().push((group, outbox.clone()));
+        outbox
+    }
+
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
+    /// Closes the pools and, on an external server, drops the databases (an embedded cluster is
+    /// deleted as a whole when the server is dropped).
+    fn close(self) {
+        let databases = self.databases.take();
+        for (_, outbox) in &databases {
+            outbox.pool().close();
+        }
+        if let Some(server) = self.server.get()
+            && !server.is_embedded()
+        {
+            for (group, _) in &databases {
+                if let Err(e) = self.runtime.block_on(server.drop_database(group)) {
+                    eprintln!("warning: could not drop the benchmark database of {group}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Unwraps a set-up step; a benchmark cannot go on without it.
+fn ok<T>(result: Result<T, BoxError>, what: &str) -> T {
+    result.unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+fn latency(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("latency");
+    group.warm_up_time(Duration::from_secs(1));
+    let paths = [
+        ("notify", WakePath::Notify),
+        ("in_process", WakePath::InProcess),
+        ("poll_100ms", WakePath::Poll(Duration::from_millis(100))),
+    ];
+    for (name, path) in paths {
+        match path {
+            // ~100 ms per sample (the latency plus a random pause over the poll interval).
+            WakePath::Poll(_) => {
+                group.sample_size(10).sampling_mode(SamplingMode::Flat).measurement_time(Duration::from_secs(6))
+            }
+            WakePath::Notify | WakePath::InProcess => {
+                group.sample_size(20).sampling_mode(SamplingMode::Auto).measurement_time(Duration::from_secs(5))
+            }
+        };
+        latency_function(&mut group, env, name, path);
+    }
+    group.finish();
+}
+
+fn latency_function(group: &mut BenchmarkGroup<'_, WallTime>, env: &Env, name: &str, path: WakePath) {
+    let mut probe: Option<LatencyProbe> = None;
+    let mut samples: Vec<Duration> = Vec::new();
+    group.bench_function(name, |b| {
+        let probe = probe.get_or_insert_with(|| {
+            let outbox = env.database("latency");
+            ok(env.block_on(LatencyProbe::start(&outbox, path)), "starting the latency probe")
+        });
+        b.iter_custom(|iters| {
+            env.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let sample = ok(probe.sample().await, "taking a latency sample");
+                    samples.push(sample);
+                    total += sample;
+                }
+                total
+            })
+        });
+    });
+    if let Some(probe) = probe {
+        ok(env.block_on(probe.stop()), "stopping the latency probe");
+    }
+    if let Some(p) = Percentiles::from_samples(&mut samples) {
+        eprintln!(
+            "latency/{name}: {} samples (warm-up included): p50 {:.3} ms, p90 {:.3} ms, p99 {:.3} ms, max {:.3} ms",
+            samples.len(),
+            ms(p.p50),
+            ms(p.p90),
+            ms(p.p99),
+            ms(p.max)
+        );
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn throughput(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("throughput");
+    // One iteration is a pre-fill and a drain (0.1 to 1 s): ten of them per combination.
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(3));
+    for (completion_name, completion) in [("mark", Completion::MarkProcessed), ("delete", Completion::Delete)] {
+        for workers in [1, 2, 4, 8] {
+            for batch_size in [1, 10, 100, 500] {
+                let events = if batch_size == 1 { DRAIN_EVENTS_BATCH_1 } else { DRAIN_EVENTS };
+                let setup = DrainSetup { events, workers, batch_size, completion };
+                group.throughput(Throughput::Elements(events as u64));
+                let id = BenchmarkId::new(format!("{completion_name}/w{workers}"), format!("b{batch_size}"));
+                group.bench_function(id, |b| {
+                    let outbox = env.database("throughput");
+                    b.iter_custom(|iters| {
+                        env.block_on(async {
+                            let mut total = Duration::ZERO;
+                            for _ in 0..iters {
+                                total += ok(bench::drain_time(&outbox, setup).await, "draining the outbox");
+                            }
+                            total
+                        })
+                    });
+                });
+            }
+        }
+    }
+    group.finish();
+}
+
+fn write_path(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("write_path");
+    group.sample_size(20).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(4));
+    let shapes = [
+        ("business_only", WriteTx::BARE),
+        ("plus_audit", WriteTx::WITH_AUDIT),
+        ("plus_receipt", WriteTx::WITH_RECEIPT),
+        ("full_1_event", WriteTx::FULL),
+        ("full_10_events", WriteTx::full_with_events(10)),
+    ];
+    for (name, shape) in shapes {
+        let mut writers: Option<Writers> = None;
+        group.bench_function(name, |b| {
+            let writers = writers.get_or_insert_with(|| {
+                let outbox = env.database("write_path");
+                env.block_on(async {
+                    ok(bench::reset_notify(&outbox).await, "restoring the trigger");
+                    ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
+                    ok(Writers::connect(&outbox, 1, shape).await, "connecting the writer")
+                })
+            });
+            b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+        });
+    }
+    group.finish();
+}
+
+fn notify_cost(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("notify_cost");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(1));
+    let mut touched = false;
+    for writer_count in [1, 4, 16] {
+        for mode in [NotifyMode::NoTrigger, NotifyMode::Trigger, NotifyMode::NotifyEveryCommit] {
+            let name = mode.name();
+            let mut writers: Option<Writers> = None;
+            group.bench_function(BenchmarkId::new(name, writer_count), |b| {
+                let writers = writers.get_or_insert_with(|| {
+                    touched = true;
+                    let outbox = env.database("notify_cost");
+                    env.block_on(async {
+                        ok(bench::set_notify_mode(&outbox, mode).await, "setting the trigger");
+                        ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
+                        ok(Writers::connect(&outbox, writer_count, WriteTx::FULL).await, "connecting the writers")
+                    })
+                });
+                b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+            });
+        }
+    }
+    group.finish();
+    if touched {
+        let outbox = env.database("notify_cost");
+        ok(env.block_on(bench::reset_notify(&outbox)), "restoring the trigger");
+    }
+}
