@@ -159,7 +159,8 @@ async fn sweep_leftovers(client: &Client) {
 fn migrations_digest() -> String {
     use std::hash::{Hash, Hasher};
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
-    let mut files: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect();
+    let mut files: Vec<_> =
+        std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect();
     files.sort();
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     for file in files {

@@ -93,7 +93,10 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
     support::relay_waiting(&admin).await;
     relay.stop().await;
     assert_eq!(relay_outbox.retry_all_dead_letters().await.unwrap().len(), 1);
-    assert_eq!(relay_outbox.cleanup(std::time::Duration::ZERO, std::time::Duration::ZERO, 100).await.unwrap().receipts, 1);
+    assert_eq!(
+        relay_outbox.cleanup(std::time::Duration::ZERO, std::time::Duration::ZERO, 100).await.unwrap().receipts,
+        1
+    );
 
     let as_relayer = relay_outbox.client().await.unwrap();
     let err = as_relayer.query("select * from orders", &[]).await.unwrap_err();
@@ -103,5 +106,8 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
 
     drop((service, relay_outbox, as_writer, as_relayer));
     // Clean the cluster-wide login roles (the database goes with the test).
-    admin.batch_execute(&format!("drop owned by {writer}, {relayer}; drop role {writer}; drop role {relayer}")).await.ok();
+    admin
+        .batch_execute(&format!("drop owned by {writer}, {relayer}; drop role {writer}; drop role {relayer}"))
+        .await
+        .ok();
 }
