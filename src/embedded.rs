@@ -21,10 +21,11 @@
 //! * Authentication is `trust`; the superuser is `postgres`; encoding UTF8, locale `C`, time zone
 //!   UTC. Connect with [`EmbeddedPostgres::url`], e.g. `postgres://postgres@127.0.0.1:PORT/postgres`.
 //! * `max_connections=200`, `shared_buffers=128MB`.
-//! * Unless [`EmbeddedOptions::durable`] is set, `fsync`, `synchronous_commit` and
-//!   `full_page_writes` are off (and `initdb --no-sync` is used): fast, but a crash of the
-//!   *machine* may lose data, which does not matter for a throwaway cluster. Benchmarks should
-//!   set `durable` to measure realistic commit costs.
+//! * Unless [`EmbeddedOptions::durable`] is set, `fsync` and `full_page_writes` are off (and
+//!   `initdb --no-sync` is used): fast, but a crash of the *machine* may lose data, which does not
+//!   matter for a throwaway cluster. `synchronous_commit` stays on, so an acknowledged commit
+//!   survives a restart of the server. Benchmarks should set `durable` to measure realistic
+//!   commit costs.
 //!
 //! Starting takes roughly one to three seconds (mostly `initdb`). All methods block; from async
 //! code call them through `tokio::task::spawn_blocking` (or before the runtime starts).
@@ -76,8 +77,9 @@ const SYSTEM_TOOL_DIRS: [&str; 4] = ["/usr/sbin", "/sbin", "/usr/bin", "/bin"];
 /// Options for an embedded cluster.
 #[derive(Debug, Clone, Default)]
 pub struct EmbeddedOptions {
-    /// Keep fsync and synchronous_commit on (for benchmarks). Defaults to false: fsync=off,
-    /// synchronous_commit=off, full_page_writes=off for fast tests.
+    /// Keep fsync and full_page_writes on (for benchmarks). Defaults to false: fsync=off and
+    /// full_page_writes=off for fast tests; synchronous_commit stays on either way, so commits
+    /// survive a server restart.
     pub durable: bool,
 }
 
@@ -462,7 +464,10 @@ impl Ctl {
             "shared_buffers=128MB".to_owned(),
         ];
         if !self.durable {
-            for setting in ["fsync=off", "synchronous_commit=off", "full_page_writes=off"] {
+            // synchronous_commit stays on: an acknowledged commit is in the WAL (in the OS's
+            // cache), so it survives a restart of the server, even `-m immediate`; only an
+            // operating-system crash could lose it, which a throwaway cluster does not care about.
+            for setting in ["fsync=off", "full_page_writes=off"] {
                 words.push("-c".to_owned());
                 words.push(setting.to_owned());
             }

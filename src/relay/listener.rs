@@ -19,6 +19,11 @@ use crate::error::{Error, Result};
 /// The listener's `application_name`, so operators can tell it apart in `pg_stat_activity`.
 pub(crate) const LISTENER_APPLICATION_NAME: &str = "outbox-relay listener";
 
+/// How often the listener checks that its connection still answers.
+const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+/// How long an answer to the check may take before the connection counts as stalled.
+const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// First wait before reconnecting; it doubles up to `reconnect_max`.
 const RECONNECT_BASE: Duration = Duration::from_millis(50);
 
@@ -94,8 +99,26 @@ async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool
     // Anything committed while we were not listening sent its notification to nobody.
     shared.work.notify_one();
 
+    // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)
+    // is invisible to keepalives: a periodic round trip with a deadline finds it.
+    let heartbeat = async {
+        loop {
+            tokio::time::sleep(HEARTBEAT_INTERVAL).await;
+            match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.simple_query("")).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Error::database("checking the listener connection", e),
+                Err(_) => {
+                    return Error::new(
+                        crate::error::ErrorKind::Connect,
+                        format!("the listener connection did not answer within {HEARTBEAT_TIMEOUT:?}"),
+                    );
+                }
+            }
+        }
+    };
     let result = tokio::select! {
         lost = &mut forwarder => Err(lost),
+        stalled = heartbeat => Err(stalled),
         _ = shared.stop.cancelled() => Ok(()),
     };
     shared.listener_pid.store(0, Ordering::Release);

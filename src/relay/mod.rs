@@ -57,6 +57,11 @@ pub use metrics::{MetricsSnapshot, RelayMetrics};
 use crate::error::Result;
 use crate::outbox::Outbox;
 
+/// How long shutdown waits, after the grace period, for each remaining step (stuck workers, the
+/// other tasks, removing the waiting mark) before it abandons it: `run` returns even when the
+/// database link is stalled.
+const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
+
 /// The channel the outbox trigger notifies (see `migrations/`).
 pub(crate) const CHANNEL: &str = "outbox_relay";
 
@@ -172,12 +177,28 @@ impl<H: Handler> Relay<H> {
         if drained.is_err() {
             tracing::warn!(grace = ?shared.config.shutdown_grace, "deliveries still running after the grace period; cutting them off and releasing their events");
             shared.abort.cancel();
-            drain(&mut workers).await;
+            // A worker blocked in a database call on a stalled link does not see the abort: it is
+            // abandoned after a bound, and its events come back when their lease ends.
+            if tokio::time::timeout(STOP_BOUND, drain(&mut workers)).await.is_err() {
+                tracing::warn!("workers stuck in database calls (a stalled link?); abandoning them");
+                workers.abort_all();
+                drain(&mut workers).await;
+            }
         }
-        drain(&mut services).await;
-        if let Ok(client) = shared.pool.get().await {
-            // Writers need not notify a relay that is gone.
-            let _ = client.execute(crate::sql::RELAY_REMOVE, &[&shared.relay_id]).await;
+        if tokio::time::timeout(STOP_BOUND, drain(&mut services)).await.is_err() {
+            services.abort_all();
+            drain(&mut services).await;
+        }
+        let unmark = async {
+            if let Ok(client) = shared.pool.get().await {
+                // Writers need not notify a relay that is gone.
+                let _ = client.execute(crate::sql::RELAY_REMOVE, &[&shared.relay_id]).await;
+            }
+        };
+        if tokio::time::timeout(STOP_BOUND, unmark).await.is_err() {
+            tracing::warn!(
+                "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
+            );
         }
         shared.pool.close();
         tracing::info!("relay stopped");

@@ -1,6 +1,7 @@
 //! Integration tests against a real PostgreSQL: see `harness` for where the server comes from.
 
 mod cli;
+mod faults;
 mod harness;
 mod migrations;
 mod orders_service;

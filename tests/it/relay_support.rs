@@ -165,7 +165,7 @@ pub async fn listener_pid(client: &tokio_postgres::Client) -> Option<i32> {
         .query_opt(
             "select pid from pg_stat_activity
               where datname = current_database() and application_name = 'outbox-relay listener'
-                and query = 'select pg_backend_pid()'",
+                and query <> 'listen outbox_relay'",
             &[],
         )
         .await
