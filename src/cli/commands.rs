@@ -61,6 +61,7 @@ async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
 }
 
 async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
+    let shutdown = shutdown_signal()?;
     let config = RelayConfig {
         workers: args.workers,
         batch_size: args.batch_size,
@@ -92,22 +93,22 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
     };
     let relay = Relay::new(&outbox, config, sink)?;
     tracing::info!(sink = %args.sink, "delivering; stop with SIGINT or SIGTERM");
-    relay.run(shutdown_signal()).await?;
+    relay.run(shutdown).await?;
     Ok(())
 }
 
-/// Resolves on the first SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Installs the SIGINT and SIGTERM handlers now (a signal that arrives later, even before the
+/// relay runs, is not lost to the default action) and returns a future that resolves on the first.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut interrupt), Ok(mut terminate)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()))
-    else {
-        tracing::error!("cannot install signal handlers; stopping");
-        return;
-    };
-    tokio::select! {
-        _ = interrupt.recv() => tracing::info!("SIGINT received"),
-        _ = terminate.recv() => tracing::info!("SIGTERM received"),
-    }
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?;
+    let mut terminate = signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => tracing::info!("SIGINT received"),
+            _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        }
+    })
 }
 
 async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
