@@ -17,9 +17,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use futures::StreamExt;
 use outbox_relay::embedded::{EmbeddedOptions, EmbeddedPostgres, StopMode};
-use outbox_relay::{AuditEntry, DeliveryError, Error, Event, Handler, NewEvent, Outbox, RelayConfig};
-use serde::{Deserialize, Serialize};
-use serde_json::json;
+use outbox_relay::{DeliveryError, Event, Handler, Outbox, RelayConfig};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
@@ -27,6 +25,7 @@ use tokio::sync::{Semaphore, watch};
 use tokio_postgres::{Client, NoTls};
 
 use crate::harness::{TestDb, server};
+use crate::orders::{ORDERS_TABLE, PlaceOrder, TestError, place_order};
 use crate::relay_support::{self as support, PATIENCE, config, listener_pid, listener_ready, recorder, relay_waiting};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
@@ -64,77 +63,11 @@ async fn count(client: &Client, sql: &str) -> i64 {
 // its key.
 // ---------------------------------------------------------------------------------------------
 
-const ORDERS_TABLE: &str = "create table orders (
-    id bigserial primary key,
-    key text not null,
-    customer text not null,
-    total float8 not null
-)";
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct PlaceOrder {
-    customer: String,
-    total: f64,
-}
-
-impl PlaceOrder {
-    /// The one request body used for `key`: a retry (or a concurrent duplicate) sends exactly this.
-    fn for_key(key: &str) -> PlaceOrder {
-        PlaceOrder { customer: format!("customer-{key}"), total: key.len() as f64 + 0.5 }
-    }
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct Placed {
-    order_id: i64,
-}
-
-#[derive(Debug)]
-enum TestError {
-    Outbox(Error),
-    Injected,
-}
-
-impl From<Error> for TestError {
-    fn from(e: Error) -> Self {
-        TestError::Outbox(e)
-    }
-}
-
-impl From<tokio_postgres::Error> for TestError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        TestError::Outbox(e.into())
-    }
-}
-
-/// Places the order of `key`; with `fail_after_writes` the unit of work returns an error after it
-/// wrote the order, the audit entry and the event (the receipt was claimed before).
-async fn place_order(outbox: &Outbox, key: &str, fail_after_writes: bool) -> Result<(i64, bool), TestError> {
-    let order = PlaceOrder::for_key(key);
-    let executed = outbox
-        .execute(key, &order, |work| {
-            let order = order.clone();
-            let key = key.to_string();
-            Box::pin(async move {
-                let row = work
-                    .query_one(
-                        "insert into orders (key, customer, total) values ($1, $2, $3) returning id",
-                        &[&key, &order.customer, &order.total],
-                    )
-                    .await?;
-                let order_id: i64 = row.get(0);
-                work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
-                work.publish(
-                    &NewEvent::new("order.placed", json!({"order_id": order_id, "key": key})).key(order_id.to_string()),
-                )
-                .await?;
-                if fail_after_writes {
-                    return Err(TestError::Injected);
-                }
-                Ok(Placed { order_id })
-            })
-        })
-        .await?;
+/// Places the order of `key` (always the same request for a key, [`PlaceOrder::for_key`]); with
+/// `fail_after_writes` the unit of work fails after all of its writes. Returns the order id and
+/// whether the call was a replay.
+async fn place(outbox: &Outbox, key: &str, fail_after_writes: bool) -> Result<(i64, bool), TestError> {
+    let executed = place_order(outbox, key, &PlaceOrder::for_key(key), fail_after_writes).await?;
     Ok((executed.response.order_id, executed.replayed))
 }
 
@@ -470,7 +403,7 @@ async fn database_restarted_fast_and_immediate_while_relay_drains_and_writer_wri
             while !stop.load(Ordering::SeqCst) {
                 n += 1;
                 let key = format!("order-{n:05}");
-                let outcome = match place_order(&outbox, &key, false).await {
+                let outcome = match place(&outbox, &key, false).await {
                     Ok((order_id, replayed)) => {
                         assert!(!replayed, "a fresh key cannot replay");
                         Outcome::Placed(order_id)
@@ -544,7 +477,7 @@ async fn database_restarted_fast_and_immediate_while_relay_drains_and_writer_wri
 
     // Retrying a failed key with the same request tells what had happened to it.
     for (key, committed, _) in &failed {
-        let (order_id, replayed) = match place_order(&outbox, key, false).await {
+        let (order_id, replayed) = match place(&outbox, key, false).await {
             Ok(placed) => placed,
             Err(e) => panic!("retrying {key}: {e:?}"),
         };
@@ -887,7 +820,7 @@ async fn write_path_under_concurrency_with_overlapping_keys_and_injected_failure
                     let k = rand::random_range(0..KEYS);
                     let key = format!("key-{k:02}");
                     let fail = k < DOOMED || rand::random::<f64>() < 0.2;
-                    let result = match place_order(&outbox, &key, fail).await {
+                    let result = match place(&outbox, &key, fail).await {
                         Ok(placed) => Some(placed),
                         Err(TestError::Injected) => None,
                         Err(TestError::Outbox(e)) => panic!("{key}: unexpected error {e}"),

@@ -4,6 +4,7 @@ mod cli;
 mod faults;
 mod harness;
 mod migrations;
+mod orders;
 mod orders_service;
 mod privileges;
 mod relay;

@@ -6,6 +6,7 @@ use serde_json::{Value, json};
 use tokio::sync::oneshot;
 
 use crate::harness::TestDb;
+use crate::orders::Counts;
 use crate::relay_support::{PATIENCE, eventually};
 
 #[path = "../../examples/orders_service/app.rs"]
@@ -70,30 +71,12 @@ fn error(answer: &Answer, status: u16) -> String {
     answer.body["error"].as_str().unwrap_or_else(|| panic!("no error message: {answer:?}")).to_string()
 }
 
-#[derive(Debug, PartialEq, Eq, Clone, Copy)]
-struct Counts {
-    orders: i64,
-    audit: i64,
-    receipts: i64,
-    events: i64,
-}
-
 async fn counts(db: &TestDb) -> Counts {
-    let row = db
-        .client()
-        .await
-        .query_one(
-            "select (select count(*) from orders), (select count(*) from outbox_relay.audit),
-                    (select count(*) from outbox_relay.idempotency), (select count(*) from outbox_relay.outbox)",
-            &[],
-        )
-        .await
-        .unwrap();
-    Counts { orders: row.get(0), audit: row.get(1), receipts: row.get(2), events: row.get(3) }
+    Counts::read(&db.client().await).await
 }
 
-const ONE_OF_EACH: Counts = Counts { orders: 1, audit: 1, receipts: 1, events: 1 };
-const NOTHING: Counts = Counts { orders: 0, audit: 0, receipts: 0, events: 0 };
+const ONE_OF_EACH: Counts = Counts::ONE_OF_EACH;
+const NOTHING: Counts = Counts::NOTHING;
 
 fn ana() -> Value {
     json!({"customer": "ana", "total": 12.5})

@@ -1,113 +1,24 @@
 //! The atomic, idempotent write path: the article's checks.
 
 use futures::future::join_all;
-use outbox_relay::{
-    AuditEntry, Error, ErrorKind, Executed, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, NewEvent, Outbox, publish, publish_all,
-};
-use serde::{Deserialize, Serialize};
+use outbox_relay::{ErrorKind, Executed, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, NewEvent, Outbox, publish, publish_all};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct PlaceOrder {
-    customer: String,
-    total: f64,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-struct Placed {
-    order_id: i64,
-}
-
-/// What the tests fail with on purpose.
-#[derive(Debug)]
-enum TestError {
-    Outbox(Error),
-    Injected,
-}
-
-impl From<Error> for TestError {
-    fn from(e: Error) -> Self {
-        TestError::Outbox(e)
-    }
-}
-
-impl From<tokio_postgres::Error> for TestError {
-    fn from(e: tokio_postgres::Error) -> Self {
-        TestError::Outbox(e.into())
-    }
-}
+use crate::orders::{Counts, ORDERS_TABLE, PlaceOrder, Placed, TestError, place_order};
 
 async fn setup() -> TestDb {
     let db = TestDb::new().await;
-    db.client()
-        .await
-        .batch_execute(
-            "create table orders (id bigserial primary key, customer text not null, total numeric(12, 2) not null)",
-        )
-        .await
-        .unwrap();
+    db.client().await.batch_execute(ORDERS_TABLE).await.unwrap();
     db
 }
 
-/// The article's transaction: order, audit entry, event, receipt.
-async fn place_order(
-    outbox: &Outbox,
-    key: &str,
-    order: &PlaceOrder,
-    fail_after_writes: bool,
-) -> Result<Executed<Placed>, TestError> {
-    outbox
-        .execute(key, order, |work| {
-            let order = order.clone();
-            Box::pin(async move {
-                let row = work
-                    .query_one(
-                        "insert into orders (customer, total) values ($1, $2::float8::numeric) returning id",
-                        &[&order.customer, &order.total],
-                    )
-                    .await?;
-                let order_id: i64 = row.get(0);
-                work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
-                work.publish(
-                    &NewEvent::new("order.placed", json!({"order_id": order_id, "customer": order.customer}))
-                        .key(order_id.to_string()),
-                )
-                .await?;
-                if fail_after_writes {
-                    return Err(TestError::Injected);
-                }
-                Ok(Placed { order_id })
-            })
-        })
-        .await
-}
-
 fn ana() -> PlaceOrder {
-    PlaceOrder { customer: "ana".into(), total: 12.5 }
-}
-
-#[derive(Debug, PartialEq, Eq, Clone, Copy)]
-struct Counts {
-    orders: i64,
-    audit: i64,
-    receipts: i64,
-    events: i64,
+    PlaceOrder::ana()
 }
 
 async fn counts(db: &TestDb) -> Counts {
-    let row = db
-        .client()
-        .await
-        .query_one(
-            "select (select count(*) from orders), (select count(*) from outbox_relay.audit),
-                    (select count(*) from outbox_relay.idempotency), (select count(*) from outbox_relay.outbox)",
-            &[],
-        )
-        .await
-        .unwrap();
-    Counts { orders: row.get(0), audit: row.get(1), receipts: row.get(2), events: row.get(3) }
+    Counts::read(&db.client().await).await
 }
 
 #[tokio::test]
@@ -115,7 +26,7 @@ async fn one_call_writes_order_audit_receipt_and_event_together() {
     let db = setup().await;
     let placed = place_order(&db.outbox, "key-1", &ana(), false).await.unwrap();
     assert!(!placed.replayed);
-    assert_eq!(counts(&db).await, Counts { orders: 1, audit: 1, receipts: 1, events: 1 });
+    assert_eq!(counts(&db).await, Counts::ONE_OF_EACH);
 
     let c = db.client().await;
     let id = placed.response.order_id;
@@ -135,7 +46,7 @@ async fn one_call_writes_order_audit_receipt_and_event_together() {
         .unwrap();
     assert_eq!(event.get::<_, String>(0), "order.placed");
     assert_eq!(event.get::<_, Option<String>>(1), Some(id.to_string()));
-    assert_eq!(event.get::<_, Value>(2), json!({"order_id": id, "customer": "ana"}));
+    assert_eq!(event.get::<_, Value>(2), json!({"order_id": id, "customer": "ana", "key": "key-1"}));
     assert!(event.get::<_, bool>(3));
     assert_eq!(event.get::<_, i32>(4), 0);
 
@@ -216,7 +127,7 @@ async fn race(n: usize) {
     assert!(results.iter().all(|r| r.response.order_id == order_id), "all calls answer the same order");
     assert_eq!(results.iter().filter(|r| !r.replayed).count(), 1);
     assert_eq!(results.iter().filter(|r| r.replayed).count(), n - 1);
-    assert_eq!(counts(&db).await, Counts { orders: 1, audit: 1, receipts: 1, events: 1 });
+    assert_eq!(counts(&db).await, Counts::ONE_OF_EACH);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -279,7 +190,7 @@ async fn bad_input_is_refused_with_a_clear_error_and_writes_nothing() {
     // the low-level API refuses the same, before sending anything
     let client = db.client().await;
     assert!(publish(&client, &NewEvent::new("big", huge)).await.unwrap_err().is_invalid_input());
-    assert_eq!(counts(&db).await, Counts { orders: 0, audit: 0, receipts: 0, events: 0 });
+    assert_eq!(counts(&db).await, Counts::NOTHING);
 }
 
 #[tokio::test]
@@ -297,13 +208,13 @@ async fn events_in_the_callers_own_transaction_commit_and_roll_back_with_it() {
     let mut client = db.client().await;
 
     let tx = client.transaction().await.unwrap();
-    tx.execute("insert into orders (customer, total) values ('ana', 1)", &[]).await.unwrap();
+    tx.execute("insert into orders (key, customer, total) values ('k', 'ana', 1)", &[]).await.unwrap();
     publish(&tx, &NewEvent::new("order.placed", json!({"n": 1}))).await.unwrap();
     let ids = publish_all(&tx, &[NewEvent::new("a", json!(1)), NewEvent::new("b", json!(2)).key("k")]).await.unwrap();
     assert_eq!(ids.len(), 2);
     assert!(ids[0] < ids[1], "ids come back in input order");
     tx.rollback().await.unwrap();
-    assert_eq!(counts(&db).await, Counts { orders: 0, audit: 0, receipts: 0, events: 0 });
+    assert_eq!(counts(&db).await, Counts::NOTHING);
 
     let tx = client.transaction().await.unwrap();
     let ids = publish_all(&tx, &[NewEvent::new("a", json!(1)), NewEvent::new("b", json!(2)).key("k")]).await.unwrap();
