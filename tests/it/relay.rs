@@ -99,8 +99,9 @@ async fn after_the_listener_is_killed_it_catches_up_and_listens_again() {
     let relay =
         support::start(&db.outbox, RelayConfig { reconnect_max: Duration::from_millis(200), ..config() }, handler);
     let admin = db.client().await;
-    listener_ready(&admin).await;
-    let pid = listener_pid(&admin).await.unwrap();
+    // Once the relay waits, its listener is fully set up (LISTEN done, pid known): kill that one.
+    relay_waiting(&admin).await;
+    let pid: i32 = admin.query_one("select listener_pid from outbox_relay.relays", &[]).await.unwrap().get(0);
     admin.execute("select pg_terminate_backend($1)", &[&pid]).await.unwrap();
     // Committed while the listener is down: their notifications reach nobody.
     let during: Vec<i64> = {
