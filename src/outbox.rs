@@ -96,7 +96,9 @@ impl Outbox {
             event.validate()?;
         }
         let client = self.client().await?;
-        let ids = publish::insert_events(&**client, sql::EVENT_INSERT_MANY, events).await?;
+        let statement =
+            client.prepare_cached(sql::EVENT_INSERT_MANY).await.map_err(|e| Error::database("preparing", e))?;
+        let ids = publish::insert_events(&**client, &statement, events).await?;
         self.inner.wakeup.wake();
         Ok(ids)
     }
@@ -165,8 +167,9 @@ impl Outbox {
                 .await
                 .map_err(|e| Error::database("claiming the idempotency key", e))?;
             if claimed.is_none() {
+                let get = tx.prepare_cached(sql::IDEMPOTENCY_GET).await.map_err(|e| Error::database("preparing", e))?;
                 let stored = tx
-                    .query_opt(sql::IDEMPOTENCY_GET, &[&key])
+                    .query_opt(&get, &[&key])
                     .await
                     .map_err(|e| Error::database("reading the idempotency receipt", e))?;
                 drop(tx.rollback().await);
