@@ -411,29 +411,7 @@ async fn has_relays_table(outbox: &Outbox) -> Result<bool, BoxError> {
 // Percentiles
 // ---------------------------------------------------------------------------------------------
 
-/// Percentiles of a set of durations (nearest-rank: the smallest sample with at least p % of the
-/// samples at or below it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Percentiles {
-    /// The median.
-    pub p50: Duration,
-    /// The 90th percentile.
-    pub p90: Duration,
-    /// The 99th percentile.
-    pub p99: Duration,
-    /// The largest sample.
-    pub max: Duration,
-}
-
-impl Percentiles {
-    /// Sorts `samples` and reads the percentiles; `None` when there are none.
-    pub fn from_samples(samples: &mut [Duration]) -> Option<Percentiles> {
-        samples.sort_unstable();
-        let last = *samples.last()?;
-        let rank = |p: usize| samples[(samples.len() * p).div_ceil(100).max(1) - 1];
-        Some(Percentiles { p50: rank(50), p90: rank(90), p99: rank(99), max: last })
-    }
-}
+pub use crate::relay::Percentiles;
 
 // ---------------------------------------------------------------------------------------------
 // Latency
@@ -1074,23 +1052,6 @@ mod tests {
 
     fn ms(n: u64) -> Duration {
         Duration::from_millis(n)
-    }
-
-    #[test]
-    fn percentiles_use_the_nearest_rank() {
-        let mut samples: Vec<Duration> = (1..=100).rev().map(ms).collect();
-        let p = Percentiles::from_samples(&mut samples).unwrap();
-        assert_eq!(p, Percentiles { p50: ms(50), p90: ms(90), p99: ms(99), max: ms(100) });
-
-        let mut one = vec![ms(7)];
-        let p = Percentiles::from_samples(&mut one).unwrap();
-        assert_eq!((p.p50, p.p99, p.max), (ms(7), ms(7), ms(7)));
-
-        let mut ten: Vec<Duration> = (1..=10).map(ms).collect();
-        let p = Percentiles::from_samples(&mut ten).unwrap();
-        assert_eq!((p.p50, p.p90, p.p99), (ms(5), ms(9), ms(10)));
-
-        assert_eq!(Percentiles::from_samples(&mut []), None);
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub use migrate::MigrationReport;
 pub use outbox::{Executed, Outbox, Work};
 pub use publish::{AuditEntry, audit, publish, publish_all};
 pub use relay::{
-    Completion, DeliveryError, Handler, HandlerFn, MetricsSnapshot, Relay, RelayConfig, RelayMetrics, handler_fn,
+    Completion, DeliveryError, Handler, HandlerFn, MetricsSnapshot, Percentiles, Relay, RelayConfig, RelayMetrics,
+    handler_fn,
 };
 /// Defaults and bounds of [`RelayConfig`].
 pub mod defaults {

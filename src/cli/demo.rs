@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_relay::embedded::{EmbeddedOptions, EmbeddedPostgres};
-use outbox_relay::{AuditEntry, DatabaseUrl, DeliveryError, Event, Handler, NewEvent, Outbox, Relay, RelayConfig};
+use outbox_relay::{
+    AuditEntry, DatabaseUrl, DeliveryError, Event, Handler, NewEvent, Outbox, Percentiles, Relay, RelayConfig,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -350,12 +352,9 @@ async fn scenario(
     });
 
     let mut latencies = erp.latencies.lock().unwrap().clone();
-    latencies.sort_unstable();
-    let latency = if latencies.is_empty() {
-        "no samples".to_string()
-    } else {
-        let at = |p: f64| latencies[((latencies.len() - 1) as f64 * p).round() as usize];
-        format!("p50 {:.2?}, p99 {:.2?} over {} events", at(0.5), at(0.99), latencies.len())
+    let latency = match Percentiles::from_samples(&mut latencies) {
+        Some(p) => format!("p50 {:.2?}, p99 {:.2?} over {} events", p.p50, p.p99, latencies.len()),
+        None => "no samples".to_string(),
     };
     Ok((checks, latency))
 }

@@ -49,7 +49,7 @@ impl Idle {
         if *marked == waiting {
             return Ok(());
         }
-        let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+        let client = shared.client().await?;
         if waiting {
             let pid = shared.listener_pid.load(Ordering::Acquire);
             client.execute(sql::RELAY_MARK_WAITING, &[&shared.relay_id, &pid]).await
@@ -107,7 +107,7 @@ pub(crate) async fn linger<H: Handler>(shared: &Shared<H>) {
 async fn go_waiting<H: Handler>(shared: &Shared<H>) -> Result<()> {
     shared.idle.set(shared, true).await?;
     let open: Vec<String> = {
-        let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+        let client = shared.client().await?;
         client
             .query_one(sql::TRANSACTIONS_OPEN, &[])
             .await
@@ -120,7 +120,7 @@ async fn go_waiting<H: Handler>(shared: &Shared<H>) -> Result<()> {
     let mut pause = LINGER_POLL;
     while !open.is_empty() && Instant::now() < deadline {
         let still_open: i64 = {
-            let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+            let client = shared.client().await?;
             client
                 .query_one(sql::TRANSACTIONS_STILL_OPEN, &[&open])
                 .await

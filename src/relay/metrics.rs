@@ -8,6 +8,30 @@ use std::time::Duration;
 /// How many recent latencies are kept for percentiles.
 const LATENCY_WINDOW: usize = 4096;
 
+/// Percentiles of a set of durations (nearest-rank: the smallest sample with at least p % of the
+/// samples at or below it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Percentiles {
+    /// The median.
+    pub p50: Duration,
+    /// The 90th percentile.
+    pub p90: Duration,
+    /// The 99th percentile.
+    pub p99: Duration,
+    /// The largest sample.
+    pub max: Duration,
+}
+
+impl Percentiles {
+    /// Sorts `samples` and reads the percentiles; `None` when there are none.
+    pub fn from_samples(samples: &mut [Duration]) -> Option<Percentiles> {
+        samples.sort_unstable();
+        let last = *samples.last()?;
+        let rank = |p: usize| samples[(samples.len() * p).div_ceil(100).max(1) - 1];
+        Some(Percentiles { p50: rank(50), p90: rank(90), p99: rank(99), max: last })
+    }
+}
+
 /// Live counters of one relay; read them through [`crate::Relay::metrics`].
 #[derive(Debug, Default)]
 pub struct RelayMetrics {
@@ -77,15 +101,14 @@ impl RelayMetrics {
 
     /// Reads every counter and the latency percentiles.
     pub fn snapshot(&self) -> MetricsSnapshot {
-        let mut latencies: Vec<u64> =
-            self.latencies_us.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
-        latencies.sort_unstable();
-        let percentile = |p: f64| {
-            (!latencies.is_empty()).then(|| {
-                let i = ((latencies.len() - 1) as f64 * p).round() as usize;
-                Duration::from_micros(latencies[i])
-            })
-        };
+        let mut latencies: Vec<Duration> = self
+            .latencies_us
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|us| Duration::from_micros(*us))
+            .collect();
+        let percentiles = Percentiles::from_samples(&mut latencies);
         MetricsSnapshot {
             delivered: self.delivered.load(Ordering::Relaxed),
             retried: self.retried.load(Ordering::Relaxed),
@@ -93,8 +116,43 @@ impl RelayMetrics {
             claims: self.claims.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
-            latency_p50: percentile(0.5),
-            latency_p99: percentile(0.99),
+            latency_p50: percentiles.map(|p| p.p50),
+            latency_p99: percentiles.map(|p| p.p99),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn percentiles_use_the_nearest_rank() {
+        let mut samples: Vec<Duration> = (1..=100).rev().map(ms).collect();
+        let p = Percentiles::from_samples(&mut samples).unwrap();
+        assert_eq!(p, Percentiles { p50: ms(50), p90: ms(90), p99: ms(99), max: ms(100) });
+
+        let mut one = vec![ms(7)];
+        let p = Percentiles::from_samples(&mut one).unwrap();
+        assert_eq!((p.p50, p.p99, p.max), (ms(7), ms(7), ms(7)));
+
+        let mut ten: Vec<Duration> = (1..=10).map(ms).collect();
+        let p = Percentiles::from_samples(&mut ten).unwrap();
+        assert_eq!((p.p50, p.p90, p.p99), (ms(5), ms(9), ms(10)));
+
+        assert_eq!(Percentiles::from_samples(&mut []), None);
+    }
+
+    #[test]
+    fn the_snapshot_reads_percentiles_of_recent_latencies() {
+        let metrics = RelayMetrics::default();
+        assert_eq!(metrics.snapshot().latency_p50, None);
+        metrics.delivered((1..=100).map(ms));
+        let s = metrics.snapshot();
+        assert_eq!((s.delivered, s.latency_p50, s.latency_p99), (100, Some(ms(50)), Some(ms(99))));
     }
 }

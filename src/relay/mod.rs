@@ -52,7 +52,7 @@ pub use config::{
     DEFAULT_WORKERS, MAX_BATCH_SIZE, MAX_WORKERS, MIN_LEASE, RelayConfig,
 };
 pub use handler::{DeliveryError, Handler, HandlerFn, handler_fn};
-pub use metrics::{MetricsSnapshot, RelayMetrics};
+pub use metrics::{MetricsSnapshot, Percentiles, RelayMetrics};
 
 use crate::error::Result;
 use crate::outbox::Outbox;
@@ -203,6 +203,13 @@ impl<H: Handler> Relay<H> {
         shared.pool.close();
         tracing::info!("relay stopped");
         Ok(())
+    }
+}
+
+impl<H> Shared<H> {
+    /// A connection from the relay's own pool, with an error that names the server.
+    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(|e| crate::connect::pool_error(self.outbox.url(), e))
     }
 }
 

@@ -117,7 +117,7 @@ pub(crate) async fn claim_and_deliver<H: Handler>(shared: &Shared<H>, schedule_n
     let token: i64 = rand::random();
     let batch = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
     let claimed = {
-        let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+        let client = shared.client().await?;
         let statement = client.prepare_cached(sql::EVENT_CLAIM).await.map_err(|e| Error::database("preparing", e))?;
         let claimed = client
             .query(&statement, &[&batch, &micros(config.lease), &token])
@@ -247,7 +247,7 @@ async fn record<H: Handler>(shared: &Shared<H>, token: i64, outcomes: Outcomes) 
 }
 
 async fn write_outcomes<H: Handler>(shared: &Shared<H>, token: i64, o: &Outcomes) -> Result<()> {
-    let client = shared.pool.get().await.map_err(|e| crate::connect::pool_error(shared.outbox.url(), e))?;
+    let client = shared.client().await?;
     let complete = match shared.config.completion {
         Completion::MarkProcessed => sql::EVENT_MARK_PROCESSED,
         Completion::Delete => sql::EVENT_DELETE_PROCESSED,
