@@ -6,8 +6,9 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::event::rfc3339;
 use crate::outbox::Outbox;
-use crate::sql;
+use crate::sql::{self, micros};
 
 /// The state of the queue.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -55,10 +56,6 @@ pub struct DeadLetter {
     pub failed_at: SystemTime,
 }
 
-fn rfc3339<S: serde::Serializer>(t: &SystemTime, s: S) -> std::result::Result<S::Ok, S::Error> {
-    s.collect_str(&humantime::format_rfc3339_micros(*t))
-}
-
 /// What one cleanup pass removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct CleanupReport {
@@ -66,10 +63,6 @@ pub struct CleanupReport {
     pub events: u64,
     /// Idempotency receipts deleted.
     pub receipts: u64,
-}
-
-pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
 impl Outbox {

@@ -83,7 +83,7 @@ impl NewEvent {
 
     /// The delay in microseconds, as PostgreSQL's interval arithmetic takes it.
     pub(crate) fn delay_micros(&self) -> i64 {
-        i64::try_from(self.delay.as_micros()).unwrap_or(i64::MAX)
+        crate::sql::micros(self.delay)
     }
 }
 
@@ -99,18 +99,15 @@ pub struct Event {
     /// The body.
     pub payload: Value,
     /// When the event was written (the writer's transaction clock).
-    #[serde(with = "humantime_serde_rfc3339")]
+    #[serde(serialize_with = "rfc3339")]
     pub created_at: SystemTime,
     /// Which delivery attempt this is, from 1.
     pub attempts: i32,
 }
 
-mod humantime_serde_rfc3339 {
-    use std::time::SystemTime;
-
-    pub(super) fn serialize<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&humantime::format_rfc3339_micros(*t))
-    }
+/// Serializes a time as RFC 3339 with microseconds, UTC: `2026-11-30T15:20:42.008892Z`.
+pub(crate) fn rfc3339<S: serde::Serializer>(t: &SystemTime, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.collect_str(&humantime::format_rfc3339_micros(*t))
 }
 
 /// Checks a topic: 1 to 255 characters, letters, digits and `. _ - : /`.

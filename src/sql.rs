@@ -1,6 +1,11 @@
 //! Every statement the library runs, in one place, named noun first for what it does.
 //! DDL lives in `migrations/`.
 
+/// A duration as the microseconds the statements below multiply by `interval '1 microsecond'`.
+pub(crate) fn micros(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
 /// Serializes migrations across processes: `pg_advisory_xact_lock(MIGRATION_LOCK_KEY)`.
 /// The number is the first 8 bytes of sha256("outbox_relay.migrate").
 pub(crate) const MIGRATION_LOCK_KEY: i64 = 0x6f75_7462_6f78_6d31;

@@ -11,10 +11,9 @@ use tokio_postgres::types::ToSql;
 use super::backoff::retry_delay;
 use super::config::Completion;
 use super::{Handler, Shared, idle};
-use crate::admin::micros;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::sql;
+use crate::sql::{self, micros};
 
 /// Longest pause after a failed claim (the database is down or restarting).
 const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
