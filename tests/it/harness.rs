@@ -53,26 +53,17 @@ impl Server {
         config
     }
 
-    /// A URL for `database` on this server.
+    /// A URL for `database` on this server, with the server's credentials.
     pub fn url_for(&self, database: &str) -> String {
-        match self {
-            Server::External(url) => {
-                let c = url.config();
-                let host = match &c.get_hosts()[0] {
-                    tokio_postgres::config::Host::Tcp(h) => h.clone(),
-                    tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
-                };
-                let port = c.get_ports().first().copied().unwrap_or(5432);
-                let user = c.get_user().unwrap_or("postgres");
-                let password = c.get_password().map(|p| format!(":{}", String::from_utf8_lossy(p))).unwrap_or_default();
-                if host.starts_with('/') {
-                    format!("postgres://{user}{password}@/{database}?host={host}&port={port}")
-                } else {
-                    format!("postgres://{user}{password}@{host}:{port}/{database}")
-                }
-            }
-            Server::Embedded(pg) => pg.url_for(database),
-        }
+        let config = self.config_for(database);
+        let password = config.get_password().map(|p| String::from_utf8_lossy(p).into_owned());
+        url(&config, config.get_user().unwrap_or("postgres"), password.as_deref())
+    }
+
+    /// A URL for `database` on this server as another `user`, without a password (the test
+    /// server trusts local connections).
+    pub fn url_as(&self, database: &str, user: &str) -> String {
+        url(&self.config_for(database), user, None)
     }
 
     /// The embedded cluster, for tests that restart it; `None` with `DATABASE_URL`.
@@ -87,6 +78,18 @@ impl Server {
         match self {
             Server::External(url) => url.config().get_dbname().unwrap_or("postgres").to_string(),
             Server::Embedded(_) => "postgres".to_string(),
+        }
+    }
+}
+
+fn url(config: &tokio_postgres::Config, user: &str, password: Option<&str>) -> String {
+    let database = config.get_dbname().unwrap_or("postgres");
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let password = password.map(|p| format!(":{p}")).unwrap_or_default();
+    match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => format!("postgres://{user}{password}@{host}:{port}/{database}"),
+        tokio_postgres::config::Host::Unix(dir) => {
+            format!("postgres://{user}{password}@/{database}?host={}&port={port}", dir.display())
         }
     }
 }

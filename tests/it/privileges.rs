@@ -12,13 +12,7 @@ const ROLES_SQL: &str = include_str!("../../migrations/optional/least_privilege_
 
 /// The URL of the test database for another user (trust authentication on the test server).
 fn url_as(db: &TestDb, user: &str) -> String {
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let host = match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(h) => h.clone(),
-        tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
-    };
-    let port = config.get_ports()[0];
-    format!("postgres://{user}@{host}:{port}/{}", db.name)
+    crate::harness::server().url_as(&db.name, user)
 }
 
 #[tokio::test]
