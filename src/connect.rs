@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::Config;
-use tokio_postgres::config::Host;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use crate::conninfo::{ConnInfo, describe_target};
 use crate::error::{Error, ErrorKind, Result};
 
 /// How long a new connection may take before it counts as unreachable. Defaults to 10 s.
@@ -20,10 +20,13 @@ pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_POOL_SIZE: usize = 16;
 
 /// A parsed database URL (or key=value string), with the password kept out of every message.
+///
+/// Parsed with the grammar libpq and tokio-postgres share (see [`DatabaseUrl::parse`]); when
+/// printed (`Display`, `Debug`) it is rebuilt from the parsed form as
+/// `postgres://user:***@host:port/database`, so no form of password can show.
 #[derive(Clone)]
 pub struct DatabaseUrl {
-    config: Config,
-    redacted: String,
+    info: ConnInfo,
     tls: MakeRustlsConnect,
 }
 
@@ -31,16 +34,12 @@ impl DatabaseUrl {
     /// Parses `postgres://user:password@host:port/db?...` or `host=... user=...`.
     ///
     /// TLS follows libpq's `sslmode` (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`)
-    /// and `sslrootcert` (a PEM file of trusted roots; the system's store when absent).
+    /// and `sslrootcert` (a PEM file of trusted roots; the system's store when absent). An error
+    /// names what is wrong (an option, a byte offset), never a value.
     pub fn parse(url: &str) -> Result<Self> {
-        let (rewritten, verify, root) = crate::tls::split_tls_options(url)?;
-        let tls = crate::tls::connector(verify, root.as_deref())?;
-        let mut config: Config = rewritten.parse().map_err(|e: tokio_postgres::Error| {
-            Error::config(format!(
-                "invalid database URL {}: {e} (expected postgres://user[:password]@host[:port]/database)",
-                redact(url)
-            ))
-        })?;
+        let mut info = ConnInfo::parse(url)?;
+        let tls = crate::tls::connector(info.verify, info.root_cert.as_deref())?;
+        let config = &mut info.config;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(DEFAULT_CONNECT_TIMEOUT);
         }
@@ -51,38 +50,36 @@ impl DatabaseUrl {
         if config.get_application_name().is_none() {
             config.application_name("outbox-relay");
         }
-        Ok(DatabaseUrl { config, redacted: redact(url), tls })
+        Ok(DatabaseUrl { info, tls })
     }
 
-    /// The same server and credentials, another database.
+    /// The same server, credentials and settings, another database.
     pub fn for_database(&self, database: &str) -> DatabaseUrl {
-        let mut config = self.config.clone();
-        config.dbname(database);
-        let user = config.get_user().map(|u| format!("{u}@")).unwrap_or_default();
-        let redacted = format!("postgres://{user}{}/{database}", describe_target(&config));
-        DatabaseUrl { config, redacted, tls: self.tls.clone() }
+        let mut url = self.clone();
+        url.info.config.dbname(database);
+        url
     }
 
     /// The tokio-postgres configuration.
     pub fn config(&self) -> &Config {
-        &self.config
+        &self.info.config
     }
 
     /// Where the database is, as `host:port[,host:port]`, for messages.
     pub fn target(&self) -> String {
-        describe_target(&self.config)
+        describe_target(&self.info.config)
     }
 
     /// Builds a connection pool of `size` connections. Connections are made lazily.
     pub fn pool(&self, size: usize) -> Result<Pool> {
-        build_pool(self.config.clone(), self.tls.clone(), size)
+        build_pool(self.info.config.clone(), self.tls.clone(), size)
     }
 
     /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
     /// a claim or completion lost in a server crash only causes a redelivery, which at-least-once
     /// delivery allows, so they need not wait for the WAL flush. Business transactions never use it.
     pub(crate) fn relay_pool(&self, size: usize) -> Result<Pool> {
-        let mut config = self.config.clone();
+        let mut config = self.info.config.clone();
         let options = match config.get_options() {
             Some(existing) if !existing.is_empty() => format!("{existing} -c synchronous_commit=off"),
             _ => "-c synchronous_commit=off".to_string(),
@@ -99,7 +96,7 @@ impl DatabaseUrl {
     /// Opens one dedicated (not pooled) connection and spawns its I/O task.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
         let (client, connection) =
-            self.config.connect(self.tls.clone()).await.map_err(|e| connect_error(&self.config, e))?;
+            self.info.config.connect(self.tls.clone()).await.map_err(|e| connect_error(&self.info.config, e))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "database connection closed");
@@ -111,13 +108,13 @@ impl DatabaseUrl {
 
 impl std::fmt::Debug for DatabaseUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.redacted)
+        f.write_str(&self.info.redacted())
     }
 }
 
 impl std::fmt::Display for DatabaseUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.redacted)
+        f.write_str(&self.info.redacted())
     }
 }
 
@@ -146,7 +143,7 @@ pub(crate) fn connect_error(config: &Config, err: tokio_postgres::Error) -> Erro
 pub(crate) fn pool_error(url: &DatabaseUrl, err: deadpool_postgres::PoolError) -> Error {
     use deadpool_postgres::PoolError;
     match err {
-        PoolError::Backend(e) => connect_error(&url.config, e),
+        PoolError::Backend(e) => connect_error(&url.info.config, e),
         PoolError::Timeout(_) => {
             Error::new(ErrorKind::Connect, format!("timed out waiting for a connection to {}", url.target()))
         }
@@ -154,54 +151,13 @@ pub(crate) fn pool_error(url: &DatabaseUrl, err: deadpool_postgres::PoolError) -
     }
 }
 
-fn describe_target(config: &Config) -> String {
-    let ports = config.get_ports();
-    config
-        .get_hosts()
-        .iter()
-        .enumerate()
-        .map(|(i, host)| {
-            let port = ports.get(i).or(ports.first()).copied().unwrap_or(5432);
-            match host {
-                Host::Tcp(name) => format!("{name}:{port}"),
-                Host::Unix(path) => format!("{}/.s.PGSQL.{port}", path.display()),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// Replaces the password of a URL or key=value connection string with `***`.
+/// A connection string as it may be shown: rebuilt from its parsed form with the password as
+/// `***`; a string that does not parse is not shown at all.
 pub fn redact(url: &str) -> String {
-    if let Some(rest) = url.strip_prefix("postgres://").or_else(|| url.strip_prefix("postgresql://")) {
-        let scheme = &url[..url.len() - rest.len()];
-        let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-        let (authority, tail) = rest.split_at(authority_end);
-        if let Some(at) = authority.rfind('@') {
-            let userinfo = &authority[..at];
-            if let Some(colon) = userinfo.find(':') {
-                return format!("{scheme}{}:***{}{tail}", &userinfo[..colon], &authority[at..]);
-            }
-        }
-        let redacted_tail = redact_query_password(tail);
-        return format!("{scheme}{authority}{redacted_tail}");
+    match ConnInfo::parse(url) {
+        Ok(info) => info.redacted(),
+        Err(_) => "(a connection string that does not parse)".to_string(),
     }
-    // key=value form
-    url.split_whitespace()
-        .map(|pair| if pair.starts_with("password=") { "password=***".to_string() } else { pair.to_string() })
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn redact_query_password(tail: &str) -> String {
-    let Some(q) = tail.find('?') else { return tail.to_string() };
-    let (path, query) = tail.split_at(q + 1);
-    let query = query
-        .split('&')
-        .map(|pair| if pair.starts_with("password=") { "password=***".to_string() } else { pair.to_string() })
-        .collect::<Vec<_>>()
-        .join("&");
-    format!("{path}{query}")
 }
 
 #[cfg(test)]
@@ -209,24 +165,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn redact_hides_the_password_in_every_form() {
-        assert_eq!(redact("postgres://app:s3cret@db:5432/x"), "postgres://app:***@db:5432/x");
-        assert_eq!(redact("postgresql://app:s3cret@db/x?sslmode=require"), "postgresql://app:***@db/x?sslmode=require");
-        assert_eq!(
-            redact("postgres://app@db/x?password=s3cret&sslmode=require"),
-            "postgres://app@db/x?password=***&sslmode=require"
-        );
-        assert_eq!(redact("host=db user=app password=s3cret"), "host=db user=app password=***");
-        assert_eq!(redact("postgres://db/x"), "postgres://db/x");
-    }
-
-    #[test]
     fn parse_errors_and_debug_never_show_the_password() {
         let url = DatabaseUrl::parse("postgres://app:s3cret@db:6543/x").unwrap();
         assert_eq!(url.target(), "db:6543");
         assert!(!format!("{url:?} {url}").contains("s3cret"));
+        assert_eq!(url.for_database("other").to_string(), "postgres://app:***@db:6543/other");
         let err = DatabaseUrl::parse("postgres://app:s3cret@db:notaport/x").unwrap_err();
         assert!(!err.to_string().contains("s3cret"), "{err}");
         assert_eq!(err.kind(), ErrorKind::Config);
+        assert_eq!(redact("postgres://app:right/pw@db/x"), "postgres://app:***@db:5432/x");
+        assert_eq!(redact("host=db password = s3cret"), "postgres://:***@db:5432/");
+        assert!(!redact("PASSWORD=s3cret").contains("s3cret"));
     }
 }

@@ -11,7 +11,7 @@
 //!
 //! Trusted roots: the file named by `sslrootcert` (PEM), else the system's certificate store.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -20,6 +20,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{CertificateError, DigitallySignedStruct, Error as TlsError, RootCertStore, SignatureScheme};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use crate::conninfo::Verify;
 use crate::error::{Error, Result};
 
 /// Installs rustls' ring provider as the process default, once; a provider installed earlier
@@ -31,84 +32,20 @@ pub(crate) fn install_crypto_provider() {
     });
 }
 
-/// How the server's certificate is checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Verify {
-    /// Not at all (`disable`, `prefer`, `require`).
-    None,
-    /// The chain (`verify-ca`).
-    Chain,
-    /// The chain and the host name (`verify-full`).
-    Full,
-}
-
-/// Takes libpq's `sslmode` and `sslrootcert` out of a connection string, since tokio-postgres
-/// knows neither `verify-ca`/`verify-full` nor `sslrootcert`: returns the string tokio-postgres
-/// can parse (`verify-*` become `require`), how to verify, and the root certificate file.
-pub(crate) fn split_tls_options(url: &str) -> Result<(String, Verify, Option<PathBuf>)> {
-    let mut verify = Verify::None;
-    let mut root = None;
-    let mut take = |key: &str, value: &str| -> Result<Option<String>> {
-        match (key, value) {
-            ("sslmode", "verify-full") => {
-                verify = Verify::Full;
-                Ok(Some("require".into()))
-            }
-            ("sslmode", "verify-ca") => {
-                verify = Verify::Chain;
-                Ok(Some("require".into()))
-            }
-            ("sslmode", "disable" | "prefer" | "require" | "allow") => {
-                Ok(Some(if value == "allow" { "prefer".into() } else { value.into() }))
-            }
-            ("sslmode", other) => Err(Error::config(format!(
-                "invalid sslmode {other:?}: expected disable, prefer, require, verify-ca or verify-full"
-            ))),
-            ("sslrootcert", path) => {
-                root = Some(PathBuf::from(path));
-                Ok(None)
-            }
-            _ => Ok(Some(value.to_string())),
-        }
-    };
-    let rewritten = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        match url.split_once('?') {
-            None => url.to_string(),
-            Some((base, query)) => {
-                let mut pairs = Vec::new();
-                for pair in query.split('&').filter(|p| !p.is_empty()) {
-                    let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-                    if let Some(value) = take(key, value)? {
-                        pairs.push(format!("{key}={value}"));
-                    }
-                }
-                if pairs.is_empty() { base.to_string() } else { format!("{base}?{}", pairs.join("&")) }
-            }
-        }
-    } else {
-        let mut pairs = Vec::new();
-        for pair in url.split_whitespace() {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
-            if let Some(value) = take(key, value)? {
-                pairs.push(format!("{key}={value}"));
-            }
-        }
-        pairs.join(" ")
-    };
-    Ok((rewritten, verify, root))
-}
-
 /// The rustls connector for `verify`, trusting `root` (or the system's roots).
 pub(crate) fn connector(verify: Verify, root: Option<&Path>) -> Result<MakeRustlsConnect> {
-    install_crypto_provider();
-    let builder = rustls::ClientConfig::builder();
+    // An explicit provider: a library must not install a process-wide default.
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::config(format!("cannot set up TLS: {e}")))?;
     let config = match verify {
         Verify::None => {
             builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate)).with_no_client_auth()
         }
         Verify::Chain | Verify::Full => {
             let roots = Arc::new(trusted_roots(root)?);
-            let webpki = rustls::client::WebPkiServerVerifier::builder(roots)
+            let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(roots, provider)
                 .build()
                 .map_err(|e| Error::config(format!("cannot build the TLS certificate verifier: {e}")))?;
             if verify == Verify::Full {
@@ -237,26 +174,5 @@ impl ServerCertVerifier for ChainOnly {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.supported_verify_schemes()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sslmode_and_sslrootcert_are_taken_out() {
-        let (url, verify, root) =
-            split_tls_options("postgres://u@db/x?sslmode=verify-full&sslrootcert=/etc/ca.pem&connect_timeout=5")
-                .unwrap();
-        assert_eq!(url, "postgres://u@db/x?sslmode=require&connect_timeout=5");
-        assert_eq!(verify, Verify::Full);
-        assert_eq!(root.as_deref(), Some(Path::new("/etc/ca.pem")));
-        let (url, verify, _) = split_tls_options("host=db sslmode=verify-ca user=u").unwrap();
-        assert_eq!(url, "host=db sslmode=require user=u");
-        assert_eq!(verify, Verify::Chain);
-        assert_eq!(split_tls_options("postgres://db/x").unwrap().0, "postgres://db/x");
-        let err = split_tls_options("postgres://db/x?sslmode=always").unwrap_err();
-        assert!(err.to_string().contains("invalid sslmode \"always\""), "{err}");
     }
 }
