@@ -6,7 +6,6 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::event::rfc3339;
 use crate::outbox::Outbox;
 use crate::sql::{self, micros};
 
@@ -23,13 +22,39 @@ pub struct QueueStats {
     pub processed: i64,
     /// Events in the dead letters.
     pub dead_letters: i64,
-    /// Age of the oldest undelivered event, in milliseconds.
+    /// Age of the oldest undelivered event (delayed ones included), in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
+    /// How long the longest-waiting deliverable event has been due (since its `available_at`:
+    /// its commit, or the end of its delay or retry backoff), in milliseconds: the relay's lag.
+    pub oldest_ready_age_ms: Option<i64>,
     /// The most attempts any undelivered event has had.
     pub max_attempts: i32,
     /// Share of PostgreSQL's notification queue in use (0 to 1); it grows when a listener stops
     /// reading, and NOTIFY fails when it is full.
     pub notification_queue_usage: f64,
+}
+
+/// An error that pending events failed with, and how many of them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ErrorCount {
+    /// The `last_error` text.
+    pub error: String,
+    /// How many pending events have it.
+    pub events: i64,
+}
+
+/// A relay connected to the database, as its listener connection shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConnectedRelay {
+    /// The PostgreSQL backend pid of its listener connection.
+    pub listener_pid: i32,
+    /// Where it connects from (`local` for a Unix socket).
+    pub client: String,
+    /// When its listener connected.
+    #[serde(serialize_with = "crate::timestamp::serialize")]
+    pub connected_at: SystemTime,
+    /// Whether it waits for a notification (idle), rather than being busy or lingering.
+    pub waiting: bool,
 }
 
 /// An event in the dead letters.
@@ -45,14 +70,14 @@ pub struct DeadLetter {
     /// as a JSON string holding PostgreSQL's text of it.
     pub payload: Value,
     /// When it was written.
-    #[serde(serialize_with = "rfc3339")]
+    #[serde(serialize_with = "crate::timestamp::serialize")]
     pub created_at: SystemTime,
     /// How many delivery attempts it had.
     pub attempts: i32,
     /// The error that buried it.
     pub last_error: String,
     /// When it was moved here.
-    #[serde(serialize_with = "rfc3339")]
+    #[serde(serialize_with = "crate::timestamp::serialize")]
     pub failed_at: SystemTime,
 }
 
@@ -78,9 +103,38 @@ impl Outbox {
             processed: row.get(3),
             dead_letters: row.get(4),
             oldest_pending_age_ms: row.get(5),
-            max_attempts: row.get(6),
-            notification_queue_usage: row.get(7),
+            oldest_ready_age_ms: row.get(6),
+            max_attempts: row.get(7),
+            notification_queue_usage: row.get(8),
         })
+    }
+
+    /// The `limit` most common errors of pending events (their `last_error`), most frequent first.
+    pub async fn pending_errors(&self, limit: i64) -> Result<Vec<ErrorCount>> {
+        let client = self.client().await?;
+        let rows = client
+            .query(sql::EVENT_ERRORS_TOP, &[&limit])
+            .await
+            .map_err(|e| Error::database("reading the errors of pending events", e))?;
+        Ok(rows.iter().map(|r| ErrorCount { error: r.get(0), events: r.get(1) }).collect())
+    }
+
+    /// The relays connected to this database (by their listener connections), oldest first.
+    pub async fn connected_relays(&self) -> Result<Vec<ConnectedRelay>> {
+        let client = self.client().await?;
+        let rows = client
+            .query(sql::RELAYS_CONNECTED, &[])
+            .await
+            .map_err(|e| Error::database("listing the connected relays", e))?;
+        Ok(rows
+            .iter()
+            .map(|r| ConnectedRelay {
+                listener_pid: r.get(0),
+                client: r.get(1),
+                connected_at: r.get(2),
+                waiting: r.get(3),
+            })
+            .collect())
     }
 
     /// Lists up to `limit` dead letters, oldest id first.

@@ -6,25 +6,34 @@ mod admin;
 #[doc(hidden)]
 pub mod bench;
 mod connect;
+mod conninfo;
 pub mod embedded;
 mod error;
 mod event;
 mod migrate;
 mod outbox;
+mod payload;
 mod publish;
 mod relay;
 pub mod sink;
 mod sql;
+mod timestamp;
 mod tls;
 mod wake;
 
-pub use admin::{CleanupReport, DeadLetter, QueueStats};
+pub use admin::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
 pub use connect::{DEFAULT_POOL_SIZE, DatabaseUrl, redact};
 pub use error::{Error, ErrorKind, Result};
-pub use event::{Event, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, MAX_TOPIC_LEN, NewEvent, validate_topic};
+pub use event::{Event, MAX_KEY_LEN, MAX_TOPIC_LEN, NewEvent, validate_topic};
 pub use migrate::MigrationReport;
 pub use outbox::{Executed, Outbox, Work};
+pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH};
 pub use publish::{AuditEntry, audit, publish, publish_all};
+/// RFC 3339 text (UTC, microseconds) of any time PostgreSQL can hold, such as
+/// [`Event::created_at`]; unlike humantime's it does not panic before 1970 or after 9999.
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    timestamp::rfc3339_micros(t)
+}
 pub use relay::{
     Completion, DeliveryError, Handler, HandlerFn, MetricsSnapshot, Percentiles, Relay, RelayConfig, RelayMetrics,
     handler_fn,

@@ -25,6 +25,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "notify_only_waiting_relays",
         sql: include_str!("../migrations/0002_notify_only_waiting_relays.sql"),
     },
+    Migration {
+        version: 3,
+        name: "harden_rows_and_writer_path",
+        sql: include_str!("../migrations/0003_harden_rows_and_writer_path.sql"),
+    },
 ];
 
 /// What a migration run did.
@@ -94,6 +99,64 @@ pub(crate) async fn run(client: &mut tokio_postgres::Client) -> Result<Migration
     }
     tx.commit().await.map_err(|e| fail("committing", e))?;
     Ok(report)
+}
+
+/// Checks that the database has every migration of this build and none it does not know, with
+/// an error that says what to do.
+pub(crate) async fn check_applied(client: &tokio_postgres::Client) -> Result<()> {
+    let rows = match client.query(sql::MIGRATION_LIST, &[]).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            use tokio_postgres::error::SqlState;
+            let message = match e.code() {
+                Some(code) if *code == SqlState::UNDEFINED_TABLE || *code == SqlState::INVALID_SCHEMA_NAME => {
+                    "the outbox schema is missing in this database: run `outbox-relay migrate` (or Outbox::migrate) first"
+                        .to_string()
+                }
+                Some(code) if *code == SqlState::INSUFFICIENT_PRIVILEGE => {
+                    let role = current_role(client).await;
+                    format!(
+                        "role {role:?} may not use the schema outbox_relay: grant it outbox_relayer or outbox_writer \
+                         (migrations/optional/least_privilege_roles.sql)"
+                    )
+                }
+                _ => return Err(Error::database("reading the applied migrations", e)),
+            };
+            return Err(Error::new(ErrorKind::Migration, message).with_source(e));
+        }
+    };
+    let applied: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
+    let missing: Vec<String> = MIGRATIONS
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(|m| format!("{:04}_{}", m.version, m.name))
+        .collect();
+    if !missing.is_empty() {
+        return Err(Error::new(
+            ErrorKind::Migration,
+            format!(
+                "the database lacks migration{} {} of this outbox-relay: run `outbox-relay migrate` (or Outbox::migrate)",
+                if missing.len() == 1 { "" } else { "s" },
+                missing.join(", ")
+            ),
+        ));
+    }
+    if let Some(unknown) = applied.iter().find(|v| MIGRATIONS.iter().all(|m| m.version != **v)) {
+        return Err(Error::new(
+            ErrorKind::Migration,
+            format!(
+                "the database has migration {unknown}, which this build does not know: it was migrated by a newer outbox-relay"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+async fn current_role(client: &tokio_postgres::Client) -> String {
+    match client.query_one("select current_user::text", &[]).await {
+        Ok(row) => row.get(0),
+        Err(_) => "(unknown)".to_string(),
+    }
 }
 
 #[cfg(test)]

@@ -187,6 +187,7 @@ impl Outbox {
             };
             let tx = handle.tx;
             let stored = serde_json::to_value(&response).map_err(Error::from)?;
+            crate::payload::check_storable("the response of the unit of work", &stored)?;
             tx.execute(sql::IDEMPOTENCY_STORE_RESPONSE, &[&key, &stored])
                 .await
                 .map_err(|e| Error::database("storing the response", e))?;

@@ -72,7 +72,7 @@ impl<'a> AuditEntry<'a> {
         if self.entity_id.is_empty() {
             return Err(Error::invalid_input("audit entity id must not be empty"));
         }
-        Ok(())
+        crate::payload::check_storable("the audit entry's data", &self.data)
     }
 }
 

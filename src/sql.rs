@@ -24,6 +24,12 @@ create table if not exists outbox_relay.schema_migrations (
 pub(crate) const MIGRATION_LIST: &str =
     "select version, name, checksum from outbox_relay.schema_migrations order by version";
 
+/// Which of the given `(table, privilege)` pairs the current role lacks, and the role's name.
+pub(crate) const RELAY_PRIVILEGES: &str = "\
+select coalesce(array_agg(p.privilege || ' on ' || p.tab) filter (where not has_table_privilege(p.tab, p.privilege)), '{}'),
+       current_user::text
+  from unnest($1::text[], $2::text[]) as p(tab, privilege)";
+
 pub(crate) const MIGRATION_RECORD: &str =
     "insert into outbox_relay.schema_migrations (version, name, checksum) values ($1, $2, $3)";
 
@@ -54,13 +60,18 @@ returning key";
 
 pub(crate) const IDEMPOTENCY_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
 
-pub(crate) const IDEMPOTENCY_STORE_RESPONSE: &str = "update outbox_relay.idempotency set response = $2 where key = $1";
+/// Fills in the response of the receipt this transaction claimed (migration 0003's function, so
+/// that writers need no UPDATE on receipts).
+pub(crate) const IDEMPOTENCY_STORE_RESPONSE: &str = "select outbox_relay.store_response($1, $2)";
 
 /// Claims up to `$1` deliverable events for a lease of `$2` microseconds under token `$3`.
 /// SKIP LOCKED lets many workers and processes claim side by side without waiting on each other.
 /// The lease moves `available_at` forward, so an event whose worker died comes back when it ends;
 /// `attempts` counts claims, so an event that crashes its worker still runs out of attempts.
 /// `age_us` is the event's age at the claim on the server's clock (no clock skew).
+///
+/// No row may fail the statement, whoever wrote it: `attempts` stops short of the integer's end,
+/// and `age_us` is null for a `created_at` outside 1970 to 9999 (such an event is dead-lettered).
 pub(crate) const EVENT_CLAIM: &str = "\
 with claimable as (
     select id from outbox_relay.outbox
@@ -71,17 +82,19 @@ with claimable as (
 )
 update outbox_relay.outbox o
    set available_at = now() + $2::int8 * interval '1 microsecond',
-       attempts = o.attempts + 1,
+       attempts = least(o.attempts, 2147483646) + 1,
        lease_token = $3
   from claimable c
  where o.id = c.id
 returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts,
-          (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 as age_us";
+          case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
+               then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us";
 
-/// The earliest time a pending event becomes deliverable, for the relay's timer.
+/// The earliest time a pending event becomes deliverable, for the relay's timer (an infinite
+/// `available_at`, possible in rows older than migration 0003, is no moment to wake at).
 pub(crate) const EVENT_NEXT_AVAILABLE: &str = "\
 select (extract(epoch from min(available_at) - now()) * 1000000)::int8
-  from outbox_relay.outbox where processed_at is null";
+  from outbox_relay.outbox where processed_at is null and isfinite(available_at)";
 
 /// Records successful deliveries by keeping the rows with `processed_at`.
 pub(crate) const EVENT_MARK_PROCESSED: &str = "\
@@ -139,17 +152,44 @@ delete from outbox_relay.idempotency where key in (
        for update skip locked
 )";
 
+/// Milliseconds from `$t` to now, for any timestamp a row may hold: clamped, never an error.
+macro_rules! age_ms {
+    ($t:literal) => {
+        concat!("(least(greatest(extract(epoch from now()) - extract(epoch from ", $t, "), -9e15), 9e15) * 1000)::int8")
+    };
+}
+
 /// The queue at a glance.
-pub(crate) const QUEUE_STATS: &str = "\
-select count(*) filter (where processed_at is null and available_at <= now()),
+pub(crate) const QUEUE_STATS: &str = concat!(
+    "select count(*) filter (where processed_at is null and available_at <= now()),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
        count(*) filter (where processed_at is not null),
        (select count(*) from outbox_relay.dead_letters),
-       (extract(epoch from now() - min(created_at) filter (where processed_at is null)) * 1000)::int8,
+       ",
+    age_ms!("min(created_at) filter (where processed_at is null)"),
+    ",
+       ",
+    age_ms!("min(available_at) filter (where processed_at is null and available_at <= now())"),
+    ",
        coalesce(max(attempts) filter (where processed_at is null), 0),
        pg_notification_queue_usage()
-  from outbox_relay.outbox";
+  from outbox_relay.outbox"
+);
+
+/// The most common errors of pending events, with how many events have each, for `status`.
+pub(crate) const EVENT_ERRORS_TOP: &str = "\
+select last_error, count(*) from outbox_relay.outbox
+ where processed_at is null and last_error is not null
+ group by last_error order by count(*) desc, last_error limit $1";
+
+/// The relays connected to this database: their listener connections, and whether each is
+/// marked waiting for a notification.
+pub(crate) const RELAYS_CONNECTED: &str = "\
+select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false)
+  from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
+ where a.datname = current_database() and a.application_name = 'outbox-relay listener'
+ order by a.backend_start";
 
 pub(crate) const DEAD_LETTER_LIST: &str = "\
 select id, topic, key, payload::text, created_at, attempts, last_error, failed_at

@@ -1,6 +1,7 @@
 -- Least-privilege roles for outbox-relay. Not applied by `outbox-relay migrate`: roles are
 -- cluster-wide objects and creating them needs CREATEROLE. Apply once per database, after the
--- migrations, as a superuser or the schema owner with CREATEROLE:
+-- migrations (and again after upgrading outbox-relay: it is safe to re-run), as a superuser or
+-- the schema owner with CREATEROLE:
 --
 --   psql "$DATABASE_URL" -v ON_ERROR_STOP=1 -f migrations/optional/least_privilege_roles.sql
 --
@@ -10,8 +11,11 @@
 --   create role outbox_relay_daemon login password '...' in role outbox_relayer;
 --
 -- outbox_writer:  services that add events, audit entries and idempotency receipts inside their
---                 own transactions (Outbox::execute, publish, outbox_relay.publish). It cannot read
---                 or change events once written, nor touch dead letters.
+--                 own transactions (Outbox::execute, publish, outbox_relay.publish). It may name
+--                 only the columns a writer sets (never an id, attempts, a lease or processed_at),
+--                 reads back only ids and receipts, and fills in a receipt's response only through
+--                 outbox_relay.store_response, which touches nothing but the receipt its own
+--                 transaction created. It cannot change events once written, nor touch dead letters.
 -- outbox_relayer: the relay (`outbox-relay run`, `status`, `dead-letters`, `cleanup`). It reads and
 --                 updates the library's tables and nothing else: no business table.
 
@@ -28,12 +32,17 @@ $$;
 
 grant usage on schema outbox_relay to outbox_writer, outbox_relayer;
 
--- Writers: add rows; read and update only their idempotency receipts (claim, replay, response).
-grant insert on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
+-- Writers. Table-wide grants of earlier versions are taken back first: a table-level INSERT
+-- would cover every column.
+revoke all on outbox_relay.outbox, outbox_relay.audit, outbox_relay.idempotency from outbox_writer;
+grant insert (topic, key, payload, available_at) on outbox_relay.outbox to outbox_writer;
+grant insert (entity, entity_id, action, data, idempotency_key) on outbox_relay.audit to outbox_writer;
 -- `insert ... returning id` needs to read the id, and only the id.
 grant select (id) on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
 grant usage on sequence outbox_relay.outbox_id_seq, outbox_relay.audit_id_seq to outbox_writer;
-grant select, insert, update on outbox_relay.idempotency to outbox_writer;
+-- Receipts: claim a key (insert), read a stored one for a replay, fill in the response of one's own.
+grant insert (key, fingerprint), select (key, fingerprint, response) on outbox_relay.idempotency to outbox_writer;
+grant execute on function outbox_relay.store_response(text, jsonb) to outbox_writer;
 -- The outbox trigger runs as the writer and reads whether a relay is waiting.
 grant select on outbox_relay.relays to outbox_writer;
 grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writer;
