@@ -159,5 +159,21 @@ impl From<serde_json::Error> for Error {
     }
 }
 
+/// An error's message followed by those of its causes, `: `-separated (tokio-postgres, reqwest
+/// and others keep the cause, such as "Connection refused", out of their own `Display`).
+pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(c) = cause {
+        let next = c.to_string();
+        if !text.ends_with(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 /// Shorthand for results of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -95,10 +95,16 @@ impl Handler for AppHandler {
         }
     }
 
-    async fn flush(&self) -> Result<(), DeliveryError> {
+    async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
         match self {
-            AppHandler::Log => Ok(()),
-            AppHandler::Sink(sink) => sink.flush().await,
+            AppHandler::Log => {
+                let mut results = Vec::with_capacity(events.len());
+                for event in events {
+                    results.push(self.handle(event).await);
+                }
+                results
+            }
+            AppHandler::Sink(sink) => sink.handle_batch(events).await,
         }
     }
 }

@@ -147,7 +147,7 @@ async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(
             }
             println!("{:>10}  {:<24}  {:>8}  {:<27}  last error", "id", "topic", "attempts", "failed at");
             for d in &letters {
-                let failed = humantime::format_rfc3339_seconds(d.failed_at).to_string();
+                let failed = outbox_relay::rfc3339(d.failed_at);
                 println!(
                     "{:>10}  {:<24}  {:>8}  {:<27}  {}",
                     d.id,

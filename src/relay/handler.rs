@@ -2,6 +2,9 @@
 
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
+
+use futures::FutureExt;
 
 use crate::event::Event;
 
@@ -10,18 +13,33 @@ use crate::event::Event;
 pub struct DeliveryError {
     permanent: bool,
     message: String,
+    retry_after: Option<Duration>,
 }
 
 impl DeliveryError {
     /// The destination could not take the event now (down, overloaded, timed out): retry later
     /// with backoff, and dead-letter after the maximum attempts.
     pub fn transient(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: false, message: message.to_string() }
+        DeliveryError { permanent: false, message: message.to_string(), retry_after: None }
     }
 
     /// The event itself is bad (the destination refused it): dead-letter it now.
     pub fn permanent(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: true, message: message.to_string() }
+        DeliveryError { permanent: true, message: message.to_string(), retry_after: None }
+    }
+
+    /// The destination asked not to be tried again before `delay` (an HTTP `Retry-After`): the
+    /// retry waits at least that long (at most the relay's `backoff_max`), however short the
+    /// backoff would be.
+    #[must_use]
+    pub fn retry_after(mut self, delay: Duration) -> Self {
+        self.retry_after = Some(delay);
+        self
+    }
+
+    /// The delay the destination asked for, if any.
+    pub fn requested_delay(&self) -> Option<Duration> {
+        self.retry_after
     }
 
     /// True for a permanent failure.
@@ -44,11 +62,12 @@ impl fmt::Display for DeliveryError {
 
 impl std::error::Error for DeliveryError {}
 
-/// Delivers one event to its destination.
+/// Delivers events to their destination.
 ///
 /// Return `Ok(())` once the destination has the event. Delivery is at least once: the same event
 /// (same [`Event::id`]) can arrive again after a crash or an expired lease, so destinations should
-/// drop ids they have seen. A handler that panics counts as a transient failure; the relay goes on.
+/// drop ids they have seen. A handler that panics counts as a transient failure for every event
+/// of the batch it was given; the relay goes on.
 ///
 /// ```
 /// use outbox_relay::{DeliveryError, Event, Handler};
@@ -65,12 +84,32 @@ pub trait Handler: Send + Sync + 'static {
     /// Delivers `event`.
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), DeliveryError>> + Send;
 
-    /// Called after each batch, before its deliveries are recorded: a handler that buffers
-    /// (a file, a socket) makes what it accepted durable here. An error turns every delivery of
-    /// the batch into a transient failure. Defaults to doing nothing.
-    fn flush(&self) -> impl Future<Output = Result<(), DeliveryError>> + Send {
-        std::future::ready(Ok(()))
+    /// Delivers a batch, returning one result per event, in the order of `events`; the relay
+    /// records them together once the future completes. A handler that writes a batch at once
+    /// (one write and flush, one pipelined round trip) overrides this; each result must say
+    /// what became of that event, so a buffering handler makes the batch durable before it
+    /// returns `Ok` for any of it. Defaults to [`handle`](Self::handle) for each event in turn,
+    /// a panic failing only the event it happened on.
+    fn handle_batch(&self, events: &[Event]) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
+        async move {
+            let mut results = Vec::with_capacity(events.len());
+            for event in events {
+                let delivery = std::panic::AssertUnwindSafe(self.handle(event)).catch_unwind().await;
+                results.push(delivery.unwrap_or_else(|panic| Err(panicked(&*panic))));
+            }
+            results
+        }
     }
+}
+
+/// The failure a panicking handler counts as.
+pub(crate) fn panicked(panic: &(dyn std::any::Any + Send)) -> DeliveryError {
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".to_string());
+    DeliveryError::transient(format!("handler panicked: {message}"))
 }
 
 /// A handler made from an async closure that takes the event by value.
@@ -109,7 +148,7 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         (**self).handle(event)
     }
 
-    fn flush(&self) -> impl Future<Output = Result<(), DeliveryError>> + Send {
-        (**self).flush()
+    fn handle_batch(&self, events: &[Event]) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
+        (**self).handle_batch(events)
     }
 }

@@ -12,11 +12,19 @@
 //! transaction open at that moment (by virtual transaction id, which a transaction holds from its
 //! start, before it has a real xid), waits until all of them have ended, and claims once more.
 //! Any statement that ran its trigger after the mark saw it and notifies.
+//!
+//! That wait can be long (a report running for minutes anywhere in the database), so it runs in
+//! a task of its own ([`close_race`]) and holds nothing: meanwhile the relay stays marked
+//! waiting, writers notify it, and a worker that finds work, marks the relay busy and runs out
+//! again can linger and mark it anew. A new mark replaces the set being waited for: it holds
+//! every transaction of the old set still open, and the claim after it sees what the others
+//! committed.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, watch};
 use tokio::time::Instant;
 
 use super::{Handler, Shared, worker};
@@ -25,9 +33,11 @@ use crate::sql;
 
 /// How often a lingering worker claims.
 pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
+/// The longest pause between two checks of whether the transactions open at the mark ended.
+const CLOSE_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// The relay's waiting mark, as last written to `outbox_relay.relays`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Idle {
     /// Held by the one worker that lingers for the whole relay.
     pub(crate) lingering: Mutex<()>,
@@ -35,6 +45,19 @@ pub(crate) struct Idle {
     marked: Mutex<bool>,
     /// A lock-free copy of `marked`, for the hot path.
     marked_hint: AtomicBool,
+    /// The virtual transaction ids open right after the latest mark, for [`close_race`].
+    open_at_mark: watch::Sender<Vec<String>>,
+}
+
+impl Default for Idle {
+    fn default() -> Self {
+        Idle {
+            lingering: Mutex::default(),
+            marked: Mutex::default(),
+            marked_hint: AtomicBool::default(),
+            open_at_mark: watch::Sender::new(Vec::new()),
+        }
+    }
 }
 
 impl Idle {
@@ -104,6 +127,7 @@ pub(crate) async fn linger<H: Handler>(shared: &Shared<H>) {
     }
 }
 
+/// Marks the relay waiting and hands the transactions open at that moment to [`close_race`].
 async fn go_waiting<H: Handler>(shared: &Shared<H>) -> Result<()> {
     shared.idle.set(shared, true).await?;
     let open: Vec<String> = {
@@ -114,31 +138,50 @@ async fn go_waiting<H: Handler>(shared: &Shared<H>) -> Result<()> {
             .map_err(|e| Error::database("listing open transactions", e))?
             .get(0)
     };
-    // Every transaction that might have run its trigger before the mark is in `open`. Wait for
-    // them to end (bounded: a very long one is left to the fallback poll).
-    let deadline = Instant::now() + shared.config.poll_interval;
-    let mut pause = LINGER_POLL;
-    while !open.is_empty() && Instant::now() < deadline {
-        let still_open: i64 = {
-            let client = shared.client().await?;
-            client
-                .query_one(sql::TRANSACTIONS_STILL_OPEN, &[&open])
-                .await
-                .map_err(|e| Error::database("checking open transactions", e))?
-                .get(0)
-        };
-        if still_open == 0 {
+    shared.idle.open_at_mark.send_replace(open);
+    Ok(())
+}
+
+/// Waits, for each mark, until every transaction open right after it has ended, then wakes a
+/// worker for one more claim: what such a transaction committed may have notified nobody.
+pub(crate) async fn close_race<H: Handler>(shared: Arc<Shared<H>>) {
+    let mut marks = shared.idle.open_at_mark.subscribe();
+    loop {
+        tokio::select! {
+            _ = shared.stop.cancelled() => return,
+            changed = marks.changed() => if changed.is_err() { return },
+        }
+        'mark: loop {
+            let open = marks.borrow_and_update().clone();
+            let mut pause = LINGER_POLL;
+            while !open.is_empty() {
+                match still_open(&shared, &open).await {
+                    Ok(0) => break,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "checking the transactions open at the waiting mark failed; claiming anyway");
+                        break;
+                    }
+                }
+                tokio::select! {
+                    _ = shared.stop.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                    // A newer mark: wait for its transactions instead.
+                    changed = marks.changed() => if changed.is_ok() { continue 'mark } else { return },
+                }
+                pause = (pause * 2).min(CLOSE_POLL_MAX);
+            }
             break;
         }
-        tokio::select! {
-            _ = shared.stop.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(Duration::from_millis(20));
-    }
-    if worker::claim_and_deliver(shared, true).await? > 0 {
-        // Work slipped in through the race: go round again (busy, then linger).
         shared.work.notify_one();
     }
-    Ok(())
+}
+
+async fn still_open<H: Handler>(shared: &Shared<H>, open: &[String]) -> Result<i64> {
+    let client = shared.client().await?;
+    let row = client
+        .query_one(sql::TRANSACTIONS_STILL_OPEN, &[&open])
+        .await
+        .map_err(|e| Error::database("checking open transactions", e))?;
+    Ok(row.get(0))
 }

@@ -33,6 +33,7 @@ mod idle;
 mod janitor;
 mod listener;
 mod metrics;
+mod report;
 mod timer;
 mod worker;
 
@@ -108,6 +109,8 @@ pub(crate) struct Shared<H> {
     pub(crate) idle: idle::Idle,
     /// Claims that failed in a row, for the pause before the next one.
     pub(crate) claim_failures: AtomicU32,
+    /// Failed deliveries, for the rate-limited warnings.
+    pub(crate) reporter: Arc<report::Reporter>,
 }
 
 impl<H: Handler> Relay<H> {
@@ -127,9 +130,12 @@ impl<H: Handler> Relay<H> {
     /// the listener and returns.
     ///
     /// Database outages while running are not errors: the relay logs them and retries. Only a
-    /// failure to start (a pool that cannot be built) is returned.
+    /// failure to start is returned: a pool that cannot be built, or a database that answers
+    /// but cannot be relayed from (a migration of this version missing, a role without the
+    /// privileges the relay needs), each with the reason.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let pool = self.outbox.url().relay_pool(self.config.workers + 2)?;
+        preflight(&self.outbox, &pool, &self.config).await?;
         let shared = Arc::new(Shared {
             outbox: self.outbox,
             timer: timer::Timer::default(),
@@ -144,6 +150,7 @@ impl<H: Handler> Relay<H> {
             listener_pid: AtomicI32::new(0),
             idle: idle::Idle::default(),
             claim_failures: AtomicU32::new(0),
+            reporter: Arc::default(),
         });
         let span = tracing::info_span!("relay", workers = shared.config.workers);
         let _entered = span.enter();
@@ -159,6 +166,8 @@ impl<H: Handler> Relay<H> {
         services.spawn(listener::run(shared.clone()));
         services.spawn(timer::run(shared.clone()));
         services.spawn(bridge(shared.clone()));
+        services.spawn(idle::close_race(shared.clone()));
+        services.spawn(report::run(shared.reporter.clone(), shared.metrics.clone(), shared.stop.clone()));
         if !shared.config.janitor_interval.is_zero() {
             services.spawn(janitor::run(shared.clone()));
         }
@@ -201,6 +210,7 @@ impl<H: Handler> Relay<H> {
             );
         }
         shared.pool.close();
+        report::summary(&shared.metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
         tracing::info!("relay stopped");
         Ok(())
     }
@@ -211,6 +221,48 @@ impl<H> Shared<H> {
     pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
         self.pool.get().await.map_err(|e| crate::connect::pool_error(self.outbox.url(), e))
     }
+}
+
+/// Refuses to start on a database that answers but cannot be relayed from. A database that does
+/// not answer yet is no reason not to start: the relay's loops wait for it.
+async fn preflight(outbox: &Outbox, pool: &Pool, config: &RelayConfig) -> Result<()> {
+    let client = match pool.get().await {
+        Ok(client) => client,
+        Err(e) => {
+            let e = crate::connect::pool_error(outbox.url(), e);
+            tracing::warn!(error = %e, "the database does not answer yet; the relay starts and keeps trying");
+            return Ok(());
+        }
+    };
+    crate::migrate::check_applied(&client).await?;
+    let mut needed = vec![
+        ("outbox_relay.outbox", "SELECT"),
+        ("outbox_relay.outbox", "UPDATE"),
+        ("outbox_relay.outbox", "DELETE"),
+        ("outbox_relay.dead_letters", "INSERT"),
+        ("outbox_relay.dead_letters", "UPDATE"),
+        ("outbox_relay.relays", "SELECT"),
+        ("outbox_relay.relays", "INSERT"),
+        ("outbox_relay.relays", "UPDATE"),
+        ("outbox_relay.relays", "DELETE"),
+    ];
+    if !config.janitor_interval.is_zero() {
+        needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);
+    }
+    let (tables, privileges): (Vec<&str>, Vec<&str>) = needed.into_iter().unzip();
+    let row = client
+        .query_one(crate::sql::RELAY_PRIVILEGES, &[&tables, &privileges])
+        .await
+        .map_err(|e| crate::error::Error::database("checking the relay's privileges", e))?;
+    let missing: Vec<String> = row.get(0);
+    if !missing.is_empty() {
+        let role: String = row.get(1);
+        return Err(crate::error::Error::config(format!(
+            "role {role:?} cannot relay: it lacks {} (grant it outbox_relayer, see migrations/optional/least_privilege_roles.sql)",
+            missing.join(", ")
+        )));
+    }
+    Ok(())
 }
 
 async fn drain(tasks: &mut JoinSet<()>) {

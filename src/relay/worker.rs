@@ -91,21 +91,27 @@ struct Outcomes {
 }
 
 impl Outcomes {
-    /// Records a transient failure: a retry after backoff, or the dead letters after the last
-    /// allowed attempt. Returns the retry delay, if any.
+    /// Records a transient failure: a retry after backoff (or after the destination's
+    /// `Retry-After`, within `backoff_max`), or the dead letters after the last allowed attempt.
+    /// Returns the retry delay, if any.
     fn retry(&mut self, config: &super::RelayConfig, event: &Event, e: &super::DeliveryError) -> Option<Duration> {
         if event.attempts >= i32::try_from(config.max_attempts).unwrap_or(i32::MAX) {
-            self.bury_ids.push(event.id);
-            self.bury_errors.push(format!("gave up after {} attempts: {}", event.attempts, e.message()));
+            self.bury(event.id, format!("gave up after {} attempts: {}", event.attempts, e.message()));
             return None;
         }
         let attempt = u32::try_from(event.attempts).unwrap_or(1);
-        let delay =
+        let backoff =
             retry_delay(attempt, config.backoff_base, config.backoff_max, config.backoff_jitter, rand::random());
+        let delay = e.requested_delay().map_or(backoff, |asked| backoff.max(asked.min(config.backoff_max)));
         self.retry_ids.push(event.id);
         self.retry_delays_us.push(micros(delay));
         self.retry_errors.push(e.message().to_string());
         Some(delay)
+    }
+
+    fn bury(&mut self, id: i64, reason: String) {
+        self.bury_ids.push(id);
+        self.bury_errors.push(reason);
     }
 }
 
@@ -146,76 +152,86 @@ pub(crate) async fn claim_and_deliver<H: Handler>(shared: &Shared<H>, schedule_n
     let mut outcomes = Outcomes::default();
     let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
     for row in &claimed {
-        let id: i64 = row.get(0);
-        // A payload PostgreSQL accepts but serde_json cannot hold (a number beyond f64, such as
-        // 1e999) would fail every delivery: it goes to the dead letters at once, saying why.
-        let payload = match row.try_get::<_, serde_json::Value>(3) {
-            Ok(payload) => payload,
-            Err(e) => {
-                outcomes.bury_ids.push(id);
-                outcomes.bury_errors.push(format!("the payload cannot be read as JSON by the relay: {e:#}"));
-                continue;
-            }
-        };
-        let event =
-            Event { id, topic: row.get(1), key: row.get(2), payload, created_at: row.get(4), attempts: row.get(5) };
-        let age = Duration::from_micros(row.get::<_, i64>(6).max(0) as u64);
-        events.push((event, age));
+        match read_event(row) {
+            Ok(event) => events.push(event),
+            // A row no handler can be given (written by hand, or before migration 0003) goes to
+            // the dead letters at once, saying why; the rest of the batch goes on.
+            Err((id, reason)) => outcomes.bury(id, reason),
+        }
     }
     events.sort_unstable_by_key(|(event, _)| event.id);
     tracing::debug!(count, "claimed events");
+    let (events, ages): (Vec<Event>, Vec<Duration>) = events.into_iter().unzip();
 
-    // Deliveries must end well inside the lease, or another worker may claim the same events.
-    let deadline = claimed_at + config.lease.mul_f64(0.9);
-    for (i, (event, age)) in events.iter().enumerate() {
-        if shared.abort.is_cancelled() || Instant::now() >= deadline {
-            outcomes.released.extend(events[i..].iter().map(|(e, _)| e.id));
-            break;
-        }
-        let delivery = AssertUnwindSafe(shared.handler.handle(event)).catch_unwind();
-        let result = tokio::select! {
-            result = delivery => match result {
-                Ok(result) => result,
-                Err(panic) => Err(super::DeliveryError::transient(format!("handler panicked: {}", panic_message(&panic)))),
+    if !events.is_empty() {
+        // Deliveries must end well inside the lease, or another worker may claim the same events.
+        let deadline = claimed_at + config.lease.mul_f64(0.9);
+        let delivery = AssertUnwindSafe(shared.handler.handle_batch(&events)).catch_unwind();
+        let results = tokio::select! {
+            results = delivery => match results {
+                Ok(results) => Some(results),
+                Err(panic) => {
+                    let failure = super::handler::panicked(&*panic);
+                    Some(events.iter().map(|_| Err(failure.clone())).collect())
+                }
             },
             _ = tokio::time::sleep_until(deadline) => {
-                Err(super::DeliveryError::transient(format!("delivery did not finish within 90% of the {:?} lease", config.lease)))
+                let message = format!("delivery did not finish within 90% of the {:?} lease", config.lease);
+                Some(events.iter().map(|_| Err(super::DeliveryError::transient(&message))).collect())
             }
-            _ = shared.abort.cancelled() => {
-                outcomes.released.extend(events[i..].iter().map(|(e, _)| e.id));
-                break;
-            }
+            _ = shared.abort.cancelled() => None,
         };
-        match result {
-            Ok(()) => {
-                outcomes.delivered.push(event.id);
-                outcomes.latencies.push(*age + claimed_at.elapsed());
-            }
-            Err(e) if e.is_permanent() => {
-                outcomes.bury_ids.push(event.id);
-                outcomes.bury_errors.push(e.message().to_string());
-            }
-            Err(e) => {
-                if let Some(delay) = outcomes.retry(config, event, &e) {
-                    shared.timer.schedule(Instant::now() + delay);
+        match results {
+            // Cut off at shutdown: the events go back, the attempt not counted.
+            None => outcomes.released.extend(events.iter().map(|e| e.id)),
+            Some(mut results) => {
+                if results.len() != events.len() {
+                    let message = format!("the handler returned {} results for {} events", results.len(), events.len());
+                    results.resize_with(events.len(), || Err(super::DeliveryError::transient(&message)));
                 }
-            }
-        }
-    }
-    if !outcomes.delivered.is_empty()
-        && let Err(e) = shared.handler.flush().await
-    {
-        // Nothing the handler accepted in this batch is safe: retry all of it.
-        let delivered = std::mem::take(&mut outcomes.delivered);
-        outcomes.latencies.clear();
-        for (event, _) in events.iter().filter(|(event, _)| delivered.contains(&event.id)) {
-            if let Some(delay) = outcomes.retry(config, event, &e) {
-                shared.timer.schedule(Instant::now() + delay);
+                for ((event, age), result) in events.iter().zip(&ages).zip(results) {
+                    match result {
+                        Ok(()) => {
+                            outcomes.delivered.push(event.id);
+                            outcomes.latencies.push(*age + claimed_at.elapsed());
+                        }
+                        Err(e) if e.is_permanent() => outcomes.bury(event.id, e.message().to_string()),
+                        Err(e) => {
+                            let delay = outcomes.retry(config, event, &e);
+                            if let Some(delay) = delay {
+                                shared.timer.schedule(Instant::now() + delay);
+                            }
+                            shared.reporter.failed(event, &e, delay);
+                        }
+                    }
+                }
             }
         }
     }
     record(shared, token, outcomes).await;
     Ok(count)
+}
+
+/// The event of a claimed row and its age, or the row's id and why no handler can be given it.
+fn read_event(row: &tokio_postgres::Row) -> std::result::Result<(Event, Duration), (i64, String)> {
+    let id: i64 = row.get(0);
+    // A payload PostgreSQL accepts but serde_json cannot hold (a number beyond f64, nesting past
+    // its recursion limit) would fail every delivery.
+    let payload = row
+        .try_get::<_, serde_json::Value>(3)
+        .map_err(|e| (id, format!("the payload cannot be read as JSON by the relay: {}", crate::error::chain(&e))))?;
+    let created_at: std::time::SystemTime = row.get(4);
+    let Some(age_us) = row.get::<_, Option<i64>>(6) else {
+        return Err((
+            id,
+            format!(
+                "created_at {} is outside the years 1970 to 9999, which an event cannot carry",
+                crate::timestamp::rfc3339_micros(created_at)
+            ),
+        ));
+    };
+    let event = Event { id, topic: row.get(1), key: row.get(2), payload, created_at, attempts: row.get(5) };
+    Ok((event, Duration::from_micros(age_us.max(0) as u64)))
 }
 
 /// Writes the outcomes of one batch. Each statement only touches rows still holding this
@@ -276,12 +292,4 @@ async fn write_outcomes<H: Handler>(shared: &Shared<H>, token: i64, o: &Outcomes
         result.map_err(|e| Error::database("recording delivery outcomes", e))?;
     }
     Ok(())
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-string panic payload".to_string())
 }

@@ -1,10 +1,11 @@
 //! HTTP: a POST of the event's JSON per event.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use reqwest::StatusCode;
+use reqwest::header::{HeaderMap, LOCATION, RETRY_AFTER};
 
-use super::event_json;
+use super::{event_json, redact_url};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
@@ -16,24 +17,40 @@ pub const TOPIC_HEADER: &str = "Outbox-Topic";
 /// Header carrying the attempt number (1 for the first delivery).
 pub const ATTEMPT_HEADER: &str = "Outbox-Attempt";
 
+/// How much of an error answer's body is read (for the error message); the rest is never read,
+/// so an endless body costs nothing.
+const ERROR_BODY_LIMIT: usize = 4096;
+/// How many characters of it the error message shows.
+const ERROR_SNIPPET_CHARS: usize = 200;
+
 /// POSTs each event as JSON to one URL.
 ///
 /// A 2xx answer is a delivery. 408, 429, 5xx, timeouts and connection errors are transient
-/// (retried with backoff); any other 4xx is permanent (dead-lettered): the receiver refused this
-/// event and would refuse it again.
+/// (retried with backoff, or after the answer's `Retry-After` when it gives one); any other 4xx is
+/// permanent (dead-lettered): the receiver refused this event and would refuse it again.
+/// Redirects are never followed (a 3xx is a transient failure naming the `Location`): following
+/// one would send a 301/302/303's event as a GET without its body, or a 307/308's to wherever the
+/// receiver points. The URL's password and query values never appear in logs or errors.
 #[derive(Debug, Clone)]
 pub struct HttpSink {
     client: reqwest::Client,
     url: reqwest::Url,
+    /// `url` as it may be shown.
+    pub(super) shown: String,
 }
 
 impl HttpSink {
     /// A sink POSTing to `url`, each request bounded by `timeout`.
     pub fn new(url: &str, timeout: Duration) -> Result<Self> {
-        let parsed = reqwest::Url::parse(url)
-            .map_err(|e| Error::config(format!("invalid sink URL {url:?}: {e} (expected http://host[:port]/path)")))?;
-        if parsed.host_str().is_none() {
-            return Err(Error::config(format!("invalid sink URL {url:?}: no host")));
+        let parsed = reqwest::Url::parse(url).map_err(|e| {
+            Error::config(format!(
+                "invalid sink URL {}: {e} (expected http://host[:port]/path)",
+                super::describe_spec(url)
+            ))
+        })?;
+        let shown = redact_url(&parsed);
+        if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
+            return Err(Error::config(format!("invalid sink URL {shown}: expected http(s)://host[:port]/path")));
         }
         if timeout.is_zero() {
             return Err(Error::config("the HTTP timeout must be positive"));
@@ -42,10 +59,11 @@ impl HttpSink {
         let client = reqwest::Client::builder()
             .timeout(timeout)
             .connect_timeout(timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::config(format!("cannot build the HTTP client: {e}")))?;
-        Ok(HttpSink { client, url: parsed })
+        Ok(HttpSink { client, url: parsed, shown })
     }
 }
 
@@ -64,37 +82,81 @@ impl Handler for HttpSink {
             .await
             .map_err(|e| {
                 let what = if e.is_timeout() { "timed out" } else { "failed" };
-                DeliveryError::transient(format!("POST {} {what}: {}", self.url, error_chain(&e)))
+                // reqwest's message names the URL in full: say it ourselves, redacted.
+                DeliveryError::transient(format!(
+                    "POST {} {what}: {}",
+                    self.shown,
+                    crate::error::chain(&e.without_url())
+                ))
             })?;
         let status = response.status();
         if status.is_success() {
             return Ok(());
         }
-        let body = response.text().await.unwrap_or_default();
-        let snippet: String = body.chars().take(200).collect();
-        let message = format!("POST {} answered {status}: {snippet}", self.url);
+        let retry_after = retry_after(response.headers(), SystemTime::now());
+        if status.is_redirection() {
+            let location = response.headers().get(LOCATION).map(|l| match l.to_str() {
+                Ok(text) => self.url.join(text).map(|l| redact_url(&l)).unwrap_or_else(|_| "(unparseable)".into()),
+                Err(_) => "(not text)".into(),
+            });
+            let error = DeliveryError::transient(format!(
+                "POST {} answered {status} with Location {}: redirects are not followed (the event would not \
+                 reach its destination intact); point the sink at the final address",
+                self.shown,
+                location.as_deref().unwrap_or("(none)")
+            ));
+            return Err(with_delay(error, retry_after));
+        }
+        let snippet = error_snippet(response).await;
+        let message = format!("POST {} answered {status}: {snippet}", self.shown);
         if is_permanent(status) {
             Err(DeliveryError::permanent(message))
         } else {
-            Err(DeliveryError::transient(message))
+            Err(with_delay(DeliveryError::transient(message), retry_after))
         }
     }
+}
+
+fn with_delay(error: DeliveryError, delay: Option<Duration>) -> DeliveryError {
+    match delay {
+        Some(delay) => error.retry_after(delay),
+        None => error,
+    }
+}
+
+/// The start of an error answer's body, on one line: at most [`ERROR_BODY_LIMIT`] bytes are read.
+async fn error_snippet(mut response: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    while body.len() < ERROR_BODY_LIMIT {
+        match response.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk[..chunk.len().min(ERROR_BODY_LIMIT - body.len())]),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    // Dropping the response closes the connection on a body that goes on.
+    drop(response);
+    let text = String::from_utf8_lossy(&body);
+    let mut snippet: String =
+        text.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(ERROR_SNIPPET_CHARS).collect();
+    if snippet.is_empty() {
+        snippet.push_str("(no body)");
+    }
+    snippet
+}
+
+/// The delay a `Retry-After` header asks for: seconds, or an HTTP date (`now` if it has passed).
+fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
 /// 4xx other than 408 (request timeout) and 429 (too many requests) means the event was refused.
 fn is_permanent(status: StatusCode) -> bool {
     status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT && status != StatusCode::TOO_MANY_REQUESTS
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[cfg(test)]
@@ -116,6 +178,23 @@ mod tests {
         assert!(HttpSink::new("http://", DEFAULT).is_err());
         assert!(HttpSink::new("http://example.com/hook", Duration::ZERO).is_err());
         assert!(HttpSink::new("http://127.0.0.1:9/hook", DEFAULT).is_ok());
+        let err = HttpSink::new("http://user:s3cret@/hook", DEFAULT).unwrap_err();
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+
+    #[test]
+    fn retry_after_takes_seconds_or_a_date() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(retry_after(&headers, SystemTime::now()), None);
+        headers.insert(RETRY_AFTER, "5".parse().unwrap());
+        assert_eq!(retry_after(&headers, SystemTime::now()), Some(Duration::from_secs(5)));
+        let now = httpdate::parse_http_date("Sun, 06 Nov 1994 08:49:37 GMT").unwrap();
+        headers.insert(RETRY_AFTER, "Sun, 06 Nov 1994 08:50:07 GMT".parse().unwrap());
+        assert_eq!(retry_after(&headers, now), Some(Duration::from_secs(30)));
+        headers.insert(RETRY_AFTER, "Sun, 06 Nov 1994 08:00:00 GMT".parse().unwrap());
+        assert_eq!(retry_after(&headers, now), Some(Duration::ZERO));
+        headers.insert(RETRY_AFTER, "soon".parse().unwrap());
+        assert_eq!(retry_after(&headers, now), None);
     }
 
     const DEFAULT: Duration = Duration::from_secs(1);

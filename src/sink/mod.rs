@@ -71,7 +71,8 @@ impl Sink {
             return Ok(Sink::Nats(NatsSink::connect(spec, options).await?));
         }
         Err(Error::config(format!(
-            "unknown sink {spec:?}: expected stdout, http://host[:port]/path, https://..., or nats://host:port"
+            "unknown sink {}: expected stdout, http://host[:port]/path, https://..., or nats://host:port",
+            describe_spec(spec)
         )))
     }
 }
@@ -85,13 +86,49 @@ impl Handler for Sink {
         }
     }
 
-    async fn flush(&self) -> Result<(), DeliveryError> {
+    async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
         match self {
-            Sink::Stdout(s) => s.flush().await,
-            Sink::Http(s) => s.flush().await,
-            Sink::Nats(s) => s.flush().await,
+            Sink::Stdout(s) => s.handle_batch(events).await,
+            Sink::Http(s) => s.handle_batch(events).await,
+            Sink::Nats(s) => s.handle_batch(events).await,
         }
     }
+}
+
+impl Sink {
+    /// The destination as it may be shown in logs: a URL's password and query values as `***`.
+    pub fn describe(&self) -> String {
+        match self {
+            Sink::Stdout(_) => "stdout".to_string(),
+            Sink::Http(s) => s.shown.clone(),
+            Sink::Nats(s) => s.shown.clone(),
+        }
+    }
+}
+
+/// A sink spec as it may be shown: redacted when it is a URL; a spec that does not parse as one
+/// is shown only when it cannot hold credentials (no `@`).
+pub(crate) fn describe_spec(spec: &str) -> String {
+    match url::Url::parse(spec) {
+        Ok(url) => format!("{:?}", redact_url(&url)),
+        Err(_) if spec.contains('@') => "(a sink URL that does not parse)".to_string(),
+        Err(_) => format!("{spec:?}"),
+    }
+}
+
+/// `url` with its password and every query value replaced by `***` (they may be tokens) and
+/// without a fragment.
+pub(crate) fn redact_url(url: &url::Url) -> String {
+    let mut shown = url.clone();
+    if shown.password().is_some() {
+        let _cannot_fail_with_a_host = shown.set_password(Some("***"));
+    }
+    if shown.query().is_some() {
+        let pairs: Vec<(String, String)> = url.query_pairs().map(|(k, _)| (k.into_owned(), "***".into())).collect();
+        shown.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    shown.set_fragment(None);
+    shown.to_string()
 }
 
 /// The JSON object every sink sends for an event.

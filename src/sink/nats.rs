@@ -3,7 +3,7 @@
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, context::PublishErrorKind};
 
-use super::{SinkOptions, event_json};
+use super::{SinkOptions, describe_spec, event_json};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
@@ -18,6 +18,8 @@ use crate::relay::{DeliveryError, Handler};
 pub struct NatsSink {
     jetstream: jetstream::Context,
     prefix: String,
+    /// The server's URL as it may be shown.
+    pub(super) shown: String,
 }
 
 impl NatsSink {
@@ -25,11 +27,17 @@ impl NatsSink {
     /// `options.create_stream`, if any.
     pub async fn connect(url: &str, options: &SinkOptions) -> Result<Self> {
         validate_prefix(&options.subject_prefix)?;
-        let client = async_nats::ConnectOptions::new()
-            .connection_timeout(options.timeout)
-            .connect(url)
-            .await
-            .map_err(|e| Error::new(ErrorKind::Connect, format!("cannot connect to NATS at {url}: {e}")))?;
+        let shown = url::Url::parse(url).map(|u| super::redact_url(&u)).unwrap_or_else(|_| describe_spec(url));
+        if options.timeout.is_zero() {
+            return Err(Error::config("the NATS timeout must be positive"));
+        }
+        let client =
+            async_nats::ConnectOptions::new().connection_timeout(options.timeout).connect(url).await.map_err(|e| {
+                Error::new(
+                    ErrorKind::Connect,
+                    format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)),
+                )
+            })?;
         let mut jetstream = jetstream::new(client);
         jetstream.set_timeout(options.timeout);
         if let Some(name) = &options.create_stream {
@@ -48,7 +56,7 @@ impl NatsSink {
                     )
                 })?;
         }
-        Ok(NatsSink { jetstream, prefix: options.subject_prefix.clone() })
+        Ok(NatsSink { jetstream, prefix: options.subject_prefix.clone(), shown })
     }
 
     fn subject(&self, event: &Event) -> String {
@@ -72,6 +80,13 @@ fn validate_prefix(prefix: &str) -> Result<()> {
 impl Handler for NatsSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
         let subject = self.subject(event);
+        if subject.split('.').any(str::is_empty) {
+            // Topics have no empty words since migration 0003; an older row may still.
+            return Err(DeliveryError::permanent(format!(
+                "topic {:?} cannot be a NATS subject: it has an empty word between dots",
+                event.topic
+            )));
+        }
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", event.id.to_string().as_str());
         headers.insert("Outbox-Topic", event.topic.as_str());

@@ -339,7 +339,7 @@ async fn migrate_reports_and_a_second_run_applies_nothing() {
 async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
     let db = TestDb::new().await;
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["run", "--sink", "ftp://x"], "unknown sink \"ftp://x\""),
+        (vec!["run", "--sink", "ftp://x"], "unknown sink \"ftp://x"),
         (vec!["run", "--sink", "stdout", "--poll-interval", "soon"], "--poll-interval"),
         (vec!["run", "--sink", "stdout", "--lease", "10"], "expected a number with a unit"),
         (vec!["run", "--sink", "stdout", "--workers", "0"], "--workers"),

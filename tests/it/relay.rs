@@ -550,15 +550,22 @@ async fn under_sustained_load_writers_do_not_notify() {
     relay.stop().await;
 }
 
-/// A payload PostgreSQL stores but serde_json cannot hold (a number beyond f64) is dead-lettered
-/// with a clear error instead of failing forever; the events around it are delivered.
+/// A payload PostgreSQL stores but serde_json cannot hold (a number beyond f64), inserted by hand
+/// past both doors' checks, is dead-lettered with the cause instead of failing forever; the
+/// events around it are delivered.
 #[tokio::test]
 async fn an_unreadable_payload_goes_to_the_dead_letters_and_the_relay_goes_on() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let before = publish_sql(&client, 1).await;
-    let huge: i64 =
-        client.query_one("select outbox_relay.publish('weird', '{\"amount\": 1e999}')", &[]).await.unwrap().get(0);
+    let huge: i64 = client
+        .query_one(
+            "insert into outbox_relay.outbox (topic, payload) values ('weird', '{\"amount\": 1e999}') returning id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
     let after = publish_sql(&client, 2).await;
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, RelayConfig { workers: 1, ..config() }, handler);
@@ -570,5 +577,6 @@ async fn an_unreadable_payload_goes_to_the_dead_letters_and_the_relay_goes_on() 
     let dead = db.outbox.dead_letters(10).await.unwrap();
     assert_eq!(dead[0].id, huge);
     assert!(dead[0].last_error.contains("cannot be read as JSON"), "{}", dead[0].last_error);
+    assert!(dead[0].last_error.contains("number out of range"), "the cause is named: {}", dead[0].last_error);
     relay.stop().await;
 }

@@ -184,7 +184,9 @@ async fn bad_input_is_refused_with_a_clear_error_and_writes_nothing() {
     expect_invalid(with_event(NewEvent::new("t".repeat(256), json!({}))).await, "limit is 255");
     expect_invalid(with_event(NewEvent::new("order placed", json!({}))).await, "character ' '");
     let huge = json!({"blob": "x".repeat(MAX_PAYLOAD_BYTES)});
-    expect_invalid(with_event(NewEvent::new("big", huge.clone())).await, "limit is 1048576");
+    expect_invalid(with_event(NewEvent::new("big", huge.clone())).await, "limit is 1040384");
+    expect_invalid(with_event(NewEvent::new("order..placed", json!({}))).await, "has an empty word");
+    expect_invalid(with_event(NewEvent::new("t", json!({"name": "a\u{0}b"}))).await, "NUL character");
     expect_invalid(with_event(NewEvent::new("t", json!({})).key("")).await, "event key must not be empty");
 
     // the low-level API refuses the same, before sending anything
