@@ -25,6 +25,8 @@ pub enum ErrorKind {
     Json,
     /// The embedded throwaway PostgreSQL could not be started or controlled.
     Embedded,
+    /// The database role lacks a privilege the operation needs.
+    Permission,
 }
 
 /// An error from outbox-relay.

@@ -80,6 +80,13 @@ impl Outbox {
         migrate::run(&mut client).await
     }
 
+    /// Checks that the database has every migration of this version applied (and none of a newer
+    /// one), and that this role may use the schema; the error says what to do.
+    pub async fn check_schema(&self) -> Result<()> {
+        let client = self.client().await?;
+        migrate::check_applied(&client).await
+    }
+
     /// Adds one event in a transaction of its own, and wakes a relay in this process.
     pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
         event.validate()?;

@@ -152,10 +152,18 @@ delete from outbox_relay.idempotency where key in (
        for update skip locked
 )";
 
-/// Milliseconds from `$t` to now, for any timestamp a row may hold: clamped, never an error.
+/// Milliseconds from `$t` to now (null when `$t` is), for any timestamp a row may hold: clamped,
+/// never an error.
 macro_rules! age_ms {
     ($t:literal) => {
-        concat!("(least(greatest(extract(epoch from now()) - extract(epoch from ", $t, "), -9e15), 9e15) * 1000)::int8")
+        concat!(
+            "(case when ",
+            $t,
+            " is not null then ",
+            "(least(greatest(extract(epoch from now()) - extract(epoch from ",
+            $t,
+            "), -9e12), 9e12) * 1000)::int8 end)"
+        )
     };
 }
 

@@ -61,6 +61,9 @@ pub fn router(outbox: Outbox) -> Router {
         .route("/orders", post(place_order))
         .route("/orders/{id}", get(get_order))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed: POST /orders, GET /orders/{id}")
+        })
         .with_state(outbox)
 }
 
@@ -136,6 +139,9 @@ impl PlaceOrder {
         if customer.is_empty() {
             return Err(ApiError::bad_request("customer must not be empty"));
         }
+        if customer.chars().any(char::is_control) {
+            return Err(ApiError::bad_request("customer must not contain control characters"));
+        }
         let chars = customer.chars().count();
         if chars > MAX_CUSTOMER_CHARS {
             return Err(ApiError::bad_request(format!(
@@ -145,6 +151,14 @@ impl PlaceOrder {
         if !(self.total.is_finite() && self.total > 0.0 && self.total < MAX_TOTAL) {
             return Err(ApiError::bad_request(format!(
                 "total must be greater than 0 and less than {MAX_TOTAL}, got {}",
+                self.total
+            )));
+        }
+        // The row keeps cents (numeric(12, 2)); a finer amount would be rounded there but not in
+        // the event and the audit entry, so it is refused rather than stored three ways.
+        if (self.total * 100.0).round() / 100.0 != self.total {
+            return Err(ApiError::bad_request(format!(
+                "total must have at most two decimal places (cents), got {}",
                 self.total
             )));
         }
@@ -199,8 +213,12 @@ async fn place_order(
     Ok(response)
 }
 
-/// The `Idempotency-Key` header; the library checks its content (length, control characters).
+/// The `Idempotency-Key` header, given once; the library checks its content (length, control
+/// characters).
 fn idempotency_key(headers: &HeaderMap) -> Result<&str, ApiError> {
+    if headers.get_all(IDEMPOTENCY_KEY).iter().nth(1).is_some() {
+        return Err(ApiError::bad_request("Idempotency-Key header given more than once: send exactly one key"));
+    }
     let value = headers.get(IDEMPOTENCY_KEY).ok_or_else(|| {
         ApiError::bad_request(
             "missing Idempotency-Key header: send a unique key per order, and the same key on retries",

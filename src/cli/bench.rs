@@ -42,7 +42,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 200)]
     samples: usize,
     /// How long each write-throughput measurement runs.
-    #[arg(long, value_name = "DUR", value_parser = super::parse_duration, default_value = "3s")]
+    #[arg(long, value_name = "DUR", value_parser = super::duration_in(super::MILLISECOND, Duration::from_secs(3600)), allow_hyphen_values = true, default_value = "3s")]
     write_duration: Duration,
 }
 

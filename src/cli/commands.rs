@@ -3,7 +3,7 @@
 use outbox_relay::sink::{Sink, SinkOptions};
 use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
-use super::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs};
+use super::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs, UsageError};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
@@ -36,13 +36,11 @@ fn require_url(url: Option<String>) -> Result<DatabaseUrl, CliError> {
     }
 }
 
+/// An outbox on `url` whose schema this version can work with (every migration applied, and the
+/// role may use it), or an error that says what to do.
 async fn connect(url: &DatabaseUrl) -> Result<Outbox, CliError> {
     let outbox = Outbox::connect_with(url.clone(), 4).await?;
-    let client = outbox.client().await?;
-    let present: bool = client.query_one("select to_regclass('outbox_relay.outbox') is not null", &[]).await?.get(0);
-    if !present {
-        return Err(format!("the outbox schema is missing in {url}: run `outbox-relay migrate` first").into());
-    }
+    outbox.check_schema().await?;
     Ok(outbox)
 }
 
@@ -62,6 +60,14 @@ async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
 
 async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
     let shutdown = shutdown_signal()?;
+    if args.backoff_max < args.backoff_base {
+        return Err(UsageError(format!(
+            "--backoff-max ({}) is shorter than --backoff-base ({})",
+            humantime::format_duration(args.backoff_max),
+            humantime::format_duration(args.backoff_base)
+        ))
+        .into());
+    }
     let config = RelayConfig {
         workers: args.workers,
         batch_size: args.batch_size,
@@ -91,8 +97,9 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
     } else {
         connect(url).await?
     };
+    let shown = sink.describe();
     let relay = Relay::new(&outbox, config, sink)?;
-    tracing::info!(sink = %args.sink, "delivering; stop with SIGINT or SIGTERM");
+    tracing::info!(sink = %shown, "delivering; stop with SIGINT or SIGTERM");
     relay.run(shutdown).await?;
     Ok(())
 }
@@ -111,24 +118,52 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> 
     })
 }
 
+/// How many of the most common errors of pending events `status` shows.
+const STATUS_ERRORS: i64 = 5;
+
 async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
-    let stats = connect(url).await?.queue_stats().await?;
+    let outbox = connect(url).await?;
+    let stats = outbox.queue_stats().await?;
+    let errors = outbox.pending_errors(STATUS_ERRORS).await?;
+    let relays = outbox.connected_relays().await?;
     if json {
-        println!("{}", serde_json::to_string(&stats)?);
+        let mut value = serde_json::to_value(&stats)?;
+        value["errors"] = serde_json::to_value(&errors)?;
+        value["relays"] = serde_json::to_value(&relays)?;
+        println!("{value}");
         return Ok(());
     }
-    let age = stats
-        .oldest_pending_age_ms
-        .map(|ms| humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)).to_string())
-        .unwrap_or_else(|| "-".into());
+    let age = |ms: Option<i64>| {
+        ms.map(|ms| humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)).to_string())
+            .unwrap_or_else(|| "-".into())
+    };
+    let waiting = relays.iter().filter(|r| r.waiting).count();
     println!("pending (ready)           {}", stats.pending);
     println!("pending (delayed)         {}", stats.delayed);
     println!("in flight                 {}", stats.in_flight);
     println!("processed (kept)          {}", stats.processed);
     println!("dead letters              {}", stats.dead_letters);
-    println!("oldest pending            {age}");
+    println!("oldest pending            {}", age(stats.oldest_pending_age_ms));
+    println!("oldest ready (lag)        {}", age(stats.oldest_ready_age_ms));
     println!("highest attempts          {}", stats.max_attempts);
     println!("notification queue usage  {:.6}", stats.notification_queue_usage);
+    println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
+    for relay in &relays {
+        let state = if relay.waiting { "waiting" } else { "busy or lingering" };
+        println!(
+            "  listener pid {:<8} from {:<15} since {}  {state}",
+            relay.listener_pid,
+            relay.client,
+            outbox_relay::rfc3339(relay.connected_at)
+        );
+    }
+    if !errors.is_empty() {
+        println!("most common errors of pending events:");
+        for e in &errors {
+            let text: String = super::one_line(&e.error).chars().take(160).collect();
+            println!("  {:>8}  {text}", e.events);
+        }
+    }
     Ok(())
 }
 
@@ -167,7 +202,9 @@ async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(
                 return Err(format!("no dead letter with id{}", list_ids(&missing)).into());
             }
         }
-        DeadLetterCommand::Purge { older_than } => {
+        DeadLetterCommand::Purge { all, older_than } => {
+            // clap requires one of the two
+            let older_than = if all { std::time::Duration::ZERO } else { older_than.unwrap_or_default() };
             let purged = outbox.purge_dead_letters(older_than).await?;
             println!("purged {purged} dead letters");
         }

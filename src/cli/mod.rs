@@ -45,11 +45,11 @@ enum Command {
     DeadLetters(DeadLetterCommand),
     /// Run one pass of the janitor and print what it removed.
     Cleanup {
-        /// Delete processed events older than this.
-        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+        /// Delete processed events older than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
         retention: Duration,
-        /// Delete idempotency receipts older than this.
-        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+        /// Delete idempotency receipts older than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
         idempotency_retention: Duration,
     },
 }
@@ -74,11 +74,14 @@ enum DeadLetterCommand {
         #[arg(required_unless_present = "all", value_name = "ID")]
         ids: Vec<i64>,
     },
-    /// Delete dead letters.
+    /// Delete dead letters: those that failed longer ago than --older-than, or --all.
     Purge {
-        /// Only those that failed longer ago than this (default: all).
-        #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "0s")]
-        older_than: Duration,
+        /// Delete every dead letter.
+        #[arg(long, conflicts_with = "older_than")]
+        all: bool,
+        /// Delete those that failed longer ago than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, required_unless_present = "all")]
+        older_than: Option<Duration>,
     },
 }
 
@@ -94,35 +97,36 @@ pub(crate) struct RunArgs {
     /// Events per claim.
     #[arg(long, default_value_t = defaults::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
     batch_size: usize,
-    /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications).
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1s")]
+    /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications);
+    /// 1ms to 1 day.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_POLL_INTERVAL, defaults::MAX_POLL_INTERVAL), allow_hyphen_values = true, default_value = "1s")]
     poll_interval: Duration,
     /// Delivery attempts before an event goes to the dead letters.
     #[arg(long, default_value_t = defaults::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
     max_attempts: u32,
-    /// First retry delay; doubles per attempt.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1s")]
+    /// First retry delay; doubles per attempt (1ms to 7 days).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, defaults::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1s")]
     backoff_base: Duration,
-    /// Longest retry delay.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "1h")]
+    /// Longest retry delay (1ms to 7 days, at least --backoff-base).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, defaults::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1h")]
     backoff_max: Duration,
-    /// Delete processed events older than this.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+    /// Delete processed events older than this (0s to 100 years).
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     retention: Duration,
-    /// Delete idempotency receipts older than this.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "7d")]
+    /// Delete idempotency receipts older than this (0s to 100 years).
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     idempotency_retention: Duration,
-    /// How long a claimed event belongs to its worker before another may take it.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "30s")]
+    /// How long a claimed event belongs to its worker before another may take it (100ms to 1 day).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_LEASE, defaults::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
     lease: Duration,
     /// Keep delivered events (marked processed) or delete them.
     #[arg(long, value_enum, default_value_t = CompletionArg::Mark)]
     completion: CompletionArg,
-    /// Time in-flight deliveries get to finish on shutdown.
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "10s")]
+    /// Time in-flight deliveries get to finish on shutdown (0s to 1h).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
     shutdown_grace: Duration,
-    /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements).
-    #[arg(long, value_name = "DUR", value_parser = parse_duration, default_value = "10s")]
+    /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements); 1ms to 1h.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, outbox_relay::sink::MAX_TIMEOUT), allow_hyphen_values = true, default_value = "10s")]
     timeout: Duration,
     /// NATS subject prefix: events go to <PREFIX>.<topic>.
     #[arg(long, default_value = outbox_relay::sink::DEFAULT_SUBJECT_PREFIX)]
@@ -143,10 +147,24 @@ enum CompletionArg {
     Delete,
 }
 
-/// Parses a humantime duration (`500ms`, `30s`, `5m`, `7d`).
-fn parse_duration(text: &str) -> Result<Duration, String> {
-    humantime::parse_duration(text)
-        .map_err(|e| format!("{e}; expected a number with a unit, e.g. 500ms, 30s, 5m, 2h or 7d"))
+const MILLISECOND: Duration = Duration::from_millis(1);
+
+/// A parser of humantime durations (`500ms`, `30s`, `5m`, `7d`) within `min..=max`; clap's error
+/// names the flag, and a negative value reaches it (`allow_hyphen_values`) to be refused as such.
+fn duration_in(min: Duration, max: Duration) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
+    move |text: &str| {
+        if text.trim_start().starts_with('-') {
+            return Err("a duration cannot be negative".to_string());
+        }
+        let value = humantime::parse_duration(text)
+            .map_err(|e| format!("{e}; expected a number with a unit, e.g. 500ms, 30s, 5m, 2h or 7d"))?;
+        defaults::check_range(value, min, max).map(|()| value)
+    }
+}
+
+/// Retention-like ages: 0s to 100 years.
+fn retention() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
+    duration_in(Duration::ZERO, defaults::MAX_RETENTION)
 }
 
 fn parse_workers(text: &str) -> Result<usize, String> {
@@ -164,6 +182,25 @@ fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, String> {
 
 /// A command's failure: printed as one line.
 pub(crate) type CliError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Arguments that do not make sense together: exit code 2, like clap's own errors.
+#[derive(Debug)]
+pub(crate) struct UsageError(pub(crate) String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// 2 for bad arguments (flags, a malformed database URL or sink), 1 for everything else.
+fn exit_code(error: &CliError) -> ExitCode {
+    let bad_arguments = error.is::<UsageError>()
+        || error.downcast_ref::<outbox_relay::Error>().is_some_and(|e| e.kind() == outbox_relay::ErrorKind::Config);
+    if bad_arguments { ExitCode::from(2) } else { ExitCode::FAILURE }
+}
 
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1
 /// (2 for bad arguments).
@@ -201,7 +238,7 @@ pub(crate) fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", one_line(&e.to_string()));
-            ExitCode::FAILURE
+            exit_code(&e)
         }
     }
 }

@@ -41,6 +41,30 @@ pub const MAX_BATCH_SIZE: usize = 10_000;
 pub const MAX_WORKERS: usize = 256;
 /// The shortest lease.
 pub const MIN_LEASE: Duration = Duration::from_millis(100);
+/// The longest lease.
+pub const MAX_LEASE: Duration = DAY;
+/// The shortest fallback poll interval.
+pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+/// The longest fallback poll interval.
+pub const MAX_POLL_INTERVAL: Duration = DAY;
+/// The longest retry delay, and so the longest `backoff_base` and `backoff_max`: a longer one
+/// is a mistake, not a policy.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The longest retention of processed events and receipts (and age for purging dead letters).
+/// 100 years of 365.25 days, as humantime reads `100y`.
+pub const MAX_RETENTION: Duration = Duration::from_secs(3_155_760_000);
+/// The longest interval between janitor passes.
+pub const MAX_JANITOR_INTERVAL: Duration = DAY;
+/// The longest shutdown grace period.
+pub const MAX_SHUTDOWN_GRACE: Duration = Duration::from_secs(3600);
+/// The shortest and longest wait between listener reconnection attempts.
+pub const MIN_RECONNECT_MAX: Duration = Duration::from_millis(10);
+/// See [`MIN_RECONNECT_MAX`].
+pub const MAX_RECONNECT_MAX: Duration = Duration::from_secs(3600);
+/// The longest linger.
+pub const MAX_LINGER: Duration = Duration::from_secs(10);
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// What the relay does with an event once it is delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -130,17 +154,25 @@ impl RelayConfig {
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return bad("batch_size", format!("is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size));
         }
-        if self.poll_interval < Duration::from_millis(1) {
-            return bad("poll_interval", format!("is {:?}; it must be at least 1ms", self.poll_interval));
-        }
-        if self.lease < MIN_LEASE {
-            return bad("lease", format!("is {:?}; it must be at least {MIN_LEASE:?}", self.lease));
+        let durations = [
+            ("poll_interval", self.poll_interval, MIN_POLL_INTERVAL, MAX_POLL_INTERVAL),
+            ("lease", self.lease, MIN_LEASE, MAX_LEASE),
+            ("backoff_base", self.backoff_base, Duration::from_millis(1), MAX_BACKOFF),
+            ("backoff_max", self.backoff_max, Duration::from_millis(1), MAX_BACKOFF),
+            ("retention", self.retention, Duration::ZERO, MAX_RETENTION),
+            ("idempotency_retention", self.idempotency_retention, Duration::ZERO, MAX_RETENTION),
+            ("janitor_interval", self.janitor_interval, Duration::ZERO, MAX_JANITOR_INTERVAL),
+            ("shutdown_grace", self.shutdown_grace, Duration::ZERO, MAX_SHUTDOWN_GRACE),
+            ("reconnect_max", self.reconnect_max, MIN_RECONNECT_MAX, MAX_RECONNECT_MAX),
+            ("linger", self.linger, Duration::ZERO, MAX_LINGER),
+        ];
+        for (field, value, min, max) in durations {
+            if let Err(why) = check_range(value, min, max) {
+                return bad(field, why);
+            }
         }
         if self.max_attempts == 0 {
             return bad("max_attempts", "is 0; it must be at least 1".into());
-        }
-        if self.backoff_base.is_zero() {
-            return bad("backoff_base", "is 0; it must be positive".into());
         }
         if self.backoff_max < self.backoff_base {
             return bad(
@@ -154,14 +186,21 @@ impl RelayConfig {
         if self.janitor_batch == 0 {
             return bad("janitor_batch", "is 0; it must be at least 1".into());
         }
-        if self.reconnect_max < Duration::from_millis(10) {
-            return bad("reconnect_max", format!("is {:?}; it must be at least 10ms", self.reconnect_max));
-        }
-        if self.linger > Duration::from_secs(10) {
-            return bad("linger", format!("is {:?}; it must be at most 10s", self.linger));
-        }
         Ok(())
     }
+}
+
+/// Checks that `value` lies in `min..=max`; the error says which way it is out, readably
+/// (`is 10000years; it must be at most 100years`).
+pub fn check_range(value: Duration, min: Duration, max: Duration) -> std::result::Result<(), String> {
+    let show = |d: Duration| humantime::format_duration(d).to_string();
+    if value < min {
+        return Err(format!("is {}; it must be at least {}", show(value), show(min)));
+    }
+    if value > max {
+        return Err(format!("is {}; it must be at most {}", show(value), show(max)));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -182,7 +221,14 @@ mod tests {
             (RelayConfig { max_attempts: 0, ..Default::default() }, "max_attempts"),
             (RelayConfig { backoff_max: Duration::from_millis(1), ..Default::default() }, "backoff_max"),
             (RelayConfig { backoff_jitter: 1.5, ..Default::default() }, "backoff_jitter is 1.5"),
-            (RelayConfig { poll_interval: Duration::ZERO, ..Default::default() }, "poll_interval"),
+            (RelayConfig { poll_interval: Duration::ZERO, ..Default::default() }, "poll_interval is 0s"),
+            (RelayConfig { poll_interval: Duration::from_secs(1 << 40), ..Default::default() }, "poll_interval is"),
+            (RelayConfig { lease: Duration::from_secs(1 << 40), ..Default::default() }, "lease is"),
+            (RelayConfig { retention: Duration::from_secs(1 << 40), ..Default::default() }, "at most 100years"),
+            (
+                RelayConfig { backoff_max: Duration::from_secs(30 * 86400), ..Default::default() },
+                "backoff_max is 30days; it must be at most 7days",
+            ),
         ];
         for (config, needle) in cases {
             let err = config.validate().unwrap_err();

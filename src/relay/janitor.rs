@@ -17,7 +17,8 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
         if let Ok(client) = shared.pool.get().await
             && let Err(e) = client.execute(crate::sql::RELAY_REMOVE_DEAD, &[]).await
         {
-            tracing::warn!(error = %e, "removing the marks of dead relays failed");
+            let e = crate::error::Error::database("removing the marks of dead relays", e);
+            tracing::warn!(error = %e, "janitor pass failed; trying again next interval");
         }
         tokio::select! {
             _ = shared.stop.cancelled() => return,

@@ -27,7 +27,7 @@
 //! allowed attempt, moves the event to the dead letters.
 
 mod backoff;
-mod config;
+pub(crate) mod config;
 mod handler;
 mod idle;
 mod janitor;
@@ -46,12 +46,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-pub use config::{
-    Completion, DEFAULT_BACKOFF_BASE, DEFAULT_BACKOFF_JITTER, DEFAULT_BACKOFF_MAX, DEFAULT_BATCH_SIZE,
-    DEFAULT_IDEMPOTENCY_RETENTION, DEFAULT_JANITOR_BATCH, DEFAULT_JANITOR_INTERVAL, DEFAULT_LEASE, DEFAULT_LINGER,
-    DEFAULT_MAX_ATTEMPTS, DEFAULT_POLL_INTERVAL, DEFAULT_RECONNECT_MAX, DEFAULT_RETENTION, DEFAULT_SHUTDOWN_GRACE,
-    DEFAULT_WORKERS, MAX_BATCH_SIZE, MAX_WORKERS, MIN_LEASE, RelayConfig,
-};
+pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, handler_fn};
 pub use metrics::{MetricsSnapshot, Percentiles, RelayMetrics};
 
@@ -257,10 +252,13 @@ async fn preflight(outbox: &Outbox, pool: &Pool, config: &RelayConfig) -> Result
     let missing: Vec<String> = row.get(0);
     if !missing.is_empty() {
         let role: String = row.get(1);
-        return Err(crate::error::Error::config(format!(
-            "role {role:?} cannot relay: it lacks {} (grant it outbox_relayer, see migrations/optional/least_privilege_roles.sql)",
-            missing.join(", ")
-        )));
+        return Err(crate::error::Error::new(
+            crate::error::ErrorKind::Permission,
+            format!(
+                "role {role:?} cannot relay: it lacks {} (grant it outbox_relayer, see migrations/optional/least_privilege_roles.sql)",
+                missing.join(", ")
+            ),
+        ));
     }
     Ok(())
 }

@@ -19,6 +19,8 @@ use crate::event::Event;
 
 /// At most one `warn` line about failed deliveries per this interval.
 pub(crate) const WARN_EVERY: Duration = Duration::from_secs(10);
+/// How often the window is looked at.
+const TICK: Duration = Duration::from_secs(1);
 /// The interval of the `info` summary.
 pub(crate) const SUMMARY_EVERY: Duration = Duration::from_secs(60);
 
@@ -43,13 +45,12 @@ struct Failure {
     topic: String,
     attempt: i32,
     error: String,
-    retry_in: Option<Duration>,
+    retry_in: Duration,
 }
 
 impl Reporter {
-    /// A transient delivery failure of `event`, retried after `retry_in` (`None`: it goes to the
-    /// dead letters, which are logged on their own).
-    pub(crate) fn failed(&self, event: &Event, error: &DeliveryError, retry_in: Option<Duration>) {
+    /// A transient delivery failure of `event`, retried after `retry_in`.
+    pub(crate) fn failed(&self, event: &Event, error: &DeliveryError, retry_in: Duration) {
         let failure = Failure {
             id: event.id,
             topic: event.topic.clone(),
@@ -91,7 +92,7 @@ impl Reporter {
 }
 
 fn warn(failure: &Failure, more: u64) {
-    let retry_in = failure.retry_in.map(|d| humantime::format_duration(round_ms(d)).to_string());
+    let retry_in = humantime::format_duration(round_ms(failure.retry_in)).to_string();
     let message =
         if more > 1 { "deliveries are failing; this is the latest" } else { "delivery failed; it will be retried" };
     tracing::warn!(
@@ -99,7 +100,7 @@ fn warn(failure: &Failure, more: u64) {
         topic = %failure.topic,
         attempt = failure.attempt,
         error = %failure.error,
-        retry_in = retry_in.as_deref().unwrap_or("-"),
+        retry_in = %retry_in,
         failures_since_last_warning = more,
         "{message}"
     );
@@ -117,7 +118,7 @@ pub(crate) async fn run(reporter: Arc<Reporter>, metrics: Arc<RelayMetrics>, sto
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(WARN_EVERY) => {}
+            _ = tokio::time::sleep(TICK) => {}
         }
         reporter.close_window();
         if Instant::now() >= summary_due {

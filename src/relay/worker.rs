@@ -197,11 +197,11 @@ pub(crate) async fn claim_and_deliver<H: Handler>(shared: &Shared<H>, schedule_n
                         }
                         Err(e) if e.is_permanent() => outcomes.bury(event.id, e.message().to_string()),
                         Err(e) => {
-                            let delay = outcomes.retry(config, event, &e);
-                            if let Some(delay) = delay {
+                            // The last allowed attempt goes to the dead letters, logged on their own.
+                            if let Some(delay) = outcomes.retry(config, event, &e) {
                                 shared.timer.schedule(Instant::now() + delay);
+                                shared.reporter.failed(event, &e, delay);
                             }
-                            shared.reporter.failed(event, &e, delay);
                         }
                     }
                 }

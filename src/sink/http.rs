@@ -52,9 +52,7 @@ impl HttpSink {
         if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
             return Err(Error::config(format!("invalid sink URL {shown}: expected http(s)://host[:port]/path")));
         }
-        if timeout.is_zero() {
-            return Err(Error::config("the HTTP timeout must be positive"));
-        }
+        super::check_timeout(timeout)?;
         crate::tls::install_crypto_provider();
         let client = reqwest::Client::builder()
             .timeout(timeout)

@@ -20,6 +20,14 @@ use crate::relay::{DeliveryError, Handler};
 
 /// Default timeout of one HTTP delivery.
 pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest timeout a sink takes.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Checks a sink timeout: more than zero, at most [`MAX_TIMEOUT`].
+fn check_timeout(timeout: Duration) -> Result<()> {
+    crate::relay::config::check_range(timeout, Duration::from_millis(1), MAX_TIMEOUT)
+        .map_err(|why| Error::config(format!("the sink timeout {why}")))
+}
 /// Default subject prefix of the NATS sink: events go to `<prefix>.<topic>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox";
 

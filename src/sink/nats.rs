@@ -28,9 +28,7 @@ impl NatsSink {
     pub async fn connect(url: &str, options: &SinkOptions) -> Result<Self> {
         validate_prefix(&options.subject_prefix)?;
         let shown = url::Url::parse(url).map(|u| super::redact_url(&u)).unwrap_or_else(|_| describe_spec(url));
-        if options.timeout.is_zero() {
-            return Err(Error::config("the NATS timeout must be positive"));
-        }
+        super::check_timeout(options.timeout)?;
         let client =
             async_nats::ConnectOptions::new().connection_timeout(options.timeout).connect(url).await.map_err(|e| {
                 Error::new(

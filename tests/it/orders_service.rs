@@ -169,6 +169,20 @@ async fn bad_requests_get_json_errors_and_write_nothing() {
     let long = service.post(Some("k-long"), &json!({"customer": "a".repeat(201), "total": 1})).await;
     assert!(error(&long, 400).contains("customer"), "{long:?}");
 
+    let nul = service.post(Some("k-nul"), &json!({"customer": "a\u{0}b", "total": 1})).await;
+    assert!(error(&nul, 400).contains("control characters"), "{nul:?}");
+    let cents = service.post(Some("k-cents"), &json!({"customer": "ana", "total": 0.001})).await;
+    assert!(error(&cents, 400).contains("two decimal places"), "{cents:?}");
+    let twice = service
+        .http
+        .post(format!("{}/orders", service.base))
+        .header("Idempotency-Key", "k-one")
+        .header("Idempotency-Key", "k-two")
+        .json(&ana());
+    assert!(error(&answer(twice).await, 400).contains("more than once"));
+    let wrong_method = service.http.delete(format!("{}/orders", service.base));
+    assert!(error(&answer(wrong_method).await, 405).contains("method not allowed"));
+
     let message = error(&service.post(Some(""), &ana()).await, 400);
     assert!(message.contains("idempotency key"), "{message}");
     let message = error(&service.post(Some(&"k".repeat(256)), &ana()).await, 400);

@@ -64,6 +64,32 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
     let err = as_writer.query("delete from outbox_relay.dead_letters", &[]).await.unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
+    // Nor set what only the relay sets, take an id the sequence will hand out, or forge a receipt.
+    let next_id: i64 =
+        admin.query_one("select last_value + 1 from outbox_relay.outbox_id_seq", &[]).await.unwrap().get(0);
+    for forbidden in [
+        "insert into outbox_relay.outbox (topic, payload, attempts) values ('p.t', '{}', 2147483647)".to_string(),
+        "insert into outbox_relay.outbox (topic, payload, created_at) values ('p.t', '{}', 'infinity')".to_string(),
+        "insert into outbox_relay.outbox (topic, payload, processed_at) values ('p.t', '{}', now())".to_string(),
+        "insert into outbox_relay.outbox (topic, payload, lease_token) values ('p.t', '{}', 1)".to_string(),
+        format!("insert into outbox_relay.outbox (id, topic, payload) values ({next_id}, 'p.t', '{{}}')"),
+        "insert into outbox_relay.audit (entity, entity_id, action, data, at) values ('o', '1', 'a', '{}', now())"
+            .to_string(),
+        "update outbox_relay.idempotency set response = '{\"order_id\": 666}' where key = 'key-1'".to_string(),
+        "insert into outbox_relay.idempotency (key, fingerprint, response) values ('forged', '\\x00', '{}')"
+            .to_string(),
+    ] {
+        let err = as_writer.batch_execute(&forbidden).await.unwrap_err();
+        assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{forbidden}: {err}");
+    }
+    let err =
+        as_writer.query("select outbox_relay.store_response('key-1', '{\"order_id\": 666}')", &[]).await.unwrap_err();
+    assert!(err.to_string().contains("no receipt") || format!("{err:?}").contains("no receipt"), "{err:?}");
+    let replay = service
+        .execute("key-1", &json!({"customer": "ana"}), |_work| Box::pin(async { Ok::<_, outbox_relay::Error>(0) }))
+        .await
+        .unwrap();
+    assert_eq!(replay.response, placed.response, "the receipt was not forged");
 
     // The relay runs as the relay role: delivers, dead-letters, cleans up, marks itself waiting.
     let relay_outbox = Outbox::connect(&url_as(&db, &relayer)).await.unwrap();
@@ -102,6 +128,38 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
     // Clean the cluster-wide login roles (the database goes with the test).
     admin
         .batch_execute(&format!("drop owned by {writer}, {relayer}; drop role {writer}; drop role {relayer}"))
+        .await
+        .ok();
+}
+
+/// A relay role that may read but not update the outbox is refused at start, naming what it
+/// lacks; a role without USAGE on the schema gets a message that says so, not `db error`.
+#[tokio::test]
+async fn roles_that_cannot_relay_are_told_what_they_lack() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    let reader = format!("{}_reader", db.name);
+    let stranger = format!("{}_stranger", db.name);
+    admin
+        .batch_execute(&format!(
+            "create role {reader} login; create role {stranger} login;
+             grant usage on schema outbox_relay to {reader};
+             grant select on all tables in schema outbox_relay to {reader};"
+        ))
+        .await
+        .unwrap();
+    let run = crate::binary::cli(&url_as(&db, &reader), &["run", "--sink", "stdout"]).await;
+    let err = crate::binary::stderr(&run);
+    assert_eq!(run.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("role \"{reader}\" cannot relay")), "{err}");
+    assert!(err.contains("UPDATE on outbox_relay.outbox"), "{err}");
+    let status = crate::binary::cli(&url_as(&db, &stranger), &["status"]).await;
+    let err = crate::binary::stderr(&status);
+    assert!(!status.status.success());
+    assert!(err.contains(&format!("role \"{stranger}\" may not use the schema outbox_relay")), "{err}");
+    assert!(!err.contains("db error"), "{err}");
+    admin
+        .batch_execute(&format!("drop owned by {reader}, {stranger}; drop role {reader}; drop role {stranger}"))
         .await
         .ok();
 }

@@ -580,3 +580,26 @@ async fn an_unreadable_payload_goes_to_the_dead_letters_and_the_relay_goes_on() 
     assert!(dead[0].last_error.contains("number out of range"), "the cause is named: {}", dead[0].last_error);
     relay.stop().await;
 }
+
+/// A transaction left open anywhere in the database (a long report, a forgotten `begin`) is one
+/// the relay's race closure must wait for; meanwhile NOTIFY must keep waking the relay. With the
+/// fallback poll at an hour, each event below arrives only if it does; the open transaction ends
+/// only after all of them did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_long_transaction_elsewhere_does_not_stop_notify_wakeups() {
+    let db = TestDb::new().await;
+    let mut long = db.client().await;
+    let report = long.transaction().await.unwrap();
+    report.batch_execute("select count(*) from pg_class").await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { workers: 2, ..config() }, handler);
+    let writer = db.client().await;
+    for n in 0..5 {
+        // the relay idle and waiting (while its race closure waits for the open transaction)
+        support::relay_waiting(&writer).await;
+        let id = publish_sql(&writer, n).await;
+        assert_eq!(deliveries.next().await.event.id, id, "event {n}");
+    }
+    report.rollback().await.unwrap();
+    relay.stop().await;
+}

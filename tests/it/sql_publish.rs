@@ -108,3 +108,26 @@ async fn writers_do_not_notify_when_no_relay_is_waiting() {
     listener.batch_execute("select 1").await.unwrap();
     assert!(rx.try_recv().is_err(), "only the insert made while a relay waited notified");
 }
+
+/// One definition of the size limit on both doors: PostgreSQL's jsonb text of the payload,
+/// separators and numbers (printed in full by numeric) included. A payload of exactly the limit
+/// passes both, one byte more fails both.
+#[tokio::test]
+async fn both_doors_measure_the_payload_size_the_same_way() {
+    use outbox_relay::{MAX_PAYLOAD_BYTES, NewEvent};
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let payload = |padding: usize| {
+        json!({"floats": [1.5e300, 1e-7, -0.0, 0.1, 1e21, 12345.678], "nested": {"a": [1, 2, {"b": null}]},
+               "text": "é \" \\ \u{1}", "pad": "x".repeat(padding)})
+    };
+    let base: i32 = client.query_one("select octet_length($1::jsonb::text)", &[&payload(0)]).await.unwrap().get(0);
+    let fits = MAX_PAYLOAD_BYTES - base as usize;
+    let sql = "select outbox_relay.publish('t', $1::jsonb)";
+    db.outbox.publish(&NewEvent::new("t", payload(fits))).await.expect("the Rust API takes exactly the limit");
+    client.query_one(sql, &[&payload(fits)]).await.expect("the SQL function takes exactly the limit");
+    let err = db.outbox.publish(&NewEvent::new("t", payload(fits + 1))).await.unwrap_err();
+    assert!(err.is_invalid_input() && err.to_string().contains("is 1040385 bytes"), "{err}");
+    let err = client.query_one(sql, &[&payload(fits + 1)]).await.unwrap_err();
+    assert!(err.as_db_error().unwrap().message().contains("is 1040385 bytes"), "{err}");
+}

@@ -1,0 +1,85 @@
+//! Rows written by hand, past every check of the library: as the table owner, or from before
+//! migration 0003's constraints (simulated by dropping them). None may stop delivery or a
+//! listing: a row no handler can be given goes to the dead letters with the reason, the rest of
+//! its batch goes on.
+
+use serde_json::{Value, json};
+
+use crate::binary::{cli, stderr, stdout};
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, config, eventually, recorder};
+
+#[tokio::test]
+async fn hand_written_rows_neither_stop_the_relay_nor_break_the_listings() {
+    let db = TestDb::new().await;
+    let owner = db.client().await;
+    owner
+        .batch_execute(
+            "alter table outbox_relay.outbox drop constraint outbox_created_at_valid,
+                                             drop constraint outbox_available_at_finite,
+                                             drop constraint outbox_topic_valid;
+             insert into outbox_relay.outbox (topic, payload, attempts) values ('bad.attempts', '{}', 2147483647);
+             insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.infinity', '{}', 'infinity');
+             insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.minus_infinity', '{}', '-infinity');
+             insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.old', '{}', '1900-01-01');
+             insert into outbox_relay.outbox (topic, payload, available_at) values ('bad.never', '{}', 'infinity');
+             insert into outbox_relay.outbox (topic, payload) values ('bad..topic', '{}');
+             insert into outbox_relay.outbox (topic, payload)
+                 values ('bad.deep', (repeat('[', 200) || repeat(']', 200))::jsonb);
+             insert into outbox_relay.outbox (topic, payload)
+                 select 'good.event', jsonb_build_object('n', g) from generate_series(1, 50) g;",
+        )
+        .await
+        .unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    let delivered: Vec<String> = deliveries.take(52).await.into_iter().map(|d| d.event.topic).collect();
+    assert_eq!(delivered.iter().filter(|t| *t == "good.event").count(), 50);
+    assert!(delivered.contains(&"bad.attempts".to_string()), "an attempts count at the integer's end is no obstacle");
+    assert!(delivered.contains(&"bad..topic".to_string()), "only the NATS sink minds empty words");
+    eventually("the undeliverable rows dead-lettered", || async {
+        db.outbox.queue_stats().await.unwrap().dead_letters == 4
+    })
+    .await;
+    relay.stop().await;
+
+    let dead = db.outbox.dead_letters(10).await.unwrap();
+    let reason = |topic: &str| dead.iter().find(|d| d.topic == topic).map(|d| d.last_error.clone()).unwrap();
+    for topic in ["bad.infinity", "bad.minus_infinity", "bad.old"] {
+        assert!(reason(topic).contains("is outside the years 1970 to 9999"), "{topic}: {}", reason(topic));
+    }
+    assert!(reason("bad.deep").contains("recursion limit exceeded"), "{}", reason("bad.deep"));
+
+    // The listings read every one of them.
+    let status = cli(&db.url, &["status", "--json"]).await;
+    assert!(status.status.success(), "{}", stderr(&status));
+    let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    assert_eq!(status["delayed"], json!(1), "the event due at infinity: {status}");
+    let list = cli(&db.url, &["dead-letters", "list", "--json"]).await;
+    assert_eq!(list.status.code(), Some(0), "{}", stderr(&list));
+    let letters: Vec<Value> = serde_json::from_str(stdout(&list).trim()).unwrap();
+    let created = |topic: &str| {
+        letters.iter().find(|l| l["topic"] == topic).map(|l| l["created_at"].as_str().unwrap().to_string()).unwrap()
+    };
+    assert_eq!(created("bad.old"), "1900-01-01T00:00:00.000000Z");
+    assert!(created("bad.infinity").starts_with('+'), "{}", created("bad.infinity"));
+    let table = cli(&db.url, &["dead-letters", "list"]).await;
+    assert_eq!(table.status.code(), Some(0), "{}", stderr(&table));
+}
+
+/// Migration 0003's constraints refuse such rows from now on, whoever writes them.
+#[tokio::test]
+async fn the_table_refuses_rows_no_relay_could_deliver() {
+    let db = TestDb::new().await;
+    let owner = db.client().await;
+    for row in [
+        "(topic, payload, created_at) values ('t', '{}', 'infinity')",
+        "(topic, payload, created_at) values ('t', '{}', '1969-12-31 23:59:59+00')",
+        "(topic, payload, available_at) values ('t', '{}', '-infinity')",
+        "(topic, payload) values ('order..placed', '{}')",
+        "(topic, payload) values ('.order', '{}')",
+    ] {
+        let err = owner.batch_execute(&format!("insert into outbox_relay.outbox {row}")).await.unwrap_err();
+        assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION), "{row}: {err}");
+    }
+}

@@ -1,0 +1,52 @@
+//! The `outbox-relay` binary, run for real: helpers for the tests that spawn it.
+
+use std::process::{Output, Stdio};
+
+use serde_json::Value;
+use tokio::process::{Child, Command};
+
+use crate::harness::TestDb;
+use crate::relay_support::PATIENCE;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+
+/// Runs the binary to completion.
+pub async fn cli(url: &str, args: &[&str]) -> Output {
+    let run = Command::new(BIN).args(args).env("DATABASE_URL", url).env("RUST_LOG", "warn").output();
+    tokio::time::timeout(PATIENCE, run).await.expect("command hung").expect("cannot run the binary")
+}
+
+pub fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+pub fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Starts `outbox-relay run` with these arguments.
+pub fn spawn_run(url: &str, args: &[&str]) -> Child {
+    Command::new(BIN)
+        .arg("run")
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot start outbox-relay run")
+}
+
+/// Sends SIGTERM and returns the exit code.
+pub async fn terminate(mut child: Child) -> Option<i32> {
+    let pid = child.id().expect("running").to_string();
+    let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    assert!(sent.success());
+    let status = tokio::time::timeout(PATIENCE, child.wait()).await.expect("did not stop after SIGTERM").unwrap();
+    status.code()
+}
+
+pub async fn publish(db: &TestDb, topic: &str, payload: Value) -> i64 {
+    db.client().await.query_one("select outbox_relay.publish($1, $2)", &[&topic, &payload]).await.unwrap().get(0)
+}

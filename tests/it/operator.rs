@@ -1,0 +1,203 @@
+//! The command as an operator meets it on a bad day: a full disk under stdout, a sink that is
+//! down, flags out of range, a foot-gun of a purge, a database the relay cannot work with.
+
+use std::process::Stdio;
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+
+use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+async fn count(db: &TestDb, sql: &str) -> i64 {
+    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// With stdout on a device that refuses every write, no event may count as delivered, however
+/// the workers' batches interleave.
+#[tokio::test]
+async fn stdout_on_a_full_disk_marks_nothing_delivered() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute("insert into outbox_relay.outbox (topic, payload) select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 300) g")
+        .await
+        .unwrap();
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
+    let mut child = Command::new(BIN)
+        .args(["run", "--sink", "stdout", "--workers", "4", "--batch-size", "1", "--backoff-base", "1h"])
+        .env("DATABASE_URL", &db.url)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::from(full))
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    eventually("every event attempted once", || async {
+        count(&db, "select count(*) from outbox_relay.outbox where last_error is not null").await == 300
+    })
+    .await;
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    tokio::time::timeout(PATIENCE, child.wait()).await.unwrap().unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox where processed_at is not null").await, 0);
+    let error: String =
+        db.client().await.query_one("select last_error from outbox_relay.outbox limit 1", &[]).await.unwrap().get(0);
+    assert!(error.contains("writing to stdout failed"), "{error}");
+}
+
+/// Every duration has a range, checked before anything starts, and the error names the flag;
+/// bad arguments exit with 2.
+#[tokio::test]
+async fn durations_out_of_range_are_refused_naming_the_flag() {
+    let db = TestDb::new().await;
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "--sink", "stdout", "--poll-interval", "500000000000y"], "--poll-interval"),
+        (vec!["run", "--sink", "stdout", "--poll-interval", "2d"], "at most 1day"),
+        (vec!["run", "--sink", "stdout", "--poll-interval", "-1s"], "cannot be negative"),
+        (vec!["run", "--sink", "stdout", "--lease", "100000000y"], "--lease"),
+        (vec!["run", "--sink", "stdout", "--lease", "10ms"], "at least 100ms"),
+        (vec!["run", "--sink", "stdout", "--retention", "10000y"], "--retention"),
+        (vec!["run", "--sink", "stdout", "--backoff-max", "30d"], "--backoff-max"),
+        (
+            vec!["run", "--sink", "stdout", "--backoff-base", "1h", "--backoff-max", "1s"],
+            "--backoff-max (1s) is shorter than --backoff-base (1h)",
+        ),
+        (vec!["run", "--sink", "stdout", "--shutdown-grace", "-5s"], "--shutdown-grace"),
+        (vec!["run", "--sink", "nats://127.0.0.1:4222", "--timeout", "0s"], "--timeout"),
+        (vec!["dead-letters", "purge", "--older-than", "200000y"], "--older-than"),
+        (vec!["cleanup", "--idempotency-retention", "-1d"], "--idempotency-retention"),
+    ];
+    for (args, needle) in cases {
+        let output = cli(&db.url, &args).await;
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line expected, got {err}");
+        assert!(err.contains(needle), "{args:?}: {err} should mention {needle}");
+    }
+}
+
+/// A connection string that does not parse is a bad argument too, and names the option.
+#[tokio::test]
+async fn an_unknown_connection_option_is_named() {
+    let output = cli("host=127.0.0.1 user=postgres sslmod=require", &["status"]).await;
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("unknown connection option \"sslmod\""), "{}", stderr(&output));
+}
+
+/// `dead-letters purge` without a flag deletes nothing: it wants `--all` or `--older-than`.
+#[tokio::test]
+async fn purge_needs_all_or_older_than() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at)
+             values (1, 'a', '{}', now(), 1, 'x', now() - interval '2 days'), (2, 'b', '{}', now(), 1, 'x', now())",
+        )
+        .await
+        .unwrap();
+    let bare = cli(&db.url, &["dead-letters", "purge"]).await;
+    assert_eq!(bare.status.code(), Some(2), "{}", stderr(&bare));
+    assert!(stderr(&bare).contains("--all") || stderr(&bare).contains("--older-than"), "{}", stderr(&bare));
+    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 2);
+    let both = cli(&db.url, &["dead-letters", "purge", "--all", "--older-than", "1d"]).await;
+    assert_eq!(both.status.code(), Some(2));
+    let old = cli(&db.url, &["dead-letters", "purge", "--older-than", "1d"]).await;
+    assert!(stdout(&old).contains("purged 1 dead letters"), "{}", stdout(&old));
+    let all = cli(&db.url, &["dead-letters", "purge", "--all"]).await;
+    assert!(stdout(&all).contains("purged 1 dead letters"), "{}", stdout(&all));
+}
+
+/// A sink that refuses connections: the relay says so at warn (once, then a count, not a line
+/// per event), `status` shows the error, the lag and the relay, and shutdown sums up.
+#[tokio::test]
+async fn a_failing_sink_is_logged_and_status_shows_why_events_wait() {
+    let db = TestDb::new().await;
+    let mut child = spawn_run(
+        &db.url,
+        &[
+            "--sink",
+            "http://127.0.0.1:1/hooks",
+            "--backoff-base",
+            "20ms",
+            "--backoff-max",
+            "50ms",
+            "--max-attempts",
+            "1000",
+        ],
+    );
+    let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+    for n in 0..20 {
+        publish(&db, "order.placed", json!({"n": n})).await;
+    }
+    let mut warnings = Vec::new();
+    while warnings.is_empty() {
+        let line = tokio::time::timeout(PATIENCE, log.next_line()).await.expect("no warning").unwrap().expect("eof");
+        if line.contains("WARN") {
+            warnings.push(line);
+        }
+    }
+    assert!(warnings[0].contains("delivery failed; it will be retried"), "{}", warnings[0]);
+    assert!(warnings[0].contains("POST http://127.0.0.1:1/hooks failed"), "{}", warnings[0]);
+    assert!(warnings[0].contains("retry_in="), "{}", warnings[0]);
+    eventually("more than 40 failed attempts", || async {
+        count(&db, "select coalesce(sum(attempts), 0)::int8 from outbox_relay.outbox").await > 40
+    })
+    .await;
+
+    let status = cli(&db.url, &["status", "--json"]).await;
+    assert!(status.status.success(), "{}", stderr(&status));
+    let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    let errors = status["errors"].as_array().unwrap();
+    assert!(errors[0]["error"].as_str().unwrap().contains("POST http://127.0.0.1:1/hooks failed"), "{status}");
+    assert!(errors.iter().map(|e| e["events"].as_i64().unwrap()).sum::<i64>() >= 1, "{status}");
+    assert_eq!(status["relays"].as_array().unwrap().len(), 1, "{status}");
+    assert!(status["oldest_ready_age_ms"].is_i64() || status["oldest_ready_age_ms"].is_null(), "{status}");
+    let table = cli(&db.url, &["status"]).await;
+    let table = stdout(&table);
+    assert!(table.contains("relays connected          1"), "{table}");
+    assert!(table.contains("most common errors of pending events:"), "{table}");
+    assert!(table.contains("oldest ready (lag)"), "{table}");
+
+    assert_eq!(terminate_collecting(child, &mut log, &mut warnings).await, Some(0));
+    let warn_lines = warnings.iter().filter(|l| l.contains("WARN")).count();
+    assert!(warn_lines <= 5, "{warn_lines} warnings for >40 failures: they must be rate-limited\n{warnings:#?}");
+    let summary = warnings.iter().find(|l| l.contains("relay activity since it started")).expect("a summary");
+    assert!(summary.contains("delivered=0") && !summary.contains("retried=0"), "{summary}");
+}
+
+/// Sends SIGTERM and keeps every log line until the process ends.
+async fn terminate_collecting(
+    child: tokio::process::Child,
+    log: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
+    lines: &mut Vec<String>,
+) -> Option<i32> {
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    while let Ok(Ok(Some(line))) = tokio::time::timeout(PATIENCE, log.next_line()).await {
+        lines.push(line);
+    }
+    terminate_wait(child).await
+}
+
+async fn terminate_wait(mut child: tokio::process::Child) -> Option<i32> {
+    tokio::time::timeout(PATIENCE, child.wait()).await.expect("did not stop").unwrap().code()
+}
+
+/// A database missing a migration of this version is refused at start, with what to do.
+#[tokio::test]
+async fn the_relay_refuses_a_database_missing_a_migration() {
+    let db = TestDb::new().await;
+    db.client().await.batch_execute("delete from outbox_relay.schema_migrations where version = 3").await.unwrap();
+    let child = spawn_run(&db.url, &["--sink", "stdout"]);
+    let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.unwrap().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let err = stderr(&output);
+    assert!(
+        err.contains("lacks migration 0003_harden_rows_and_writer_path") && err.contains("outbox-relay migrate"),
+        "{err}"
+    );
+}
