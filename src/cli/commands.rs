@@ -127,10 +127,14 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     let errors = outbox.pending_errors(STATUS_ERRORS).await?;
     let relays = outbox.connected_relays().await?;
     if json {
-        let mut value = serde_json::to_value(&stats)?;
-        value["errors"] = serde_json::to_value(&errors)?;
-        value["relays"] = serde_json::to_value(&relays)?;
-        println!("{value}");
+        #[derive(serde::Serialize)]
+        struct Status<'a> {
+            #[serde(flatten)]
+            stats: &'a outbox_relay::QueueStats,
+            errors: &'a [outbox_relay::ErrorCount],
+            relays: &'a [outbox_relay::ConnectedRelay],
+        }
+        println!("{}", serde_json::to_string(&Status { stats: &stats, errors: &errors, relays: &relays })?);
         return Ok(());
     }
     let age = |ms: Option<i64>| {
