@@ -2,7 +2,7 @@
 //!
 //! The server is the one `DATABASE_URL` names (its user must be allowed to create databases:
 //! each group runs in a fresh `outbox_bench_<group>` database, dropped at the end), or else a
-//! private embedded cluster with `fsync` on (see `outbox_relay::bench`, which holds the measuring
+//! private embedded cluster with `fsync` on (see `outbox_relay_testkit::bench`, which holds the measuring
 //! code shared with `outbox-relay bench` and documents exactly what each figure covers).
 //!
 //! Groups:
@@ -31,7 +31,7 @@ use std::time::Duration;
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput, measurement::WallTime};
 use outbox_relay::Completion;
 use outbox_relay::Outbox;
-use outbox_relay::bench::{
+use outbox_relay_testkit::bench::{
     self, BenchDb, BoxError, DrainSetup, LatencyProbe, NotifyMode, Percentiles, WakePath, WriteTx, Writers,
 };
 use tokio::runtime::Runtime;

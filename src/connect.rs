@@ -60,6 +60,23 @@ impl DatabaseUrl {
         url
     }
 
+    /// The same server, database and TLS settings, another user, with `password` or none.
+    pub fn for_user(&self, user: &str, password: Option<&str>) -> Result<DatabaseUrl> {
+        DatabaseUrl::parse(&self.info.render(Some(user), password.map(str::as_bytes), None))
+    }
+
+    /// The same credentials, database and TLS settings on another server (one host and port).
+    pub fn for_host(&self, host: &str, port: u16) -> Result<DatabaseUrl> {
+        let config = &self.info.config;
+        DatabaseUrl::parse(&self.info.render(config.get_user(), config.get_password(), Some((host, port))))
+    }
+
+    /// The URL again, password included, for handing to another process or tool (never for a
+    /// log): user, password, hosts, database and the TLS settings, rebuilt from the parsed form.
+    pub fn to_connection_string(&self) -> String {
+        self.info.to_url()
+    }
+
     /// The tokio-postgres configuration.
     pub fn config(&self) -> &Config {
         &self.info.config

@@ -119,6 +119,80 @@ impl std::fmt::Debug for ConnInfo {
     }
 }
 
+impl ConnInfo {
+    /// The connection string again, password included, as a URL (for handing to another
+    /// process; never for a log): the user, password, hosts, ports, database and the TLS
+    /// settings. The client tuning that every parse sets (timeouts, keepalives) is left out.
+    pub(crate) fn to_url(&self) -> String {
+        self.render(self.config.get_user(), self.config.get_password(), None)
+    }
+
+    /// [`to_url`](Self::to_url) with this user and password, and this one host and port when
+    /// `address` is given.
+    pub(crate) fn render(&self, user: Option<&str>, password: Option<&[u8]>, address: Option<(&str, u16)>) -> String {
+        let config = &self.config;
+        let mut out = String::from("postgres://");
+        if let Some(user) = user {
+            out.push_str(&percent_encode(user.as_bytes()));
+        }
+        if let Some(password) = password {
+            out.push(':');
+            out.push_str(&percent_encode(password));
+        }
+        if user.is_some() || password.is_some() {
+            out.push('@');
+        }
+        let ports = config.get_ports();
+        let hosts: Vec<String> = match address {
+            Some((host, port)) => vec![format!("{}:{port}", percent_encode(host.as_bytes()))],
+            None => config
+                .get_hosts()
+                .iter()
+                .enumerate()
+                .map(|(i, host)| {
+                    let host = match host {
+                        Host::Tcp(name) if name.contains(':') => format!("[{name}]"),
+                        Host::Tcp(name) => percent_encode(name.as_bytes()),
+                        Host::Unix(path) => percent_encode(path.as_os_str().as_encoded_bytes()),
+                    };
+                    match ports.get(i).or(ports.first()) {
+                        Some(port) => format!("{host}:{port}"),
+                        None => host,
+                    }
+                })
+                .collect(),
+        };
+        out.push_str(&hosts.join(","));
+        out.push('/');
+        out.push_str(&percent_encode(config.get_dbname().unwrap_or("").as_bytes()));
+        let mut query = Vec::new();
+        if let Some(mode) = self.sslmode() {
+            query.push(format!("sslmode={mode}"));
+        }
+        if let Some(root) = &self.root_cert {
+            query.push(format!("sslrootcert={}", percent_encode(root.as_os_str().as_encoded_bytes())));
+        }
+        if !query.is_empty() {
+            out.push('?');
+            out.push_str(&query.join("&"));
+        }
+        out
+    }
+}
+
+/// Percent-encodes every byte but RFC 3986's unreserved characters.
+fn percent_encode(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for &byte in bytes {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(char::from(byte));
+        } else {
+            let _ = write!(out, "%{byte:02X}");
+        }
+    }
+    out
+}
+
 /// `postgres://user[:***]@hosts/database[?sslmode=...]` for `config`.
 pub(crate) fn describe(config: &Config, sslmode: Option<&str>) -> String {
     let mut out = String::from("postgres://");
@@ -484,6 +558,27 @@ mod tests {
         assert!(err.contains("unknown connection option \"PASSWORD\" (option names are lower case)"), "{err}");
         let err = ConnInfo::parse("postgres://db/x?sslmod=require").unwrap_err().to_string();
         assert!(err.contains("unknown connection option \"sslmod\""), "{err}");
+    }
+
+    #[test]
+    fn the_url_rebuilt_from_the_parsed_form_parses_to_the_same_settings() {
+        for text in [
+            "postgres://u:right/pw+x@host:6543/db",
+            "host=db password='x y' user='a b' dbname='my db' sslmode=require",
+            "postgres://app@%2Fvar%2Frun%2Fpostgresql:5433/shop",
+            "postgres://app:s3c%40ret@h1:5432,h2:5433/shop?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+        ] {
+            let info = parse(text);
+            let again = parse(&info.to_url());
+            assert_eq!(again.config.get_user(), info.config.get_user(), "{text}");
+            assert_eq!(again.config.get_password(), info.config.get_password(), "{text}");
+            assert_eq!(again.config.get_hosts(), info.config.get_hosts(), "{text}");
+            let ports = |c: &Config| if c.get_ports().is_empty() { vec![5432] } else { c.get_ports().to_vec() };
+            assert_eq!(ports(&again.config), ports(&info.config), "{text}");
+            assert_eq!(again.config.get_dbname(), info.config.get_dbname(), "{text}");
+            assert_eq!(again.config.get_ssl_mode(), info.config.get_ssl_mode(), "{text}");
+            assert_eq!((again.verify, &again.root_cert), (info.verify, &info.root_cert), "{text}");
+        }
     }
 
     #[test]

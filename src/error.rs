@@ -23,8 +23,6 @@ pub enum ErrorKind {
     Config,
     /// A value could not be converted to or from JSON.
     Json,
-    /// The embedded throwaway PostgreSQL could not be started or controlled.
-    Embedded,
     /// The database role lacks a privilege the operation needs.
     Permission,
 }

@@ -72,11 +72,6 @@ impl NewEvent {
         }
         Ok(())
     }
-
-    /// The delay in microseconds, as PostgreSQL's interval arithmetic takes it.
-    pub(crate) fn delay_micros(&self) -> i64 {
-        crate::sql::micros(self.delay)
-    }
 }
 
 /// An event as the relay hands it to a handler.

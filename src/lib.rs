@@ -3,32 +3,34 @@
 #![warn(missing_docs, unreachable_pub)]
 
 mod admin;
-#[doc(hidden)]
-pub mod bench;
 mod connect;
 mod conninfo;
-pub mod embedded;
 mod error;
 mod event;
 mod migrate;
 mod outbox;
 mod payload;
 mod publish;
+mod queue;
 mod relay;
 pub mod sink;
 mod sql;
 mod timestamp;
 mod tls;
 mod wake;
+mod work;
 
-pub use admin::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
 pub use connect::{DEFAULT_POOL_SIZE, DatabaseUrl, redact};
+/// deadpool-postgres, whose [`Pool`](deadpool_postgres::Pool) [`Outbox::pool`] hands out.
+pub use deadpool_postgres;
 pub use error::{Error, ErrorKind, Result};
 pub use event::{Event, MAX_KEY_LEN, MAX_TOPIC_LEN, NewEvent, validate_topic};
 pub use migrate::MigrationReport;
-pub use outbox::{Executed, Outbox, Work};
+pub use outbox::{Connection, Outbox};
 pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH};
 pub use publish::{AuditEntry, audit, publish, publish_all};
+pub use queue::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
+pub use work::{Begun, Executed, Replayed, Work};
 /// RFC 3339 text (UTC, microseconds) of any time PostgreSQL can hold, such as
 /// [`Event::created_at`]; unlike humantime's it does not panic before 1970 or after 9999.
 pub fn rfc3339(t: std::time::SystemTime) -> String {

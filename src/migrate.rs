@@ -53,26 +53,25 @@ impl Migration {
 /// taken before anything else, and each finds the others' work recorded. A migration that was
 /// changed after it was applied is refused (its checksum differs).
 pub(crate) async fn run(client: &mut tokio_postgres::Client) -> Result<MigrationReport> {
-    let fail = |what: &str, e: tokio_postgres::Error| {
-        Error::new(ErrorKind::Migration, format!("migrations failed while {what}")).with_source(e)
-    };
-    let tx = client.transaction().await.map_err(|e| fail("starting a transaction", e))?;
-    tx.execute(sql::MIGRATION_LOCK, &[&sql::MIGRATION_LOCK_KEY]).await.map_err(|e| fail("taking the lock", e))?;
-    tx.batch_execute(sql::MIGRATION_TABLE_CREATE).await.map_err(|e| fail("creating the migrations table", e))?;
-    let rows = tx.query(sql::MIGRATION_LIST, &[]).await.map_err(|e| fail("reading applied migrations", e))?;
-
+    let tx = client.transaction().await.map_err(|e| {
+        Error::new(ErrorKind::Migration, "migrations failed while starting a transaction").with_source(e)
+    })?;
+    sql::lock_migrations(&tx).await?;
+    let applied = sql::applied_migrations(&tx).await.map_err(|e| {
+        Error::new(ErrorKind::Migration, "migrations failed while reading applied migrations").with_source(e)
+    })?;
+    check_known(&applied)?;
     let mut report = MigrationReport { applied: Vec::new(), already_applied: 0 };
     for migration in MIGRATIONS {
         let checksum = migration.checksum();
-        if let Some(row) = rows.iter().find(|r| r.get::<_, i32>(0) == migration.version) {
-            let recorded: String = row.get(2);
-            if recorded != checksum {
+        if let Some(recorded) = applied.iter().find(|a| a.version == migration.version) {
+            if recorded.checksum != checksum {
                 return Err(Error::new(
                     ErrorKind::Migration,
                     format!(
-                        "migration {} ({}) was changed after it was applied (checksum {recorded} in the database, \
+                        "migration {} ({}) was changed after it was applied (checksum {} in the database, \
                          {checksum} in this build); add a new migration instead of editing an applied one",
-                        migration.version, migration.name
+                        migration.version, migration.name, recorded.checksum
                     ),
                 ));
             }
@@ -80,32 +79,34 @@ pub(crate) async fn run(client: &mut tokio_postgres::Client) -> Result<Migration
             continue;
         }
         tracing::info!(version = migration.version, name = migration.name, "applying migration");
-        tx.batch_execute(migration.sql)
-            .await
-            .map_err(|e| fail(&format!("applying {:04}_{}", migration.version, migration.name), e))?;
-        tx.execute(sql::MIGRATION_RECORD, &[&migration.version, &migration.name, &checksum])
-            .await
-            .map_err(|e| fail("recording a migration", e))?;
+        sql::apply_migration(&tx, migration.version, migration.name, migration.sql, &checksum).await?;
         report.applied.push((migration.version, migration.name.to_string()));
     }
-    if let Some(unknown) = rows.iter().map(|r| r.get::<_, i32>(0)).find(|v| MIGRATIONS.iter().all(|m| m.version != *v))
-    {
+    tx.commit()
+        .await
+        .map_err(|e| Error::new(ErrorKind::Migration, "migrations failed while committing").with_source(e))?;
+    Ok(report)
+}
+
+/// Refuses a database migrated by a newer version (a migration this build does not know).
+fn check_known(applied: &[sql::AppliedMigration]) -> Result<()> {
+    if let Some(unknown) = applied.iter().find(|a| MIGRATIONS.iter().all(|m| m.version != a.version)) {
         return Err(Error::new(
             ErrorKind::Migration,
             format!(
-                "the database has migration {unknown}, which this build does not know: it was migrated by a newer outbox-relay"
+                "the database has migration {}, which this build does not know: it was migrated by a newer outbox-relay",
+                unknown.version
             ),
         ));
     }
-    tx.commit().await.map_err(|e| fail("committing", e))?;
-    Ok(report)
+    Ok(())
 }
 
 /// Checks that the database has every migration of this build and none it does not know, with
 /// an error that says what to do.
 pub(crate) async fn check_applied(client: &tokio_postgres::Client) -> Result<()> {
-    let rows = match client.query(sql::MIGRATION_LIST, &[]).await {
-        Ok(rows) => rows,
+    let applied = match sql::applied_migrations(client).await {
+        Ok(applied) => applied,
         Err(e) => {
             use tokio_postgres::error::SqlState;
             let message = match e.code() {
@@ -114,7 +115,7 @@ pub(crate) async fn check_applied(client: &tokio_postgres::Client) -> Result<()>
                         .to_string()
                 }
                 Some(code) if *code == SqlState::INSUFFICIENT_PRIVILEGE => {
-                    let role = current_role(client).await;
+                    let role = sql::current_role(&sql::Unprepared(client)).await.unwrap_or_default();
                     format!(
                         "role {role:?} may not use the schema outbox_relay: grant it outbox_relayer or outbox_writer \
                          (migrations/optional/least_privilege_roles.sql)"
@@ -125,10 +126,9 @@ pub(crate) async fn check_applied(client: &tokio_postgres::Client) -> Result<()>
             return Err(Error::new(ErrorKind::Migration, message).with_source(e));
         }
     };
-    let applied: Vec<i32> = rows.iter().map(|r| r.get(0)).collect();
     let missing: Vec<String> = MIGRATIONS
         .iter()
-        .filter(|m| !applied.contains(&m.version))
+        .filter(|m| applied.iter().all(|a| a.version != m.version))
         .map(|m| format!("{:04}_{}", m.version, m.name))
         .collect();
     if !missing.is_empty() {
@@ -141,22 +141,7 @@ pub(crate) async fn check_applied(client: &tokio_postgres::Client) -> Result<()>
             ),
         ));
     }
-    if let Some(unknown) = applied.iter().find(|v| MIGRATIONS.iter().all(|m| m.version != **v)) {
-        return Err(Error::new(
-            ErrorKind::Migration,
-            format!(
-                "the database has migration {unknown}, which this build does not know: it was migrated by a newer outbox-relay"
-            ),
-        ));
-    }
-    Ok(())
-}
-
-async fn current_role(client: &tokio_postgres::Client) -> String {
-    match client.query_one("select current_user::text", &[]).await {
-        Ok(row) => row.get(0),
-        Err(_) => "(unknown)".to_string(),
-    }
+    check_known(&applied)
 }
 
 #[cfg(test)]

@@ -6,11 +6,10 @@
 
 use serde::Serialize;
 use tokio_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
 
 use crate::error::{Error, Result};
 use crate::event::{NewEvent, validate_key};
-use crate::sql;
+use crate::sql::{self, Unprepared};
 
 /// Adds one event inside the caller's transaction and returns its id.
 ///
@@ -25,7 +24,7 @@ use crate::sql;
 /// ```
 pub async fn publish<C: GenericClient + Sync>(client: &C, event: &NewEvent) -> Result<i64> {
     event.validate()?;
-    insert_event(client, sql::EVENT_INSERT, event).await
+    sql::insert_event(&Unprepared(client), event).await
 }
 
 /// Adds many events in one statement and returns their ids in the same order.
@@ -33,13 +32,13 @@ pub async fn publish_all<C: GenericClient + Sync>(client: &C, events: &[NewEvent
     for event in events {
         event.validate()?;
     }
-    insert_events(client, sql::EVENT_INSERT_MANY, events).await
+    sql::insert_events(&Unprepared(client), events).await
 }
 
 /// Adds one audit entry inside the caller's transaction and returns its id.
 pub async fn audit<C: GenericClient + Sync>(client: &C, entry: &AuditEntry<'_>) -> Result<i64> {
     entry.validate()?;
-    insert_audit(client, sql::AUDIT_INSERT, entry, None).await
+    sql::insert_audit(&Unprepared(client), entry, None).await
 }
 
 /// An audit entry: who changed what.
@@ -74,48 +73,4 @@ impl<'a> AuditEntry<'a> {
         }
         crate::payload::check_storable("the audit entry's data", &self.data)
     }
-}
-
-pub(crate) async fn insert_event<C, S>(client: &C, statement: &S, event: &NewEvent) -> Result<i64>
-where
-    C: GenericClient + Sync,
-    S: tokio_postgres::ToStatement + Sync + Send + ?Sized,
-{
-    let delay = event.delay_micros();
-    let params: [&(dyn ToSql + Sync); 4] = [&event.topic, &event.key, &event.payload, &delay];
-    let row = client.query_one(statement, &params).await.map_err(|e| Error::database("adding an event", e))?;
-    Ok(row.get(0))
-}
-
-pub(crate) async fn insert_events<C, S>(client: &C, statement: &S, events: &[NewEvent]) -> Result<Vec<i64>>
-where
-    C: GenericClient + Sync,
-    S: tokio_postgres::ToStatement + Sync + Send + ?Sized,
-{
-    if events.is_empty() {
-        return Ok(Vec::new());
-    }
-    let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
-    let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&serde_json::Value> = events.iter().map(|e| &e.payload).collect();
-    let delays: Vec<i64> = events.iter().map(NewEvent::delay_micros).collect();
-    let params: [&(dyn ToSql + Sync); 4] = [&topics, &keys, &payloads, &delays];
-    let rows = client.query(statement, &params).await.map_err(|e| Error::database("adding events", e))?;
-    Ok(rows.iter().map(|r| r.get(0)).collect())
-}
-
-pub(crate) async fn insert_audit<C, S>(
-    client: &C,
-    statement: &S,
-    entry: &AuditEntry<'_>,
-    idempotency_key: Option<&str>,
-) -> Result<i64>
-where
-    C: GenericClient + Sync,
-    S: tokio_postgres::ToStatement + Sync + Send + ?Sized,
-{
-    let params: [&(dyn ToSql + Sync); 5] =
-        [&entry.entity, &entry.entity_id, &entry.action, &entry.data, &idempotency_key];
-    let row = client.query_one(statement, &params).await.map_err(|e| Error::database("adding an audit entry", e))?;
-    Ok(row.get(0))
 }

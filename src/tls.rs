@@ -1,5 +1,5 @@
-//! TLS to PostgreSQL (rustls), with libpq's `sslmode` semantics, and the crypto provider shared
-//! with the HTTP sink.
+//! TLS to PostgreSQL (rustls), with libpq's `sslmode` semantics, and the HTTP sink's TLS
+//! configuration; both with an explicit crypto provider.
 //!
 //! | `sslmode` | encrypted | server certificate checked |
 //! |---|---|---|
@@ -23,13 +23,22 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use crate::conninfo::Verify;
 use crate::error::{Error, Result};
 
-/// Installs rustls' ring provider as the process default, once; a provider installed earlier
-/// (by the application) is kept.
-pub(crate) fn install_crypto_provider() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let _already_installed = rustls::crypto::ring::default_provider().install_default();
-    });
+/// The TLS configuration of the HTTP sink: the system's trusted roots, ring as an explicit
+/// provider (a library must not install a process-wide default), HTTP/2 and 1.1 offered.
+#[cfg(feature = "http")]
+pub(crate) fn https_client_config() -> Result<rustls::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = RootCertStore::empty();
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _unusable_system_certificate_skipped = roots.add(cert);
+    }
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::config(format!("cannot set up TLS for the HTTP sink: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(config)
 }
 
 /// The rustls connector for `verify`, trusting `root` (or the system's roots).

@@ -27,7 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use outbox_relay::sink::{Sink, SinkOptions};
-use outbox_relay::{AuditEntry, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig};
+use outbox_relay::{AuditEntry, Begun, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::task::JoinHandle;
@@ -51,7 +51,7 @@ const CREATE_ORDERS: &str = "create table if not exists orders (
 /// Applies the library's migrations and creates the `orders` table when it is missing.
 pub async fn setup(outbox: &Outbox) -> outbox_relay::Result<()> {
     outbox.migrate().await?;
-    outbox.client().await?.batch_execute(CREATE_ORDERS).await?;
+    outbox.connection().await?.batch_execute(CREATE_ORDERS).await?;
     Ok(())
 }
 
@@ -181,33 +181,33 @@ async fn place_order(
     let Json(order) = body.map_err(|rejection| ApiError::bad_request(rejection.body_text()))?;
     let order = order.validated()?;
 
-    let placed = outbox
-        .execute(key, &order, |work| {
-            let order = order.clone();
-            Box::pin(async move {
-                let row = work
-                    .query_one(
-                        "insert into orders (customer, total) values ($1, $2::float8::numeric) returning id",
-                        &[&order.customer, &order.total],
-                    )
-                    .await?;
-                let order_id: i64 = row.get(0);
-                work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
-                let payload = json!({"order_id": order_id, "customer": order.customer, "total": order.total});
-                work.publish(&NewEvent::new("order.placed", payload).key(order_id.to_string())).await?;
-                Ok::<_, outbox_relay::Error>(Placed { order_id })
-            })
-        })
-        .await?;
+    let mut connection = outbox.connection().await?;
+    let (order_id, replayed) = match connection.begin(key, &order).await? {
+        Begun::Replayed(replayed) => (replayed.response::<Placed>()?.order_id, true),
+        Begun::Fresh(work) => {
+            let row = work
+                .query_one(
+                    "insert into orders (customer, total) values ($1, $2::float8::numeric) returning id",
+                    &[&order.customer, &order.total],
+                )
+                .await
+                .map_err(outbox_relay::Error::from)?;
+            let order_id: i64 = row.get(0);
+            work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
+            let payload = json!({"order_id": order_id, "customer": order.customer, "total": order.total});
+            work.publish(&NewEvent::new("order.placed", payload).key(order_id.to_string())).await?;
+            work.commit(&Placed { order_id }).await?;
+            (order_id, false)
+        }
+    };
 
-    let order_id = placed.response.order_id;
     let mut response = (
         StatusCode::CREATED,
         [(header::LOCATION, format!("/orders/{order_id}"))],
-        Json(json!({"order_id": order_id, "replayed": placed.replayed})),
+        Json(json!({"order_id": order_id, "replayed": replayed})),
     )
         .into_response();
-    if placed.replayed {
+    if replayed {
         response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     Ok(response)
@@ -239,7 +239,7 @@ struct Order {
 async fn get_order(State(outbox): State<Outbox>, Path(id): Path<String>) -> Result<Json<Order>, ApiError> {
     let order_id: i64 =
         id.parse().map_err(|_| ApiError::bad_request(format!("order id must be an integer, got {id:?}")))?;
-    let client = outbox.client().await?;
+    let client = outbox.connection().await?;
     let row = client
         .query_opt("select customer, total::float8, created_at from orders where id = $1", &[&order_id])
         .await

@@ -21,14 +21,14 @@
 //! committed.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Mutex, watch};
-use tokio::time::Instant;
+use tokio::sync::{Mutex, Notify, watch};
+use tokio_util::sync::CancellationToken;
 
-use super::{Handler, Shared, worker};
-use crate::error::{Error, Result};
+use super::RelayPool;
+use crate::error::Result;
 use crate::sql;
 
 /// How often a lingering worker claims.
@@ -36,9 +36,15 @@ pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
 /// The longest pause between two checks of whether the transactions open at the mark ended.
 const CLOSE_POLL_MAX: Duration = Duration::from_millis(250);
 
-/// The relay's waiting mark, as last written to `outbox_relay.relays`.
+/// The relay's waiting mark, as last written to `outbox_relay.relays`, and what it needs to
+/// write it.
 #[derive(Debug)]
 pub(crate) struct Idle {
+    pool: RelayPool,
+    /// This relay's row in `outbox_relay.relays`.
+    relay_id: i64,
+    /// Backend pid of the listener connection while it listens; 0 while it does not.
+    listener_pid: AtomicI32,
     /// Held by the one worker that lingers for the whole relay.
     pub(crate) lingering: Mutex<()>,
     /// What the database row says; written only under this lock, so marks never reorder.
@@ -49,113 +55,94 @@ pub(crate) struct Idle {
     open_at_mark: watch::Sender<Vec<String>>,
 }
 
-impl Default for Idle {
-    fn default() -> Self {
+impl Idle {
+    pub(crate) fn new(pool: RelayPool, relay_id: i64) -> Self {
         Idle {
+            pool,
+            relay_id,
+            listener_pid: AtomicI32::new(0),
             lingering: Mutex::default(),
             marked: Mutex::default(),
             marked_hint: AtomicBool::default(),
             open_at_mark: watch::Sender::new(Vec::new()),
         }
     }
-}
 
-impl Idle {
     /// True when the relay may be marked waiting (writers notify).
     pub(crate) fn is_marked(&self) -> bool {
         self.marked_hint.load(Ordering::Acquire)
     }
 
+    /// True while the listener listens: only then can a NOTIFY wake the relay.
+    pub(crate) fn listening(&self) -> bool {
+        self.listener_pid.load(Ordering::Acquire) != 0
+    }
+
+    /// The listener listens on the connection with this backend pid (0: it does not listen).
+    /// After a reconnect the database may have lost the mark (its table is unlogged, and a
+    /// restarted server empties it), so the next `set(true)` writes it again.
+    pub(crate) async fn listener_changed(&self, pid: i32) {
+        let mut marked = self.marked.lock().await;
+        *marked = false;
+        self.marked_hint.store(false, Ordering::Release);
+        self.listener_pid.store(pid, Ordering::Release);
+    }
+
+    /// The listener stopped listening.
+    pub(crate) fn listener_gone(&self) {
+        self.listener_pid.store(0, Ordering::Release);
+    }
+
     /// Writes the mark when it differs from what the database holds.
-    pub(crate) async fn set<H: Handler>(&self, shared: &Shared<H>, waiting: bool) -> Result<()> {
+    pub(crate) async fn set(&self, waiting: bool) -> Result<()> {
         let mut marked = self.marked.lock().await;
         if *marked == waiting {
             return Ok(());
         }
-        let client = shared.client().await?;
+        let client = self.pool.client().await?;
         if waiting {
-            let pid = shared.listener_pid.load(Ordering::Acquire);
-            client.execute(sql::RELAY_MARK_WAITING, &[&shared.relay_id, &pid]).await
+            sql::mark_waiting(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire)).await?;
         } else {
-            client.execute(sql::RELAY_MARK_BUSY, &[&shared.relay_id]).await
+            sql::mark_busy(&*client, self.relay_id).await?;
         }
-        .map_err(|e| Error::database("marking the relay waiting or busy", e))?;
         *marked = waiting;
         self.marked_hint.store(waiting, Ordering::Release);
         Ok(())
     }
 
-    /// Forgets the mark: after a reconnect the database may have lost it (the table is unlogged),
-    /// so the next `set(true)` writes it again.
-    pub(crate) async fn forget(&self) {
-        let mut marked = self.marked.lock().await;
-        *marked = false;
-        self.marked_hint.store(false, Ordering::Release);
+    /// Marks the relay waiting and hands the transactions open at that moment to [`close_race`].
+    pub(crate) async fn go_waiting(&self) -> Result<()> {
+        self.set(true).await?;
+        let open = sql::open_transactions(&*self.pool.client().await?).await?;
+        self.open_at_mark.send_replace(open);
+        Ok(())
     }
-}
 
-/// Lingers while work keeps coming, then marks the relay waiting and closes the race. Returns
-/// when the relay is waiting (or stopping, or the listener is down and only the poll can help).
-pub(crate) async fn linger<H: Handler>(shared: &Shared<H>) {
-    let mut quiet_since = Instant::now();
-    while quiet_since.elapsed() < shared.config.linger {
-        tokio::select! {
-            _ = shared.stop.cancelled() => return,
-            _ = shared.work.notified() => {}
-            _ = tokio::time::sleep(LINGER_POLL) => {}
-        }
-        match worker::claim_and_deliver(shared, false).await {
-            Ok(0) => {}
-            Ok(n) => {
-                quiet_since = Instant::now();
-                if n == shared.config.batch_size {
-                    // A backlog: let the other workers help.
-                    shared.work.notify_one();
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "claiming events failed while lingering");
-                return;
-            }
+    /// Removes the relay's row (shutdown): writers need not notify a relay that is gone.
+    pub(crate) async fn remove(&self) {
+        if let Ok(client) = self.pool.client().await
+            && let Err(e) = sql::remove_relay(&*client, self.relay_id).await
+        {
+            tracing::debug!(error = %e, "could not remove the relay's row; the janitor removes it once its listener is gone");
         }
     }
-    if shared.stop.is_cancelled() || shared.listener_pid.load(Ordering::Acquire) == 0 {
-        return; // no listener to hear a NOTIFY: the fallback poll and the reconnect catch-up cover it
-    }
-    if let Err(e) = go_waiting(shared).await {
-        tracing::warn!(error = %e, "marking the relay waiting failed; the fallback poll covers it");
-    }
-}
-
-/// Marks the relay waiting and hands the transactions open at that moment to [`close_race`].
-async fn go_waiting<H: Handler>(shared: &Shared<H>) -> Result<()> {
-    shared.idle.set(shared, true).await?;
-    let open: Vec<String> = {
-        let client = shared.client().await?;
-        client
-            .query_one(sql::TRANSACTIONS_OPEN, &[])
-            .await
-            .map_err(|e| Error::database("listing open transactions", e))?
-            .get(0)
-    };
-    shared.idle.open_at_mark.send_replace(open);
-    Ok(())
 }
 
 /// Waits, for each mark, until every transaction open right after it has ended, then wakes a
 /// worker for one more claim: what such a transaction committed may have notified nobody.
-pub(crate) async fn close_race<H: Handler>(shared: Arc<Shared<H>>) {
-    let mut marks = shared.idle.open_at_mark.subscribe();
+pub(crate) async fn close_race(idle: Arc<Idle>, work: Arc<Notify>, stop: CancellationToken) {
+    let mut marks = idle.open_at_mark.subscribe();
     loop {
         tokio::select! {
-            _ = shared.stop.cancelled() => return,
+            _ = stop.cancelled() => return,
             changed = marks.changed() => if changed.is_err() { return },
         }
         'mark: loop {
             let open = marks.borrow_and_update().clone();
             let mut pause = LINGER_POLL;
             while !open.is_empty() {
-                match still_open(&shared, &open).await {
+                let still_open = async { sql::count_still_open(&*idle.pool.client().await?, &open).await };
+                match still_open.await {
                     Ok(0) => break,
                     Ok(_) => {}
                     Err(e) => {
@@ -164,7 +151,7 @@ pub(crate) async fn close_race<H: Handler>(shared: Arc<Shared<H>>) {
                     }
                 }
                 tokio::select! {
-                    _ = shared.stop.cancelled() => return,
+                    _ = stop.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
                     // A newer mark: wait for its transactions instead.
                     changed = marks.changed() => if changed.is_ok() { continue 'mark } else { return },
@@ -173,15 +160,6 @@ pub(crate) async fn close_race<H: Handler>(shared: Arc<Shared<H>>) {
             }
             break;
         }
-        shared.work.notify_one();
+        work.notify_one();
     }
-}
-
-async fn still_open<H: Handler>(shared: &Shared<H>, open: &[String]) -> Result<i64> {
-    let client = shared.client().await?;
-    let row = client
-        .query_one(sql::TRANSACTIONS_STILL_OPEN, &[&open])
-        .await
-        .map_err(|e| Error::database("checking open transactions", e))?;
-    Ok(row.get(0))
 }

@@ -1,28 +1,46 @@
-//! The janitor: deletes processed events and idempotency receipts past their retention.
+//! The janitor: deletes processed events and idempotency receipts past their retention, and the
+//! marks of relays that crashed.
 
-use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
 
-use super::{Handler, Shared};
+use super::RelayPool;
+use super::config::RelayConfig;
+use crate::sql;
 
-pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
-    let config = &shared.config;
-    loop {
-        match shared.outbox.cleanup(config.retention, config.idempotency_retention, config.janitor_batch).await {
-            Ok(report) if report.events + report.receipts > 0 => {
-                tracing::info!(events = report.events, receipts = report.receipts, "janitor removed expired rows");
+/// The janitor and what it needs.
+pub(crate) struct Janitor {
+    pub(crate) pool: RelayPool,
+    pub(crate) config: RelayConfig,
+    pub(crate) stop: CancellationToken,
+}
+
+impl Janitor {
+    pub(crate) async fn run(self) {
+        let config = &self.config;
+        loop {
+            let pass = async {
+                let client = self.pool.client().await?;
+                let report = crate::admin::cleanup(
+                    &*client,
+                    config.retention,
+                    config.idempotency_retention,
+                    config.janitor_batch,
+                )
+                .await?;
+                sql::remove_dead_relays(&*client).await?;
+                Ok::<_, crate::error::Error>(report)
+            };
+            match pass.await {
+                Ok(report) if report.events + report.receipts > 0 => {
+                    tracing::info!(events = report.events, receipts = report.receipts, "janitor removed expired rows");
+                }
+                Ok(_) => tracing::debug!("janitor found nothing to remove"),
+                Err(e) => tracing::warn!(error = %e, "janitor pass failed; trying again next interval"),
             }
-            Ok(_) => tracing::debug!("janitor found nothing to remove"),
-            Err(e) => tracing::warn!(error = %e, "janitor pass failed; trying again next interval"),
-        }
-        if let Ok(client) = shared.pool.get().await
-            && let Err(e) = client.execute(crate::sql::RELAY_REMOVE_DEAD, &[]).await
-        {
-            let e = crate::error::Error::database("removing the marks of dead relays", e);
-            tracing::warn!(error = %e, "janitor pass failed; trying again next interval");
-        }
-        tokio::select! {
-            _ = shared.stop.cancelled() => return,
-            _ = tokio::time::sleep(config.janitor_interval) => {}
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(config.janitor_interval) => {}
+            }
         }
     }
 }

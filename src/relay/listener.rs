@@ -5,16 +5,19 @@
 //! transaction that inserts events) fails. So this task does nothing but read and wake.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
+use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
+use tokio_util::sync::CancellationToken;
 
 use super::backoff::retry_delay;
-use super::{CHANNEL, Handler, Shared};
-use crate::connect::connect_error;
-use crate::error::{Error, Result};
+use super::idle::Idle;
+use super::metrics::RelayMetrics;
+use crate::connect::{DatabaseUrl, connect_error};
+use crate::error::{Error, ErrorKind, Result};
+use crate::sql;
 
 /// The listener's `application_name`, so operators can tell it apart in `pg_stat_activity`.
 pub(crate) const LISTENER_APPLICATION_NAME: &str = "outbox-relay listener";
@@ -27,100 +30,99 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 /// First wait before reconnecting; it doubles up to `reconnect_max`.
 const RECONNECT_BASE: Duration = Duration::from_millis(50);
 
-pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
-    let mut failures: u32 = 0;
-    let mut connected_before = false;
-    loop {
-        match listen(&shared, &mut connected_before, &mut failures).await {
-            Ok(()) => return, // stopped
-            Err(e) => {
-                failures += 1;
-                let wait = retry_delay(failures, RECONNECT_BASE, shared.config.reconnect_max, 0.5, rand::random());
-                tracing::warn!(error = %e, retry_in = ?wait, "relay listener lost its connection; reconnecting");
-                tokio::select! {
-                    _ = shared.stop.cancelled() => return,
-                    _ = tokio::time::sleep(wait) => {}
+/// The listener and what it needs.
+pub(crate) struct Listener {
+    pub(crate) url: DatabaseUrl,
+    pub(crate) reconnect_max: Duration,
+    /// Woken on every notification, and after every (re)connect for a catch-up claim.
+    pub(crate) work: Arc<Notify>,
+    pub(crate) metrics: Arc<RelayMetrics>,
+    /// Told the listener's backend pid while it listens (the waiting mark carries it).
+    pub(crate) idle: Arc<Idle>,
+    pub(crate) stop: CancellationToken,
+}
+
+impl Listener {
+    pub(crate) async fn run(self) {
+        let mut failures: u32 = 0;
+        let mut connected_before = false;
+        loop {
+            match self.listen(&mut connected_before, &mut failures).await {
+                Ok(()) => return, // stopped
+                Err(e) => {
+                    failures += 1;
+                    let wait = retry_delay(failures, RECONNECT_BASE, self.reconnect_max, 0.5, rand::random());
+                    tracing::warn!(error = %e, retry_in = ?wait, "relay listener lost its connection; reconnecting");
+                    tokio::select! {
+                        _ = self.stop.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
                 }
             }
         }
     }
-}
 
-/// Connects, listens, wakes the workers for a catch-up claim, then forwards notifications until
-/// the connection fails (an error) or the relay stops (`Ok`). The failure counter is reset only by
-/// a connection that got as far as LISTEN.
-async fn listen<H: Handler>(shared: &Arc<Shared<H>>, connected_before: &mut bool, failures: &mut u32) -> Result<()> {
-    let mut config = shared.outbox.url().config().clone();
-    config.application_name(LISTENER_APPLICATION_NAME);
-    let (client, mut connection) =
-        config.connect(shared.outbox.url().tls()).await.map_err(|e| connect_error(&config, e))?;
-    let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
-    let forwarder = {
-        let shared = shared.clone();
-        async move {
+    /// Connects, listens, wakes the workers for a catch-up claim, then forwards notifications
+    /// until the connection fails (an error) or the relay stops (`Ok`). The failure counter is
+    /// reset only by a connection that got as far as LISTEN.
+    async fn listen(&self, connected_before: &mut bool, failures: &mut u32) -> Result<()> {
+        let mut config = self.url.config().clone();
+        config.application_name(LISTENER_APPLICATION_NAME);
+        let (client, mut connection) = config.connect(self.url.tls()).await.map_err(|e| connect_error(&config, e))?;
+        let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        let forwarder = async {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(_)) => {
-                        shared.metrics.woken();
-                        shared.work.notify_one();
+                        self.metrics.woken();
+                        self.work.notify_one();
                     }
                     Ok(_) => {} // notices
                     Err(e) => return Error::database("listening for notifications", e),
                 }
             }
-            Error::new(crate::error::ErrorKind::Database, "the listener connection was closed by the server")
+            Error::new(ErrorKind::Database, "the listener connection was closed by the server")
+        };
+        tokio::pin!(forwarder);
+
+        // The connection only makes progress while `forwarder` is polled: run statements beside it.
+        let pid = tokio::select! {
+            lost = &mut forwarder => return Err(lost),
+            pid = sql::listen(&client) => pid?,
+        };
+        self.idle.listener_changed(pid).await;
+        if *connected_before {
+            self.metrics.reconnected();
+            tracing::info!("relay listener reconnected; catching up on what was committed meanwhile");
         }
-    };
-    tokio::pin!(forwarder);
+        *connected_before = true;
+        *failures = 0;
+        // Anything committed while we were not listening sent its notification to nobody.
+        self.work.notify_one();
 
-    // The connection only makes progress while `forwarder` is polled: run statements beside it.
-    let listen_statement = format!("listen {CHANNEL}");
-    let setup = async {
-        client.batch_execute(&listen_statement).await.map_err(|e| Error::database("starting to listen", e))?;
-        let row = client
-            .query_one("select pg_backend_pid()", &[])
-            .await
-            .map_err(|e| Error::database("reading the listener's backend pid", e))?;
-        Ok::<i32, Error>(row.get(0))
-    };
-    let pid = tokio::select! {
-        lost = &mut forwarder => return Err(lost),
-        pid = setup => pid?,
-    };
-    // The waiting mark may be gone with a restarted server (its table is unlogged): write it anew.
-    shared.idle.forget().await;
-    shared.listener_pid.store(pid, Ordering::Release);
-    if *connected_before {
-        shared.metrics.reconnected();
-        tracing::info!("relay listener reconnected; catching up on what was committed meanwhile");
-    }
-    *connected_before = true;
-    *failures = 0;
-    // Anything committed while we were not listening sent its notification to nobody.
-    shared.work.notify_one();
-
-    // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)
-    // is invisible to keepalives: a periodic round trip with a deadline finds it.
-    let heartbeat = async {
-        loop {
-            tokio::time::sleep(HEARTBEAT_INTERVAL).await;
-            match tokio::time::timeout(HEARTBEAT_TIMEOUT, client.simple_query("")).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => return Error::database("checking the listener connection", e),
-                Err(_) => {
-                    return Error::new(
-                        crate::error::ErrorKind::Connect,
-                        format!("the listener connection did not answer within {HEARTBEAT_TIMEOUT:?}"),
-                    );
+        // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)
+        // is invisible to keepalives: a periodic round trip with a deadline finds it.
+        let heartbeat = async {
+            loop {
+                tokio::time::sleep(HEARTBEAT_INTERVAL).await;
+                match tokio::time::timeout(HEARTBEAT_TIMEOUT, sql::ping(&client)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return e,
+                    Err(_) => {
+                        return Error::new(
+                            ErrorKind::Connect,
+                            format!("the listener connection did not answer within {HEARTBEAT_TIMEOUT:?}"),
+                        );
+                    }
                 }
             }
-        }
-    };
-    let result = tokio::select! {
-        lost = &mut forwarder => Err(lost),
-        stalled = heartbeat => Err(stalled),
-        _ = shared.stop.cancelled() => Ok(()),
-    };
-    shared.listener_pid.store(0, Ordering::Release);
-    result
+        };
+        let result = tokio::select! {
+            lost = &mut forwarder => Err(lost),
+            stalled = heartbeat => Err(stalled),
+            _ = self.stop.cancelled() => Ok(()),
+        };
+        self.idle.listener_gone();
+        result
+    }
 }

@@ -2,19 +2,22 @@
 //!
 //! # Structure
 //! A running relay is a handful of tasks that talk through one [`tokio::sync::Notify`], "there may
-//! be events":
-//! - the **listener** holds one dedicated connection that `LISTEN`s on the outbox trigger's
-//!   channel and turns each notification into a wake-up. When its connection drops it reconnects
-//!   with capped backoff, listens again, and *then* wakes the workers for a catch-up claim, since
-//!   notifications sent while it was away are lost;
+//! be events", each given only what it needs:
+//! - the **listener** (`listener.rs`) holds one dedicated connection that `LISTEN`s on the outbox
+//!   trigger's channel and turns each notification into a wake-up. When its connection drops it
+//!   reconnects with capped backoff, listens again, and *then* wakes the workers for a catch-up
+//!   claim, since notifications sent while it was away are lost;
 //! - the **bridge** turns commits made through the same process's [`Outbox`] into wake-ups, with
 //!   no database round trip;
-//! - the **timer** wakes the workers every `poll_interval` (the fallback for lost hints) and at
-//!   the earliest retry or delayed event it knows of;
-//! - the **workers** each claim a batch with `FOR UPDATE SKIP LOCKED`, deliver it with no
-//!   transaction open (the claim is a lease), and record the outcomes. A worker whose claim came
-//!   back full wakes another worker and claims again at once;
-//! - the **janitor** deletes old processed events and idempotency receipts in small batches.
+//! - the **timer** (`timer.rs`) wakes the workers every `poll_interval` (the fallback for lost
+//!   hints) and at the earliest retry or delayed event it knows of;
+//! - the **workers** (`worker.rs`) drain the queue batch by batch, linger when it runs dry, and
+//!   then mark the relay waiting (`idle.rs`); each batch is claimed with `FOR UPDATE SKIP LOCKED`,
+//!   delivered with no transaction open (the claim is a lease) and its outcomes recorded
+//!   (`claim.rs`);
+//! - the **race closure** (`idle.rs`) waits for the transactions open at each waiting mark;
+//! - the **janitor** (`janitor.rs`) deletes old processed events and idempotency receipts in small
+//!   batches, and the **reporter** (`report.rs`) logs failures and summaries.
 //!
 //! Notifications are only hints: the table is the truth, so a lost notification costs at most
 //! one poll interval, never an event.
@@ -27,6 +30,7 @@
 //! allowed attempt, moves the event to the dead letters.
 
 mod backoff;
+mod claim;
 pub(crate) mod config;
 mod handler;
 mod idle;
@@ -39,27 +43,25 @@ mod worker;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI32, AtomicU32};
 
-use deadpool_postgres::Pool;
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, handler_fn};
 pub use metrics::{MetricsSnapshot, Percentiles, RelayMetrics};
 
-use crate::error::Result;
+use crate::connect::{DatabaseUrl, pool_error};
+use crate::error::{Error, ErrorKind, Result};
 use crate::outbox::Outbox;
+use crate::sql;
 
 /// How long shutdown waits, after the grace period, for each remaining step (stuck workers, the
 /// other tasks, removing the waiting mark) before it abandons it: `run` returns even when the
 /// database link is stalled.
 const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
-
-/// The channel the outbox trigger notifies (see `migrations/`).
-pub(crate) const CHANNEL: &str = "outbox_relay";
 
 /// An embeddable relay: `Relay::new(&outbox, config, handler)?.run(shutdown).await`.
 ///
@@ -81,31 +83,25 @@ pub struct Relay<H: Handler> {
     metrics: Arc<RelayMetrics>,
 }
 
-/// What the relay's tasks share.
-pub(crate) struct Shared<H> {
-    pub(crate) outbox: Outbox,
-    pub(crate) config: RelayConfig,
-    pub(crate) handler: H,
-    /// The relay's own pool, with `synchronous_commit = off`.
-    pub(crate) pool: Pool,
-    /// "There may be events": wakes one waiting worker (or stores one wake-up).
-    pub(crate) work: Notify,
-    pub(crate) timer: timer::Timer,
-    pub(crate) metrics: Arc<RelayMetrics>,
-    /// Stop claiming; finish what is in hand.
-    pub(crate) stop: CancellationToken,
-    /// Stop delivering now; release what is in hand.
-    pub(crate) abort: CancellationToken,
-    /// This relay's row in `outbox_relay.relays`.
-    pub(crate) relay_id: i64,
-    /// Backend pid of the listener connection while it listens; 0 while it does not.
-    pub(crate) listener_pid: AtomicI32,
-    /// Whether writers are told to notify this relay.
-    pub(crate) idle: idle::Idle,
-    /// Claims that failed in a row, for the pause before the next one.
-    pub(crate) claim_failures: AtomicU32,
-    /// Failed deliveries, for the rate-limited warnings.
-    pub(crate) reporter: Arc<report::Reporter>,
+/// The relay's own connection pool (its sessions run with `synchronous_commit = off`), with
+/// errors that name the server.
+#[derive(Clone)]
+pub(crate) struct RelayPool {
+    pool: deadpool_postgres::Pool,
+    url: DatabaseUrl,
+}
+
+impl std::fmt::Debug for RelayPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayPool").field("url", &self.url).finish_non_exhaustive()
+    }
+}
+
+impl RelayPool {
+    /// A connection, or an error naming the server.
+    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
+        self.pool.get().await.map_err(|e| pool_error(&self.url, e))
+    }
 }
 
 impl<H: Handler> Relay<H> {
@@ -129,58 +125,85 @@ impl<H: Handler> Relay<H> {
     /// but cannot be relayed from (a migration of this version missing, a role without the
     /// privileges the relay needs), each with the reason.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
-        let pool = self.outbox.url().relay_pool(self.config.workers + 2)?;
-        preflight(&self.outbox, &pool, &self.config).await?;
-        let shared = Arc::new(Shared {
-            outbox: self.outbox,
-            timer: timer::Timer::default(),
-            config: self.config,
-            handler: self.handler,
-            pool,
-            work: Notify::new(),
-            metrics: self.metrics,
-            stop: CancellationToken::new(),
-            abort: CancellationToken::new(),
-            relay_id: rand::random::<i64>().abs(),
-            listener_pid: AtomicI32::new(0),
-            idle: idle::Idle::default(),
-            claim_failures: AtomicU32::new(0),
-            reporter: Arc::default(),
+        let Relay { outbox, config, handler, metrics } = self;
+        let url = outbox.url().clone();
+        let pool = RelayPool { pool: url.relay_pool(config.workers + 2)?, url: url.clone() };
+        preflight(&pool, &config).await?;
+        tracing::info_span!("relay", workers = config.workers).in_scope(|| {
+            tracing::info!(
+                database = %url,
+                batch_size = config.batch_size,
+                poll_interval = ?config.poll_interval,
+                "relay starting"
+            );
         });
-        let span = tracing::info_span!("relay", workers = shared.config.workers);
-        let _entered = span.enter();
-        tracing::info!(
-            database = %shared.outbox.url(),
-            batch_size = shared.config.batch_size,
-            poll_interval = ?shared.config.poll_interval,
-            "relay starting"
-        );
-        drop(_entered);
+
+        let stop = CancellationToken::new();
+        let abort = CancellationToken::new();
+        let work = Arc::new(Notify::new());
+        let timer = Arc::new(timer::Timer::default());
+        let reporter = Arc::new(report::Reporter::default());
+        let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
+        let claimer = Arc::new(claim::Claimer {
+            pool: pool.clone(),
+            handler,
+            config: config.clone(),
+            metrics: metrics.clone(),
+            timer: timer.clone(),
+            reporter: reporter.clone(),
+            abort: abort.clone(),
+        });
 
         let mut services = JoinSet::new();
-        services.spawn(listener::run(shared.clone()));
-        services.spawn(timer::run(shared.clone()));
-        services.spawn(bridge(shared.clone()));
-        services.spawn(idle::close_race(shared.clone()));
-        services.spawn(report::run(shared.reporter.clone(), shared.metrics.clone(), shared.stop.clone()));
-        if !shared.config.janitor_interval.is_zero() {
-            services.spawn(janitor::run(shared.clone()));
+        let listener = listener::Listener {
+            url: url.clone(),
+            reconnect_max: config.reconnect_max,
+            work: work.clone(),
+            metrics: metrics.clone(),
+            idle: idle.clone(),
+            stop: stop.clone(),
+        };
+        services.spawn(listener.run().instrument(tracing::info_span!("listener")));
+        services.spawn(
+            timer::run(timer.clone(), config.poll_interval, work.clone(), stop.clone())
+                .instrument(tracing::debug_span!("timer")),
+        );
+        services.spawn(
+            bridge(outbox.clone(), work.clone(), metrics.clone(), stop.clone())
+                .instrument(tracing::debug_span!("bridge")),
+        );
+        services.spawn(
+            idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
+        );
+        services.spawn(
+            report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),
+        );
+        if !config.janitor_interval.is_zero() {
+            let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
+            services.spawn(janitor.run().instrument(tracing::info_span!("janitor")));
         }
         let mut workers = JoinSet::new();
-        for n in 0..shared.config.workers {
-            workers.spawn(worker::run(shared.clone(), n));
+        for n in 0..config.workers {
+            let worker = worker::Worker {
+                claimer: claimer.clone(),
+                idle: idle.clone(),
+                work: work.clone(),
+                stop: stop.clone(),
+                linger: config.linger,
+            };
+            workers.spawn(worker.run().instrument(tracing::info_span!("worker", n)));
         }
         // Whatever was committed before we started is there to claim.
-        shared.work.notify_one();
+        work.notify_one();
 
         shutdown.await;
         tracing::info!("relay stopping: no new claims; in-flight deliveries finish");
-        shared.stop.cancel();
-        shared.work.notify_waiters();
-        let drained = tokio::time::timeout(shared.config.shutdown_grace, drain(&mut workers)).await;
+        stop.cancel();
+        work.notify_waiters();
+        let drained = tokio::time::timeout(config.shutdown_grace, drain(&mut workers)).await;
         if drained.is_err() {
-            tracing::warn!(grace = ?shared.config.shutdown_grace, "deliveries still running after the grace period; cutting them off and releasing their events");
-            shared.abort.cancel();
+            tracing::warn!(grace = ?config.shutdown_grace, "deliveries still running after the grace period; cutting them off and releasing their events");
+            abort.cancel();
             // A worker blocked in a database call on a stalled link does not see the abort: it is
             // abandoned after a bound, and its events come back when their lease ends.
             if tokio::time::timeout(STOP_BOUND, drain(&mut workers)).await.is_err() {
@@ -193,38 +216,25 @@ impl<H: Handler> Relay<H> {
             services.abort_all();
             drain(&mut services).await;
         }
-        let unmark = async {
-            if let Ok(client) = shared.pool.get().await {
-                // Writers need not notify a relay that is gone.
-                let _ = client.execute(crate::sql::RELAY_REMOVE, &[&shared.relay_id]).await;
-            }
-        };
-        if tokio::time::timeout(STOP_BOUND, unmark).await.is_err() {
+        // Writers need not notify a relay that is gone.
+        if tokio::time::timeout(STOP_BOUND, idle.remove()).await.is_err() {
             tracing::warn!(
                 "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
             );
         }
-        shared.pool.close();
-        report::summary(&shared.metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
+        pool.pool.close();
+        report::summary(&metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
         tracing::info!("relay stopped");
         Ok(())
     }
 }
 
-impl<H> Shared<H> {
-    /// A connection from the relay's own pool, with an error that names the server.
-    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
-        self.pool.get().await.map_err(|e| crate::connect::pool_error(self.outbox.url(), e))
-    }
-}
-
 /// Refuses to start on a database that answers but cannot be relayed from. A database that does
 /// not answer yet is no reason not to start: the relay's loops wait for it.
-async fn preflight(outbox: &Outbox, pool: &Pool, config: &RelayConfig) -> Result<()> {
-    let client = match pool.get().await {
+async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
+    let client = match pool.client().await {
         Ok(client) => client,
         Err(e) => {
-            let e = crate::connect::pool_error(outbox.url(), e);
             tracing::warn!(error = %e, "the database does not answer yet; the relay starts and keeps trying");
             return Ok(());
         }
@@ -244,16 +254,10 @@ async fn preflight(outbox: &Outbox, pool: &Pool, config: &RelayConfig) -> Result
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);
     }
-    let (tables, privileges): (Vec<&str>, Vec<&str>) = needed.into_iter().unzip();
-    let row = client
-        .query_one(crate::sql::RELAY_PRIVILEGES, &[&tables, &privileges])
-        .await
-        .map_err(|e| crate::error::Error::database("checking the relay's privileges", e))?;
-    let missing: Vec<String> = row.get(0);
+    let (missing, role) = sql::missing_privileges(&*client, &needed).await?;
     if !missing.is_empty() {
-        let role: String = row.get(1);
-        return Err(crate::error::Error::new(
-            crate::error::ErrorKind::Permission,
+        return Err(Error::new(
+            ErrorKind::Permission,
             format!(
                 "role {role:?} cannot relay: it lacks {} (grant it outbox_relayer, see migrations/optional/least_privilege_roles.sql)",
                 missing.join(", ")
@@ -272,17 +276,17 @@ async fn drain(tasks: &mut JoinSet<()>) {
 }
 
 /// Turns commits made through this process's [`Outbox`] into wake-ups.
-async fn bridge<H: Handler>(shared: Arc<Shared<H>>) {
-    let mut commits = shared.outbox.wakeup().subscribe();
+async fn bridge(outbox: Outbox, work: Arc<Notify>, metrics: Arc<RelayMetrics>, stop: CancellationToken) {
+    let mut commits = outbox.wakeup().subscribe();
     loop {
         tokio::select! {
-            _ = shared.stop.cancelled() => return,
+            _ = stop.cancelled() => return,
             changed = commits.changed() => {
                 if changed.is_err() {
                     return;
                 }
-                shared.metrics.woken();
-                shared.work.notify_one();
+                metrics.woken();
+                work.notify_one();
             }
         }
     }

@@ -2,11 +2,11 @@
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
-
-use super::{Handler, Shared};
+use tokio_util::sync::CancellationToken;
 
 /// The moments wake-ups are owed (retries this relay scheduled, the next delayed event), shared
 /// by the workers, who add them, and the timer task, which sleeps until the earliest. Every moment
@@ -49,21 +49,19 @@ impl Timer {
     }
 }
 
-/// Wakes a worker every poll interval and whenever a scheduled moment comes.
-pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
-    let timer = &shared.timer;
-    let interval = shared.config.poll_interval;
+/// Wakes a worker every `interval` and whenever a scheduled moment comes, until `stop`.
+pub(crate) async fn run(timer: Arc<Timer>, interval: Duration, work: Arc<Notify>, stop: CancellationToken) {
     let mut next_poll = Instant::now() + interval;
     loop {
         let deadline = timer.earliest().map_or(next_poll, |due| due.min(next_poll));
         tokio::select! {
-            _ = shared.stop.cancelled() => return,
+            _ = stop.cancelled() => return,
             _ = timer.changed.notified() => continue,
             _ = tokio::time::sleep_until(deadline) => {}
         }
         let now = Instant::now();
         timer.take_passed(now);
-        shared.work.notify_one();
+        work.notify_one();
         if next_poll <= now {
             next_poll = now + interval;
         }
@@ -73,7 +71,6 @@ pub(crate) async fn run<H: Handler>(shared: Arc<Shared<H>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
 
     #[test]
     fn every_moment_is_kept_until_it_passes() {

@@ -5,7 +5,8 @@ use std::time::{Duration, SystemTime};
 use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, LOCATION, RETRY_AFTER};
 
-use super::{event_json, redact_url};
+use super::event_json;
+use super::url::redact as redact_url;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
@@ -53,8 +54,8 @@ impl HttpSink {
             return Err(Error::config(format!("invalid sink URL {shown}: expected http(s)://host[:port]/path")));
         }
         super::check_timeout(timeout)?;
-        crate::tls::install_crypto_provider();
         let client = reqwest::Client::builder()
+            .tls_backend_preconfigured(crate::tls::https_client_config()?)
             .timeout(timeout)
             .connect_timeout(timeout)
             .redirect(reqwest::redirect::Policy::none())

@@ -1,17 +1,24 @@
-//! Ready-made destinations for the relay: standard output, an HTTP endpoint, NATS JetStream.
+//! Ready-made destinations for the relay: standard output, and behind cargo features an HTTP
+//! endpoint (`http`) and NATS JetStream (`nats`).
 //!
 //! Every sink sends the same JSON object per event, the [`Event`] serialized:
 //! `{"id", "topic", "key", "payload", "created_at", "attempts"}`. The `id` is stable across
 //! redeliveries: receivers use it to drop duplicates (the HTTP sink sends it in the
 //! `Outbox-Event-Id` header, the NATS sink as `Nats-Msg-Id`, which JetStream deduplicates on).
 
+#[cfg(feature = "http")]
 mod http;
+#[cfg(feature = "nats")]
 mod nats;
 mod stdout;
+#[cfg(any(feature = "http", feature = "nats"))]
+mod url;
 
 use std::time::Duration;
 
+#[cfg(feature = "http")]
 pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, HttpSink, TOPIC_HEADER};
+#[cfg(feature = "nats")]
 pub use self::nats::NatsSink;
 pub use self::stdout::StdoutSink;
 use crate::error::{Error, Result};
@@ -22,20 +29,14 @@ use crate::relay::{DeliveryError, Handler};
 pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest timeout a sink takes.
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
-
-/// Checks a sink timeout: more than zero, at most [`MAX_TIMEOUT`].
-fn check_timeout(timeout: Duration) -> Result<()> {
-    crate::relay::config::check_range(timeout, Duration::from_millis(1), MAX_TIMEOUT)
-        .map_err(|why| Error::config(format!("the sink timeout {why}")))
-}
 /// Default subject prefix of the NATS sink: events go to `<prefix>.<topic>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox";
 
 /// Settings of the sinks; each sink reads the ones that concern it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SinkOptions {
-    /// Timeout of one HTTP request, and of connecting to NATS and waiting for its acknowledgement.
-    /// Defaults to [`DEFAULT_HTTP_TIMEOUT`].
+    /// Timeout of one HTTP request, and of connecting to NATS and waiting for its acknowledgement
+    /// (1 ms to [`MAX_TIMEOUT`]). Defaults to [`DEFAULT_HTTP_TIMEOUT`].
     pub timeout: Duration,
     /// NATS subject prefix. Defaults to [`DEFAULT_SUBJECT_PREFIX`].
     pub subject_prefix: String,
@@ -54,14 +55,18 @@ impl Default for SinkOptions {
     }
 }
 
-/// A destination chosen by a spec string: `stdout`, `http://...`, `https://...` or `nats://host:port`.
+/// A destination chosen by a spec string: `stdout`, `http://...`, `https://...` or
+/// `nats://host:port`, as far as this build has the sink (cargo features `http`, `nats`).
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Sink {
     /// One JSON line per event on standard output.
     Stdout(StdoutSink),
     /// A POST per event.
+    #[cfg(feature = "http")]
     Http(HttpSink),
     /// A JetStream publish per event, acknowledged.
+    #[cfg(feature = "nats")]
     Nats(NatsSink),
 }
 
@@ -73,15 +78,33 @@ impl Sink {
             return Ok(Sink::Stdout(StdoutSink::new()));
         }
         if spec.starts_with("http://") || spec.starts_with("https://") {
+            #[cfg(feature = "http")]
             return Ok(Sink::Http(HttpSink::new(spec, options.timeout)?));
+            #[cfg(not(feature = "http"))]
+            return Err(Error::config("this build has no HTTP sink: enable outbox-relay's `http` feature"));
         }
         if spec.starts_with("nats://") {
+            #[cfg(feature = "nats")]
             return Ok(Sink::Nats(NatsSink::connect(spec, options).await?));
+            #[cfg(not(feature = "nats"))]
+            return Err(Error::config("this build has no NATS sink: enable outbox-relay's `nats` feature"));
         }
+        let _ = options;
         Err(Error::config(format!(
             "unknown sink {}: expected stdout, http://host[:port]/path, https://..., or nats://host:port",
             describe_spec(spec)
         )))
+    }
+
+    /// The destination as it may be shown in logs: a URL's password and query values as `***`.
+    pub fn describe(&self) -> String {
+        match self {
+            Sink::Stdout(_) => "stdout".to_string(),
+            #[cfg(feature = "http")]
+            Sink::Http(s) => s.shown.clone(),
+            #[cfg(feature = "nats")]
+            Sink::Nats(s) => s.shown.clone(),
+        }
     }
 }
 
@@ -89,7 +112,9 @@ impl Handler for Sink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
         match self {
             Sink::Stdout(s) => s.handle(event).await,
+            #[cfg(feature = "http")]
             Sink::Http(s) => s.handle(event).await,
+            #[cfg(feature = "nats")]
             Sink::Nats(s) => s.handle(event).await,
         }
     }
@@ -97,46 +122,33 @@ impl Handler for Sink {
     async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
         match self {
             Sink::Stdout(s) => s.handle_batch(events).await,
+            #[cfg(feature = "http")]
             Sink::Http(s) => s.handle_batch(events).await,
+            #[cfg(feature = "nats")]
             Sink::Nats(s) => s.handle_batch(events).await,
-        }
-    }
-}
-
-impl Sink {
-    /// The destination as it may be shown in logs: a URL's password and query values as `***`.
-    pub fn describe(&self) -> String {
-        match self {
-            Sink::Stdout(_) => "stdout".to_string(),
-            Sink::Http(s) => s.shown.clone(),
-            Sink::Nats(s) => s.shown.clone(),
         }
     }
 }
 
 /// A sink spec as it may be shown: redacted when it is a URL; a spec that does not parse as one
 /// is shown only when it cannot hold credentials (no `@`).
-pub(crate) fn describe_spec(spec: &str) -> String {
-    match url::Url::parse(spec) {
-        Ok(url) => format!("{:?}", redact_url(&url)),
-        Err(_) if spec.contains('@') => "(a sink URL that does not parse)".to_string(),
-        Err(_) => format!("{spec:?}"),
+fn describe_spec(spec: &str) -> String {
+    #[cfg(any(feature = "http", feature = "nats"))]
+    if let Ok(url) = ::url::Url::parse(spec) {
+        return format!("{:?}", url::redact(&url));
+    }
+    if spec.contains('@') {
+        "(a sink spec with credentials that does not parse)".to_string()
+    } else {
+        format!("{spec:?}")
     }
 }
 
-/// `url` with its password and every query value replaced by `***` (they may be tokens) and
-/// without a fragment.
-pub(crate) fn redact_url(url: &url::Url) -> String {
-    let mut shown = url.clone();
-    if shown.password().is_some() {
-        let _cannot_fail_with_a_host = shown.set_password(Some("***"));
-    }
-    if shown.query().is_some() {
-        let pairs: Vec<(String, String)> = url.query_pairs().map(|(k, _)| (k.into_owned(), "***".into())).collect();
-        shown.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    shown.set_fragment(None);
-    shown.to_string()
+/// Checks a sink timeout: more than zero, at most [`MAX_TIMEOUT`].
+#[cfg(any(feature = "http", feature = "nats"))]
+fn check_timeout(timeout: Duration) -> Result<()> {
+    crate::relay::config::check_range(timeout, Duration::from_millis(1), MAX_TIMEOUT)
+        .map_err(|why| Error::config(format!("the sink timeout {why}")))
 }
 
 /// The JSON object every sink sends for an event.

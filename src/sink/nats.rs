@@ -3,7 +3,7 @@
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, context::PublishErrorKind};
 
-use super::{SinkOptions, describe_spec, event_json};
+use super::{SinkOptions, event_json};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
@@ -27,7 +27,7 @@ impl NatsSink {
     /// `options.create_stream`, if any.
     pub async fn connect(url: &str, options: &SinkOptions) -> Result<Self> {
         validate_prefix(&options.subject_prefix)?;
-        let shown = url::Url::parse(url).map(|u| super::redact_url(&u)).unwrap_or_else(|_| describe_spec(url));
+        let shown = super::url::describe(url);
         super::check_timeout(options.timeout)?;
         let client =
             async_nats::ConnectOptions::new().connection_timeout(options.timeout).connect(url).await.map_err(|e| {

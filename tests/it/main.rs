@@ -1,19 +1,17 @@
-//! Integration tests against a real PostgreSQL: see `harness` for where the server comes from.
+//! The library's integration tests, against a real PostgreSQL: the test kit's
+//! [`harness`](outbox_relay_testkit::harness) says where the server comes from, and gives each
+//! test a database of its own. The command's tests are in `cli/tests/`.
+
+use outbox_relay_testkit::{harness, support as relay_support};
 
 mod bad_rows;
-mod binary;
-mod cli;
 mod faults;
-mod harness;
 mod http_sink;
 mod migrations;
-mod operator;
 mod orders;
 mod orders_service;
 mod privileges;
 mod relay;
-mod relay_support;
-mod secrets;
 mod sql_publish;
 mod tls;
 mod write_path;

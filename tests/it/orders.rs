@@ -70,25 +70,21 @@ pub async fn place_order(
     fail_after_writes: bool,
 ) -> Result<Executed<Placed>, TestError> {
     outbox
-        .execute(key, order, |work| {
-            let order = order.clone();
-            let key = key.to_string();
-            Box::pin(async move {
-                let row = work
-                    .query_one(
-                        "insert into orders (key, customer, total) values ($1, $2, $3::float8::numeric) returning id",
-                        &[&key, &order.customer, &order.total],
-                    )
-                    .await?;
-                let order_id: i64 = row.get(0);
-                work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
-                let payload = json!({"order_id": order_id, "customer": order.customer, "key": key});
-                work.publish(&NewEvent::new("order.placed", payload).key(order_id.to_string())).await?;
-                if fail_after_writes {
-                    return Err(TestError::Injected);
-                }
-                Ok(Placed { order_id })
-            })
+        .execute(key, order, async |work| {
+            let row = work
+                .query_one(
+                    "insert into orders (key, customer, total) values ($1, $2, $3::float8::numeric) returning id",
+                    &[&key, &order.customer, &order.total],
+                )
+                .await?;
+            let order_id: i64 = row.get(0);
+            work.audit(&AuditEntry::new("order", order_id, "placed", order)?).await?;
+            let payload = json!({"order_id": order_id, "customer": order.customer, "key": key});
+            work.publish(&NewEvent::new("order.placed", payload).key(order_id.to_string())).await?;
+            if fail_after_writes {
+                return Err(TestError::Injected);
+            }
+            Ok(Placed { order_id })
         })
         .await
 }

@@ -12,7 +12,7 @@ const ROLES_SQL: &str = include_str!("../../migrations/optional/least_privilege_
 
 /// The URL of the test database for another user (trust authentication on the test server).
 fn url_as(db: &TestDb, user: &str) -> String {
-    crate::harness::server().url_as(&db.name, user)
+    db.url_as(user)
 }
 
 #[tokio::test]
@@ -41,25 +41,23 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
     // The service writes an order, its audit entry, receipt and event as the writer role.
     let service = Outbox::connect(&url_as(&db, &writer)).await.unwrap();
     let placed = service
-        .execute("key-1", &json!({"customer": "ana"}), |work| {
-            Box::pin(async move {
-                let id: i64 =
-                    work.query_one("insert into orders (customer) values ('ana') returning id", &[]).await?.get(0);
-                work.audit(&AuditEntry::new("order", id, "placed", &json!({"customer": "ana"}))?).await?;
-                work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
-                work.publish(&NewEvent::new("order.refused", json!({"order_id": id}))).await?;
-                Ok::<_, outbox_relay::Error>(id)
-            })
+        .execute("key-1", &json!({"customer": "ana"}), async |work| {
+            let id: i64 =
+                work.query_one("insert into orders (customer) values ('ana') returning id", &[]).await?.get(0);
+            work.audit(&AuditEntry::new("order", id, "placed", &json!({"customer": "ana"}))?).await?;
+            work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
+            work.publish(&NewEvent::new("order.refused", json!({"order_id": id}))).await?;
+            Ok::<_, outbox_relay::Error>(id)
         })
         .await
         .unwrap();
     let replay = service
-        .execute("key-1", &json!({"customer": "ana"}), |_work| Box::pin(async { Ok::<_, outbox_relay::Error>(0) }))
+        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, outbox_relay::Error>(0))
         .await
         .unwrap();
     assert!(replay.replayed && replay.response == placed.response);
     // ... and cannot read events back or touch the dead letters.
-    let as_writer = service.client().await.unwrap();
+    let as_writer = service.connection().await.unwrap();
     let err = as_writer.query("select * from outbox_relay.outbox", &[]).await.unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE));
     let err = as_writer.query("delete from outbox_relay.dead_letters", &[]).await.unwrap_err();
@@ -86,7 +84,7 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
         as_writer.query("select outbox_relay.store_response('key-1', '{\"order_id\": 666}')", &[]).await.unwrap_err();
     assert!(err.to_string().contains("no receipt") || format!("{err:?}").contains("no receipt"), "{err:?}");
     let replay = service
-        .execute("key-1", &json!({"customer": "ana"}), |_work| Box::pin(async { Ok::<_, outbox_relay::Error>(0) }))
+        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, outbox_relay::Error>(0))
         .await
         .unwrap();
     assert_eq!(replay.response, placed.response, "the receipt was not forged");
@@ -118,7 +116,7 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
         1
     );
 
-    let as_relayer = relay_outbox.client().await.unwrap();
+    let as_relayer = relay_outbox.connection().await.unwrap();
     let err = as_relayer.query("select * from orders", &[]).await.unwrap_err();
     assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
     let err = as_relayer.execute("insert into orders (customer) values ('x')", &[]).await.unwrap_err();
@@ -148,16 +146,18 @@ async fn roles_that_cannot_relay_are_told_what_they_lack() {
         ))
         .await
         .unwrap();
-    let run = crate::binary::cli(&url_as(&db, &reader), &["run", "--sink", "stdout"]).await;
-    let err = crate::binary::stderr(&run);
-    assert_eq!(run.status.code(), Some(1), "{err}");
-    assert!(err.contains(&format!("role \"{reader}\" cannot relay")), "{err}");
-    assert!(err.contains("UPDATE on outbox_relay.outbox"), "{err}");
-    let status = crate::binary::cli(&url_as(&db, &stranger), &["status"]).await;
-    let err = crate::binary::stderr(&status);
-    assert!(!status.status.success());
+    let as_reader = Outbox::connect(&url_as(&db, &reader)).await.unwrap();
+    let (handler, _deliveries) = recorder();
+    let run = outbox_relay::Relay::new(&as_reader, config(), handler).unwrap().run(std::future::pending()).await;
+    let err = run.expect_err("a relay role that cannot update must not start");
+    assert_eq!(err.kind(), outbox_relay::ErrorKind::Permission, "{err}");
+    assert!(err.to_string().contains(&format!("role \"{reader}\" cannot relay")), "{err}");
+    assert!(err.to_string().contains("UPDATE on outbox_relay.outbox"), "{err}");
+    let as_stranger = Outbox::connect(&url_as(&db, &stranger)).await.unwrap();
+    let err = as_stranger.check_schema().await.unwrap_err().to_string();
     assert!(err.contains(&format!("role \"{stranger}\" may not use the schema outbox_relay")), "{err}");
     assert!(!err.contains("db error"), "{err}");
+    drop((as_reader, as_stranger));
     admin
         .batch_execute(&format!("drop owned by {reader}, {stranger}; drop role {reader}; drop role {stranger}"))
         .await

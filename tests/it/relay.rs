@@ -83,9 +83,7 @@ async fn a_writer_in_the_same_process_wakes_the_relay_directly() {
     // and through execute()
     let executed = db
         .outbox
-        .execute("key-1", &json!({}), |work| {
-            Box::pin(async move { work.publish(&NewEvent::new("inproc", json!({}))).await })
-        })
+        .execute("key-1", &json!({}), async |work| work.publish(&NewEvent::new("inproc", json!({}))).await)
         .await
         .unwrap();
     assert_eq!(deliveries.next().await.event.id, executed.response);

@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use outbox_relay::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use outbox_relay::{NewEvent, Outbox, RelayConfig};
+use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use serde_json::json;
 
 use crate::relay_support::{self as support, config, recorder};
@@ -104,11 +104,11 @@ async fn tls_modes_are_enforced_and_a_relay_works_over_tls() {
     admin.batch_execute("select pg_reload_conf()").await.unwrap();
     admin.batch_execute("create database tls_test").await.unwrap();
 
-    let base = pg.url_for("tls_test");
+    let base = pg.database_url().for_database("tls_test").to_connection_string();
     let ca = certs.path().join("ca.crt");
     let ca = ca.display();
     let encrypted = |outbox: Outbox| async move {
-        let client = outbox.client().await.unwrap();
+        let client = outbox.connection().await.unwrap();
         let row = client.query_one("select ssl from pg_stat_ssl where pid = pg_backend_pid()", &[]).await.unwrap();
         row.get::<_, bool>(0)
     };
@@ -157,5 +157,5 @@ async fn tls_modes_are_enforced_and_a_relay_works_over_tls() {
 }
 
 async fn admin_for(pg: &EmbeddedPostgres) -> tokio_postgres::Client {
-    outbox_relay::DatabaseUrl::parse(&pg.url_for("tls_test")).unwrap().connect().await.unwrap()
+    pg.database_url().for_database("tls_test").connect().await.unwrap()
 }

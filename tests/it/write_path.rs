@@ -173,11 +173,9 @@ async fn bad_input_is_refused_with_a_clear_error_and_writes_nothing() {
 
     let request = json!({"n": 1});
     let with_event = |event: NewEvent| {
-        outbox.execute("key-x", &request, move |work| {
-            Box::pin(async move {
-                work.publish(&event).await?;
-                Ok::<_, TestError>(Placed { order_id: 0 })
-            })
+        outbox.execute("key-x", &request, async move |work| {
+            work.publish(&event).await?;
+            Ok::<_, TestError>(Placed { order_id: 0 })
         })
     };
     expect_invalid(with_event(NewEvent::new("", json!({}))).await, "topic must not be empty");

@@ -1,6 +1,5 @@
-//! Test handlers and a relay that runs in the background until stopped.
-
-#![allow(dead_code)]
+//! What relay tests share: a handler that records deliveries, a relay that runs in the
+//! background until stopped, and waiting on a condition instead of sleeping.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,16 +19,21 @@ pub struct Recorder {
 /// One delivery as the recorder saw it.
 #[derive(Debug, Clone)]
 pub struct Delivered {
+    /// The event delivered.
     pub event: Event,
+    /// When.
     pub at: SystemTime,
+    /// The recorder's label (which relay).
     pub by: &'static str,
 }
 
+/// The test's end of a [`Recorder`]: the deliveries, in the order they happened.
 pub struct Deliveries {
     rx: mpsc::UnboundedReceiver<Delivered>,
     seen: Arc<Mutex<HashMap<i64, usize>>>,
 }
 
+/// A recorder and its deliveries.
 pub fn recorder() -> (Recorder, Deliveries) {
     let (tx, rx) = mpsc::unbounded_channel();
     let seen = Arc::new(Mutex::new(HashMap::new()));
@@ -87,9 +91,11 @@ impl Deliveries {
 pub struct Running {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
+    /// Its live counters.
     pub metrics: Arc<RelayMetrics>,
 }
 
+/// Starts a relay in the background (`RUST_LOG` shows its logs).
 pub fn start<H: Handler>(outbox: &Outbox, config: RelayConfig, handler: H) -> Running {
     // RUST_LOG=outbox_relay=debug shows what the relay does in a failing test.
     if std::env::var_os("RUST_LOG").is_some() {
@@ -124,6 +130,7 @@ impl Running {
         let _ = self.task.await;
     }
 
+    /// Its counters now.
     pub fn snapshot(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
     }
@@ -141,15 +148,26 @@ pub fn config() -> RelayConfig {
     }
 }
 
-/// Polls `check` until it is true; for database state that no event announces.
-pub async fn eventually<F, Fut>(what: &str, mut check: F)
+/// Polls `check` until it is true; for database state that no event announces. Fails the test
+/// after [`PATIENCE`].
+pub async fn eventually<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
+    eventually_within(what, PATIENCE, check).await
+}
+
+/// [`eventually`], for what takes a while even on a quiet machine (a backlog drained, a server
+/// restarted): fails the test after `limit`.
+pub async fn eventually_within<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
     while !check().await {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {limit:?} waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -189,8 +207,7 @@ pub async fn listen(
     use futures::StreamExt;
     use tokio_postgres::AsyncMessage;
 
-    let config: tokio_postgres::Config = db.url.parse().unwrap();
-    let (client, mut connection) = config.connect(tokio_postgres::NoTls).await.unwrap();
+    let (client, mut connection) = db.database_url().config().connect(tokio_postgres::NoTls).await.unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
     tokio::spawn(async move {

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use outbox_relay::Completion;
-use outbox_relay::bench::{self, BenchDb, NotifyMode, Percentiles, ServerInfo, WakePath};
 use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
+use outbox_relay_testkit::bench::{self, BenchDb, NotifyMode, Percentiles, ServerInfo, WakePath};
 use serde_json::json;
 
 /// The command's failure: printed as one line by the caller.
@@ -42,7 +42,7 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 200)]
     samples: usize,
     /// How long each write-throughput measurement runs.
-    #[arg(long, value_name = "DUR", value_parser = super::duration_in(super::MILLISECOND, Duration::from_secs(3600)), allow_hyphen_values = true, default_value = "3s")]
+    #[arg(long, value_name = "DUR", value_parser = crate::duration_in(crate::MILLISECOND, Duration::from_secs(3600)), allow_hyphen_values = true, default_value = "3s")]
     write_duration: Duration,
 }
 

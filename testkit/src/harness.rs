@@ -1,16 +1,14 @@
 //! The test harness: one PostgreSQL server per test process, one fresh database per test.
 //!
 //! The server is the one `DATABASE_URL` names when it is set; otherwise a private throwaway
-//! cluster from the machine's `initdb`/`pg_ctl` ([`outbox_relay::embedded`]), stopped by its
-//! watchdog when the test process exits. Each test gets its own database, copied from a migrated
-//! template, so tests run in parallel and never see each other's rows.
-
-#![allow(dead_code, unreachable_pub)]
+//! cluster from the machine's `initdb`/`pg_ctl` ([`crate::embedded`]), stopped by its watchdog
+//! when the test process exits. Each test gets its own database, copied from a migrated
+//! template, so tests run in parallel and never see each other's rows. Databases left by test
+//! processes that were killed are dropped by the next run.
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use outbox_relay::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use outbox_relay::{DatabaseUrl, Outbox};
 use tokio_postgres::{Client, NoTls};
 
@@ -19,7 +17,8 @@ pub enum Server {
     /// Named by `DATABASE_URL`.
     External(DatabaseUrl),
     /// Started by this process.
-    Embedded(EmbeddedPostgres),
+    #[cfg(unix)]
+    Embedded(crate::embedded::EmbeddedPostgres),
 }
 
 static SERVER: OnceLock<Server> = OnceLock::new();
@@ -34,40 +33,42 @@ pub fn server() -> &'static Server {
         Ok(url) if !url.is_empty() => {
             Server::External(DatabaseUrl::parse(&url).expect("DATABASE_URL is not a valid database URL"))
         }
-        _ => {
-            Server::Embedded(EmbeddedPostgres::start(EmbeddedOptions::default()).unwrap_or_else(|e| {
+        #[cfg(unix)]
+        _ => Server::Embedded(
+            crate::embedded::EmbeddedPostgres::start(crate::embedded::EmbeddedOptions::default()).unwrap_or_else(|e| {
                 panic!("DATABASE_URL is not set and no throwaway PostgreSQL could be started: {e}")
-            }))
-        }
+            }),
+        ),
+        #[cfg(not(unix))]
+        _ => panic!("DATABASE_URL is not set, and the throwaway PostgreSQL needs a Unix system"),
     })
 }
 
 impl Server {
-    /// A tokio-postgres config for `database` on this server.
-    pub fn config_for(&self, database: &str) -> tokio_postgres::Config {
-        let mut config = match self {
-            Server::External(url) => url.config().clone(),
-            Server::Embedded(pg) => pg.url().parse().expect("embedded URL"),
-        };
-        config.dbname(database);
-        config
+    /// The URL of the server's administrative database (the one `DATABASE_URL` names, or the
+    /// embedded cluster's `postgres`).
+    pub fn url(&self) -> DatabaseUrl {
+        match self {
+            Server::External(url) => url.clone(),
+            #[cfg(unix)]
+            Server::Embedded(pg) => pg.database_url(),
+        }
     }
 
-    /// A URL for `database` on this server, with the server's credentials.
-    pub fn url_for(&self, database: &str) -> String {
-        let config = self.config_for(database);
-        let password = config.get_password().map(|p| String::from_utf8_lossy(p).into_owned());
-        url(&config, config.get_user().unwrap_or("postgres"), password.as_deref())
+    /// The URL of `database` on this server, with the server's credentials.
+    pub fn url_for(&self, database: &str) -> DatabaseUrl {
+        self.url().for_database(database)
     }
 
-    /// A URL for `database` on this server as another `user`, without a password (the test
+    /// The URL of `database` on this server as another `user`, without a password (the test
     /// server trusts local connections).
-    pub fn url_as(&self, database: &str, user: &str) -> String {
-        url(&self.config_for(database), user, None)
+    pub fn url_as(&self, database: &str, user: &str) -> DatabaseUrl {
+        self.url_for(database).for_user(user, None).expect("a URL for another user")
     }
 
     /// The embedded cluster, for tests that restart it; `None` with `DATABASE_URL`.
-    pub fn embedded(&self) -> Option<&EmbeddedPostgres> {
+    #[cfg(unix)]
+    pub fn embedded(&self) -> Option<&crate::embedded::EmbeddedPostgres> {
         match self {
             Server::Embedded(pg) => Some(pg),
             Server::External(_) => None,
@@ -75,22 +76,7 @@ impl Server {
     }
 
     fn admin_database(&self) -> String {
-        match self {
-            Server::External(url) => url.config().get_dbname().unwrap_or("postgres").to_string(),
-            Server::Embedded(_) => "postgres".to_string(),
-        }
-    }
-}
-
-fn url(config: &tokio_postgres::Config, user: &str, password: Option<&str>) -> String {
-    let database = config.get_dbname().unwrap_or("postgres");
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let password = password.map(|p| format!(":{p}")).unwrap_or_default();
-    match &config.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => format!("postgres://{user}{password}@{host}:{port}/{database}"),
-        tokio_postgres::config::Host::Unix(dir) => {
-            format!("postgres://{user}{password}@/{database}?host={}&port={port}", dir.display())
-        }
+        self.url().config().get_dbname().unwrap_or("postgres").to_string()
     }
 }
 
@@ -104,8 +90,9 @@ fn on_own_runtime<T: Send + 'static>(f: impl std::future::Future<Output = T> + S
     .expect("harness thread panicked")
 }
 
-async fn connect(config: tokio_postgres::Config) -> Client {
-    let (client, connection) = config.connect(NoTls).await.expect("cannot connect to the test server");
+/// A plain connection to `url` (no TLS: the test server is local).
+pub async fn connect(url: &DatabaseUrl) -> Client {
+    let (client, connection) = url.config().connect(NoTls).await.expect("cannot connect to the test server");
     tokio::spawn(connection);
     client
 }
@@ -115,11 +102,11 @@ async fn connect(config: tokio_postgres::Config) -> Client {
 fn template() -> &'static str {
     TEMPLATE.get_or_init(|| {
         let server = server();
-        let admin = server.config_for(&server.admin_database());
+        let admin = server.url_for(&server.admin_database());
         let name = format!("outbox_relay_template_{}", migrations_digest());
         let template_url = server.url_for(&name);
         on_own_runtime(async move {
-            let client = connect(admin).await;
+            let client = connect(&admin).await;
             // Serializes template creation across test processes sharing one server. CREATE
             // DATABASE cannot run in a transaction, so this is a session lock.
             client.execute("select pg_advisory_lock(7355608)", &[]).await.unwrap();
@@ -131,7 +118,7 @@ fn template() -> &'static str {
             if !ready {
                 client.batch_execute(&format!("drop database if exists \"{name}\"")).await.unwrap_or(());
                 client.batch_execute(&format!("create database \"{name}\"")).await.unwrap();
-                let outbox = Outbox::connect_with(DatabaseUrl::parse(&template_url).unwrap(), 1).await.unwrap();
+                let outbox = Outbox::connect_with(template_url, 1).await.unwrap();
                 outbox.migrate().await.expect("migrating the template database");
                 outbox.pool().close();
                 drop(outbox);
@@ -159,9 +146,11 @@ async fn sweep_leftovers(client: &Client) {
     }
 }
 
+/// A digest of the library's migrations, so that a template made from other migrations is not
+/// reused.
 fn migrations_digest() -> String {
     use std::hash::{Hash, Hasher};
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../migrations");
     let mut files: Vec<_> =
         std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect();
     files.sort();
@@ -176,7 +165,7 @@ fn migrations_digest() -> String {
 pub struct TestDb {
     /// The database name.
     pub name: String,
-    /// Its URL.
+    /// Its connection string (password included), for tools and child processes.
     pub url: String,
     /// An outbox on it.
     pub outbox: Outbox,
@@ -197,17 +186,28 @@ impl TestDb {
         let server = server();
         let n = COUNTER.fetch_add(1, Ordering::Relaxed);
         let name = format!("{TEST_DB_PREFIX}{}_{n}", std::process::id());
-        let admin = connect(server.config_for(&server.admin_database())).await;
+        let admin = connect(&server.url_for(&server.admin_database())).await;
         let from = template.map(|t| format!(" template \"{t}\"")).unwrap_or_default();
         admin.batch_execute(&format!("create database \"{name}\"{from}")).await.unwrap();
         let url = server.url_for(&name);
-        let outbox = Outbox::connect_with(DatabaseUrl::parse(&url).unwrap(), 32).await.unwrap();
-        TestDb { name, url, outbox }
+        let outbox = Outbox::connect_with(url.clone(), 32).await.unwrap();
+        TestDb { url: url.to_connection_string(), name, outbox }
+    }
+
+    /// The URL of this database, parsed.
+    pub fn database_url(&self) -> DatabaseUrl {
+        server().url_for(&self.name)
+    }
+
+    /// The URL of this database as another `user`, without a password, for tools and child
+    /// processes.
+    pub fn url_as(&self, user: &str) -> String {
+        server().url_as(&self.name, user).to_connection_string()
     }
 
     /// A new dedicated connection to this database.
     pub async fn client(&self) -> Client {
-        connect(server().config_for(&self.name)).await
+        connect(&self.database_url()).await
     }
 }
 
@@ -215,9 +215,9 @@ impl Drop for TestDb {
     fn drop(&mut self) {
         self.outbox.pool().close();
         let name = self.name.clone();
-        let admin = server().config_for(&server().admin_database());
+        let admin = server().url_for(&server().admin_database());
         on_own_runtime(async move {
-            let client = connect(admin).await;
+            let client = connect(&admin).await;
             if let Err(e) = client.batch_execute(&format!("drop database if exists \"{name}\" with (force)")).await {
                 eprintln!("warning: could not drop test database {name}: {e}");
             }

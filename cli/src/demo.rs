@@ -10,15 +10,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox_relay::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use outbox_relay::{
-    AuditEntry, DatabaseUrl, DeliveryError, Event, Handler, NewEvent, Outbox, Percentiles, Relay, RelayConfig,
+    AuditEntry, Begun, DatabaseUrl, DeliveryError, Event, Executed, Handler, NewEvent, Outbox, Percentiles, Relay,
+    RelayConfig,
 };
+use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Notify;
 
-use super::CliError;
+use crate::CliError;
 
 /// Options of the demo.
 #[derive(Debug, Args)]
@@ -165,7 +166,7 @@ async fn scenario(
 ) -> Result<(Vec<Check>, String), CliError> {
     let outbox = Outbox::connect_with(server_url.for_database(database), 16).await?;
     outbox.migrate().await?;
-    let client = outbox.client().await?;
+    let client = outbox.connection().await?;
     client
         .batch_execute(
             "create table orders (id bigserial primary key, customer text not null, total numeric(12, 2) not null,
@@ -366,35 +367,32 @@ async fn place(
     key: &str,
     order: &PlaceOrder,
     fail_after_writes: bool,
-) -> Result<outbox_relay::Executed<Placed>, DemoError> {
-    let committed = erp.committed.clone();
-    outbox
-        .execute(key, order, |work| {
-            let order = order.clone();
-            Box::pin(async move {
-                let row = work
-                    .query_one(
-                        "insert into orders (customer, total) values ($1, $2::float8::numeric) returning id",
-                        &[&order.customer, &order.total],
-                    )
-                    .await?;
-                let order_id: i64 = row.get(0);
-                work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
-                let event = NewEvent::new(
-                    "order.placed",
-                    json!({"order_id": order_id, "customer": order.customer, "total": order.total}),
-                )
-                .key(order_id.to_string());
-                let event_id = work.publish(&event).await?;
-                if fail_after_writes {
-                    return Err(DemoError::Injected);
-                }
-                // Latency is measured from here: the last moment before the commit.
-                committed.lock().unwrap().insert(event_id, Instant::now());
-                Ok(Placed { order_id })
-            })
-        })
-        .await
+) -> Result<Executed<Placed>, DemoError> {
+    let mut connection = outbox.connection().await?;
+    let work = match connection.begin(key, order).await? {
+        Begun::Replayed(replayed) => return Ok(Executed { response: replayed.response()?, replayed: true }),
+        Begun::Fresh(work) => work,
+    };
+    let row = work
+        .query_one(
+            "insert into orders (customer, total) values ($1, $2::float8::numeric) returning id",
+            &[&order.customer, &order.total],
+        )
+        .await?;
+    let order_id: i64 = row.get(0);
+    work.audit(&AuditEntry::new("order", order_id, "placed", order)?).await?;
+    let event =
+        NewEvent::new("order.placed", json!({"order_id": order_id, "customer": order.customer, "total": order.total}))
+            .key(order_id.to_string());
+    let event_id = work.publish(&event).await?;
+    if fail_after_writes {
+        return Err(DemoError::Injected); // dropping `work` rolls all four writes back
+    }
+    let placed = Placed { order_id };
+    // Latency is measured from here: the last moment before the commit.
+    erp.committed.lock().unwrap().insert(event_id, Instant::now());
+    work.commit(&placed).await?;
+    Ok(Executed { response: placed, replayed: false })
 }
 
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]

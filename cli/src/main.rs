@@ -1,4 +1,5 @@
-//! Argument parsing and the commands of the `outbox-relay` binary.
+//! The `outbox-relay` command: a thin shell over the library. It parses the arguments, sets up
+//! logging, runs one command and turns its failure into one line on stderr and an exit code.
 
 mod bench;
 mod commands;
@@ -204,7 +205,7 @@ fn exit_code(error: &CliError) -> ExitCode {
 
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1
 /// (2 for bad arguments).
-pub(crate) fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {

@@ -3,12 +3,12 @@
 use outbox_relay::sink::{Sink, SinkOptions};
 use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
-use super::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs, UsageError};
+use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs, UsageError};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
-        Command::Demo(args) => super::demo::run(args, cli.database_url).await,
-        Command::Bench(args) => super::bench::run(args, cli.database_url).await,
+        Command::Demo(args) => crate::demo::run(args, cli.database_url).await,
+        Command::Bench(args) => crate::bench::run(args, cli.database_url).await,
         Command::Migrate => migrate(&require_url(cli.database_url)?).await,
         Command::Run(args) => run_relay(&require_url(cli.database_url)?, args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
@@ -164,7 +164,7 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     if !errors.is_empty() {
         println!("most common errors of pending events:");
         for e in &errors {
-            let text: String = super::one_line(&e.error).chars().take(160).collect();
+            let text: String = crate::one_line(&e.error).chars().take(160).collect();
             println!("  {:>8}  {text}", e.events);
         }
     }
@@ -193,7 +193,7 @@ async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(
                     d.topic,
                     d.attempts,
                     failed,
-                    super::one_line(&d.last_error)
+                    crate::one_line(&d.last_error)
                 );
             }
         }

@@ -1,0 +1,10 @@
+//! The `outbox-relay` command, spawned for real against a real PostgreSQL (the test kit's
+//! harness: `DATABASE_URL` or a throwaway cluster, a database per test).
+
+use outbox_relay_testkit::{harness, support as relay_support};
+
+mod binary;
+mod cli;
+mod killed;
+mod operator;
+mod secrets;

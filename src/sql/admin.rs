@@ -1,0 +1,137 @@
+//! What operators read and do: the queue at a glance, the errors events wait on, the relays,
+//! and the dead letters.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::{Db, all, count, micros, one};
+use crate::error::Result;
+use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
+
+/// Milliseconds from `$t` to now (null when `$t` is), for any timestamp a row may hold: clamped,
+/// never an error.
+macro_rules! age_ms {
+    ($t:literal) => {
+        concat!(
+            "(case when ",
+            $t,
+            " is not null then ",
+            "(least(greatest(extract(epoch from now()) - extract(epoch from ",
+            $t,
+            "), -9e12), 9e12) * 1000)::int8 end)"
+        )
+    };
+}
+
+/// The queue at a glance.
+const QUEUE_STATS: &str = concat!(
+    "select count(*) filter (where processed_at is null and available_at <= now()),
+       count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
+       count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
+       count(*) filter (where processed_at is not null),
+       (select count(*) from outbox_relay.dead_letters),
+       ",
+    age_ms!("min(created_at) filter (where processed_at is null)"),
+    ",
+       ",
+    age_ms!("min(available_at) filter (where processed_at is null and available_at <= now())"),
+    ",
+       coalesce(max(attempts) filter (where processed_at is null), 0),
+       pg_notification_queue_usage()
+  from outbox_relay.outbox"
+);
+
+/// Counts pending, delayed, in-flight, processed and dead events.
+pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
+    let row = one(db, QUEUE_STATS, &[], "reading the queue's state").await?;
+    Ok(QueueStats {
+        pending: row.get(0),
+        delayed: row.get(1),
+        in_flight: row.get(2),
+        processed: row.get(3),
+        dead_letters: row.get(4),
+        oldest_pending_age_ms: row.get(5),
+        oldest_ready_age_ms: row.get(6),
+        max_attempts: row.get(7),
+        notification_queue_usage: row.get(8),
+    })
+}
+
+/// The most common errors of pending events, with how many events have each, for `status`.
+const EVENT_ERRORS_TOP: &str = "\
+select last_error, count(*) from outbox_relay.outbox
+ where processed_at is null and last_error is not null
+ group by last_error order by count(*) desc, last_error limit $1";
+
+/// The `limit` most common errors of pending events.
+pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<ErrorCount>> {
+    let rows = all(db, EVENT_ERRORS_TOP, &[&limit], "reading the errors of pending events").await?;
+    Ok(rows.iter().map(|r| ErrorCount { error: r.get(0), events: r.get(1) }).collect())
+}
+
+/// The relays connected to this database: their listener connections, and whether each is
+/// marked waiting for a notification.
+const RELAYS_CONNECTED: &str = "\
+select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false)
+  from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
+ where a.datname = current_database() and a.application_name = 'outbox-relay listener'
+ order by a.backend_start";
+
+/// The relays connected to this database.
+pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>> {
+    let rows = all(db, RELAYS_CONNECTED, &[], "listing the connected relays").await?;
+    Ok(rows
+        .iter()
+        .map(|r| ConnectedRelay { listener_pid: r.get(0), client: r.get(1), connected_at: r.get(2), waiting: r.get(3) })
+        .collect())
+}
+
+const DEAD_LETTER_LIST: &str = "\
+select id, topic, key, payload::text, created_at, attempts, last_error, failed_at
+  from outbox_relay.dead_letters order by id limit $1";
+
+/// Up to `limit` dead letters, oldest id first.
+pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<DeadLetter>> {
+    let rows = all(db, DEAD_LETTER_LIST, &[&limit], "listing dead letters").await?;
+    Ok(rows
+        .iter()
+        .map(|r| DeadLetter {
+            id: r.get(0),
+            topic: r.get(1),
+            key: r.get(2),
+            payload: {
+                let text: String = r.get(3);
+                serde_json::from_str(&text).unwrap_or(Value::String(text))
+            },
+            created_at: r.get(4),
+            attempts: r.get(5),
+            last_error: r.get(6),
+            failed_at: r.get(7),
+        })
+        .collect())
+}
+
+/// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset.
+const DEAD_LETTER_RETRY: &str = "\
+with revived as (
+    delete from outbox_relay.dead_letters where id = any($1) or $2
+    returning id, topic, key, payload, created_at
+)
+insert into outbox_relay.outbox (id, topic, key, payload, created_at)
+select id, topic, key, payload, created_at from revived
+returning id";
+
+/// Puts the dead letters `ids` (or all of them) back into the outbox; returns their ids.
+pub(crate) async fn retry_dead_letters(db: &impl Db, ids: &[i64], all_of_them: bool) -> Result<Vec<i64>> {
+    let rows = all(db, DEAD_LETTER_RETRY, &[&ids, &all_of_them], "retrying dead letters").await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+const DEAD_LETTER_PURGE: &str = "\
+delete from outbox_relay.dead_letters where failed_at < now() - $1::int8 * interval '1 microsecond'";
+
+/// Deletes dead letters that failed more than `older_than` ago; returns how many.
+pub(crate) async fn purge_dead_letters(db: &impl Db, older_than: Duration) -> Result<u64> {
+    count(db, DEAD_LETTER_PURGE, &[&micros(older_than)], "purging dead letters").await
+}

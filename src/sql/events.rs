@@ -1,0 +1,193 @@
+//! Events: adding them, claiming them, recording what became of them, cleaning them up.
+
+use std::time::{Duration, SystemTime};
+
+use serde_json::Value;
+
+use super::{Db, all, count, micros, one};
+use crate::error::Result;
+use crate::event::NewEvent;
+use crate::publish::AuditEntry;
+
+const EVENT_INSERT: &str = "\
+insert into outbox_relay.outbox (topic, key, payload, available_at)
+values ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')
+returning id";
+
+/// Adds one event; returns its id.
+pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent) -> Result<i64> {
+    let delay = micros(event.delay);
+    Ok(one(db, EVENT_INSERT, &[&event.topic, &event.key, &event.payload, &delay], "adding an event").await?.get(0))
+}
+
+const EVENT_INSERT_MANY: &str = "\
+insert into outbox_relay.outbox (topic, key, payload, available_at)
+select topic, key, payload, now() + delay * interval '1 microsecond'
+  from unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[]) with ordinality as e(topic, key, payload, delay, n)
+ order by n
+returning id";
+
+/// Adds many events in one statement; returns their ids in input order.
+pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent]) -> Result<Vec<i64>> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
+    let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
+    let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
+    let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
+    let rows = all(db, EVENT_INSERT_MANY, &[&topics, &keys, &payloads, &delays], "adding events").await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+const AUDIT_INSERT: &str = "\
+insert into outbox_relay.audit (entity, entity_id, action, data, idempotency_key)
+values ($1, $2, $3, $4, $5)
+returning id";
+
+/// Adds one audit entry, linked to an idempotency key when there is one; returns its id.
+pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempotency_key: Option<&str>) -> Result<i64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&entry.entity, &entry.entity_id, &entry.action, &entry.data, &idempotency_key];
+    Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
+}
+
+/// Claims up to `$1` deliverable events for a lease of `$2` microseconds under token `$3`.
+/// SKIP LOCKED lets many workers and processes claim side by side without waiting on each other.
+/// The lease moves `available_at` forward, so an event whose worker died comes back when it ends;
+/// `attempts` counts claims, so an event that crashes its worker still runs out of attempts.
+/// `age_us` is the event's age at the claim on the server's clock (no clock skew).
+///
+/// No row may fail the statement, whoever wrote it: `attempts` stops short of the integer's end,
+/// and `age_us` is null for a `created_at` outside 1970 to 9999 (such an event is dead-lettered).
+const EVENT_CLAIM: &str = "\
+with claimable as (
+    select id from outbox_relay.outbox
+     where processed_at is null and available_at <= now()
+     order by available_at, id
+     limit $1
+       for update skip locked
+)
+update outbox_relay.outbox o
+   set available_at = now() + $2::int8 * interval '1 microsecond',
+       attempts = least(o.attempts, 2147483646) + 1,
+       lease_token = $3
+  from claimable c
+ where o.id = c.id
+returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts,
+          case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
+               then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us";
+
+/// A claimed event as the claim returns it.
+pub(crate) struct ClaimedRow {
+    pub(crate) id: i64,
+    pub(crate) topic: String,
+    pub(crate) key: Option<String>,
+    /// The payload, or why serde_json cannot hold it (a number beyond f64, nesting past its limit).
+    pub(crate) payload: std::result::Result<Value, String>,
+    pub(crate) created_at: SystemTime,
+    pub(crate) attempts: i32,
+    /// Its age at the claim; `None` for a `created_at` outside 1970 to 9999.
+    pub(crate) age: Option<Duration>,
+}
+
+/// Claims up to `batch` deliverable events for `lease` under `token`.
+pub(crate) async fn claim_events(db: &impl Db, batch: i64, lease: Duration, token: i64) -> Result<Vec<ClaimedRow>> {
+    let rows = all(db, EVENT_CLAIM, &[&batch, &micros(lease), &token], "claiming events").await?;
+    Ok(rows
+        .iter()
+        .map(|row| ClaimedRow {
+            id: row.get(0),
+            topic: row.get(1),
+            key: row.get(2),
+            payload: row.try_get::<_, Value>(3).map_err(|e| crate::error::chain(&e)),
+            created_at: row.get(4),
+            attempts: row.get(5),
+            age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
+        })
+        .collect())
+}
+
+/// The earliest time a pending event becomes deliverable, for the relay's timer (an infinite
+/// `available_at`, possible in rows older than migration 0003, is no moment to wake at).
+const EVENT_NEXT_AVAILABLE: &str = "\
+select (extract(epoch from min(available_at) - now()) * 1000000)::int8
+  from outbox_relay.outbox where processed_at is null and isfinite(available_at)";
+
+/// How long until the next pending event is due, when one is due later (not now).
+pub(crate) async fn next_due(db: &impl Db) -> Result<Option<Duration>> {
+    let row = one(db, EVENT_NEXT_AVAILABLE, &[], "reading the next due event").await?;
+    Ok(row.get::<_, Option<i64>>(0).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64)))
+}
+
+const EVENT_MARK_PROCESSED: &str = "\
+update outbox_relay.outbox set processed_at = now(), lease_token = null, last_error = null
+ where id = any($1) and lease_token = $2";
+
+const EVENT_DELETE_PROCESSED: &str = "delete from outbox_relay.outbox where id = any($1) and lease_token = $2";
+
+/// Records deliveries of the claim `token` holds: marks the rows processed, or deletes them.
+pub(crate) async fn complete_events(db: &impl Db, delete: bool, ids: &[i64], token: i64) -> Result<u64> {
+    let sql = if delete { EVENT_DELETE_PROCESSED } else { EVENT_MARK_PROCESSED };
+    count(db, sql, &[&ids, &token], "recording deliveries").await
+}
+
+const EVENT_RESCHEDULE: &str = "\
+update outbox_relay.outbox o
+   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null
+  from unnest($1::int8[], $2::int8[], $3::text[]) as f(id, delay_us, error)
+ where o.id = f.id and o.lease_token = $4";
+
+/// Reschedules failed deliveries of the claim `token` holds: per event a delay and an error.
+pub(crate) async fn reschedule_events(
+    db: &impl Db,
+    ids: &[i64],
+    delays: &[Duration],
+    errors: &[String],
+    token: i64,
+) -> Result<u64> {
+    let delays: Vec<i64> = delays.iter().map(|d| micros(*d)).collect();
+    count(db, EVENT_RESCHEDULE, &[&ids, &delays, &errors, &token], "rescheduling failed deliveries").await
+}
+
+const EVENT_RELEASE: &str = "\
+update outbox_relay.outbox
+   set available_at = now(), lease_token = null, attempts = greatest(attempts - 1, 0)
+ where id = any($1) and lease_token = $2";
+
+/// Gives back claimed events that were not delivered (shutdown): deliverable at once, and the
+/// claim's attempt does not count.
+pub(crate) async fn release_events(db: &impl Db, ids: &[i64], token: i64) -> Result<u64> {
+    count(db, EVENT_RELEASE, &[&ids, &token], "releasing events").await
+}
+
+const EVENT_BURY: &str = "\
+with failed as (
+    delete from outbox_relay.outbox o
+     using unnest($1::int8[], $2::text[]) as f(id, error)
+     where o.id = f.id and o.lease_token = $3
+    returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts, f.error
+)
+insert into outbox_relay.dead_letters (id, topic, key, payload, created_at, attempts, last_error)
+select id, topic, key, payload, created_at, attempts, error from failed
+on conflict (id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Moves events of the claim `token` holds to the dead letters with their errors, keeping ids.
+pub(crate) async fn bury_events(db: &impl Db, ids: &[i64], errors: &[String], token: i64) -> Result<u64> {
+    count(db, EVENT_BURY, &[&ids, &errors, &token], "moving events to the dead letters").await
+}
+
+const EVENT_DELETE_EXPIRED: &str = "\
+delete from outbox_relay.outbox where id in (
+    select id from outbox_relay.outbox
+     where processed_at < now() - $1::int8 * interval '1 microsecond'
+     order by id
+     limit $2
+       for update skip locked
+)";
+
+/// Deletes up to `batch` events processed more than `age` ago; rows others delete are skipped.
+pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: i64) -> Result<u64> {
+    count(db, EVENT_DELETE_EXPIRED, &[&micros(age), &batch], "deleting old processed events").await
+}

@@ -1,0 +1,97 @@
+//! The relays' own rows: the waiting mark writers check, the race closure's view of open
+//! transactions, the listener's LISTEN, and the privileges a relay needs.
+
+use super::{Db, all, count, one};
+use crate::error::{Error, Result};
+
+/// The channel the outbox trigger notifies (see `migrations/`).
+const CHANNEL_LISTEN: &str = "listen outbox_relay";
+
+/// Starts listening on the outbox channel on a dedicated connection; returns its backend pid.
+pub(crate) async fn listen(client: &tokio_postgres::Client) -> Result<i32> {
+    client.batch_execute(CHANNEL_LISTEN).await.map_err(|e| Error::database("starting to listen", e))?;
+    let row = client
+        .query_one("select pg_backend_pid()", &[])
+        .await
+        .map_err(|e| Error::database("reading the listener's backend pid", e))?;
+    Ok(row.get(0))
+}
+
+/// A round trip on a dedicated connection, to tell a live link from a stalled one.
+pub(crate) async fn ping(client: &tokio_postgres::Client) -> Result<()> {
+    client.simple_query("").await.map(drop).map_err(|e| Error::database("checking the listener connection", e))
+}
+
+const RELAY_MARK_WAITING: &str = "\
+insert into outbox_relay.relays (id, listener_pid, waiting) values ($1, $2, true)
+on conflict (id) do update set waiting = true, listener_pid = excluded.listener_pid, updated_at = now()";
+
+/// Marks relay `id` waiting: from the commit of this statement on, every insert notifies.
+pub(crate) async fn mark_waiting(db: &impl Db, id: i64, listener_pid: i32) -> Result<()> {
+    count(db, RELAY_MARK_WAITING, &[&id, &listener_pid], "marking the relay waiting").await.map(drop)
+}
+
+const RELAY_MARK_BUSY: &str = "update outbox_relay.relays set waiting = false, updated_at = now() where id = $1";
+
+/// Marks relay `id` busy: writers need not notify it.
+pub(crate) async fn mark_busy(db: &impl Db, id: i64) -> Result<()> {
+    count(db, RELAY_MARK_BUSY, &[&id], "marking the relay busy").await.map(drop)
+}
+
+const RELAY_REMOVE: &str = "delete from outbox_relay.relays where id = $1";
+
+/// Removes relay `id`'s row (it is stopping).
+pub(crate) async fn remove_relay(db: &impl Db, id: i64) -> Result<()> {
+    count(db, RELAY_REMOVE, &[&id], "removing the relay's mark").await.map(drop)
+}
+
+const RELAY_REMOVE_DEAD: &str = "\
+delete from outbox_relay.relays where listener_pid not in (select pid from pg_stat_activity)";
+
+/// Removes the rows of relays whose listener backend is gone (they crashed without removing
+/// themselves); returns how many.
+pub(crate) async fn remove_dead_relays(db: &impl Db) -> Result<u64> {
+    count(db, RELAY_REMOVE_DEAD, &[], "removing the marks of dead relays").await
+}
+
+/// The virtual transaction ids of every transaction open in this database now, but ours. Each
+/// transaction holds a lock on its own virtual id from its start, before it has a real xid.
+const TRANSACTIONS_OPEN: &str = "\
+select coalesce(array_agg(l.virtualxid), '{}')
+  from pg_locks l join pg_stat_activity a on a.pid = l.pid
+ where l.locktype = 'virtualxid' and l.granted and l.pid <> pg_backend_pid() and a.datname = current_database()";
+
+/// The transactions open in this database now (but the caller's), by virtual id.
+pub(crate) async fn open_transactions(db: &impl Db) -> Result<Vec<String>> {
+    Ok(one(db, TRANSACTIONS_OPEN, &[], "listing open transactions").await?.get(0))
+}
+
+const TRANSACTIONS_STILL_OPEN: &str =
+    "select count(*) from pg_locks where locktype = 'virtualxid' and virtualxid = any($1)";
+
+/// How many of the given transactions are still open.
+pub(crate) async fn count_still_open(db: &impl Db, open: &[String]) -> Result<i64> {
+    Ok(one(db, TRANSACTIONS_STILL_OPEN, &[&open], "checking open transactions").await?.get(0))
+}
+
+/// Which of the given `(table, privilege)` pairs the current role lacks, and the role's name.
+const PRIVILEGES_MISSING: &str = "\
+select coalesce(array_agg(p.privilege || ' on ' || p.tab) filter (where not has_table_privilege(p.tab, p.privilege)), '{}'),
+       current_user::text
+  from unnest($1::text[], $2::text[]) as p(tab, privilege)";
+
+/// The privileges of `needed` (`(table, privilege)`) the current role lacks, as `PRIVILEGE on
+/// table`, and the role's name.
+pub(crate) async fn missing_privileges(db: &impl Db, needed: &[(&str, &str)]) -> Result<(Vec<String>, String)> {
+    let (tables, privileges): (Vec<&str>, Vec<&str>) = needed.iter().copied().unzip();
+    let row = one(db, PRIVILEGES_MISSING, &[&tables, &privileges], "checking the role's privileges").await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+const CURRENT_ROLE: &str = "select current_user::text";
+
+/// The name of the role the connection runs as.
+pub(crate) async fn current_role(db: &impl Db) -> Result<String> {
+    let rows = all(db, CURRENT_ROLE, &[], "reading the current role").await?;
+    Ok(rows.first().map(|r| r.get(0)).unwrap_or_default())
+}

@@ -1,0 +1,258 @@
+//! The high-level write API: a unit of work under an idempotency key, in one transaction.
+//!
+//! [`Connection::begin`] claims the key and answers [`Begun::Replayed`] (the key was used for
+//! this request before: here is its response, nothing runs) or [`Begun::Fresh`] (a [`Work`]: the
+//! open transaction, for the business SQL, audit entries and events). [`Work::commit`] stores the
+//! response with the receipt and commits; dropping a `Work` rolls everything back.
+//! [`Outbox::execute`] does the same around an async closure.
+
+use std::ops::{Deref, DerefMut};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::event::{NewEvent, validate_key};
+use crate::outbox::{Connection, Outbox};
+use crate::publish::AuditEntry;
+use crate::sql;
+
+/// How a unit of work under an idempotency key begins: see [`Connection::begin`].
+#[must_use = "a Fresh unit of work must be committed, or it rolls back when dropped"]
+#[derive(Debug)]
+pub enum Begun<'c> {
+    /// The key was used before for the same request: its stored response; nothing was written
+    /// and nothing is to be done.
+    Replayed(Replayed),
+    /// The key now belongs to this transaction: do the work, then [`Work::commit`] the response.
+    Fresh(Work<'c>),
+}
+
+/// The stored response of a request seen before.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Replayed {
+    response: Value,
+}
+
+impl Replayed {
+    /// The stored response, as the type it was stored from.
+    pub fn response<T: DeserializeOwned>(&self) -> Result<T> {
+        Ok(serde_json::from_value(self.response.clone())?)
+    }
+
+    /// The stored response as JSON.
+    pub fn into_json(self) -> Value {
+        self.response
+    }
+}
+
+/// The answer of [`Outbox::execute`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Executed<T> {
+    /// The response: computed now, or the one stored by the first request with this key.
+    pub response: T,
+    /// True when the key had been used already and the stored response was returned; nothing was
+    /// written by this call.
+    pub replayed: bool,
+}
+
+impl Connection {
+    /// Begins a unit of work under an idempotency key, in one transaction.
+    ///
+    /// # Behavior
+    /// 1. Validates `key` and fingerprints `request` (SHA-256 of its JSON).
+    /// 2. Opens a transaction and claims the key. If another request holds the key uncommitted,
+    ///    this waits for it: when it commits, its stored response comes back as
+    ///    [`Begun::Replayed`]; when it rolls back, this request gets the key.
+    /// 3. Returns [`Begun::Fresh`]: a [`Work`] that derefs to the open transaction for business
+    ///    SQL, records audit entries and events, and [`commit`](Work::commit)s the response with
+    ///    the receipt: business rows, audit entries, receipt and events exist together, or none
+    ///    does. Dropping the `Work` (an early return, a `?`) rolls all of it back.
+    ///
+    /// # Errors
+    /// An invalid key ([`ErrorKind::InvalidInput`]), a key reused with a different request
+    /// ([`ErrorKind::KeyReused`]; nothing is written), or a database failure.
+    ///
+    /// # Example
+    /// ```no_run
+    /// use outbox_relay::{AuditEntry, Begun, NewEvent, Outbox};
+    /// use serde_json::{Value, json};
+    ///
+    /// async fn place_order(outbox: &Outbox, key: &str, request: &Value) -> Result<Value, outbox_relay::Error> {
+    ///     let mut connection = outbox.connection().await?;
+    ///     let work = match connection.begin(key, request).await? {
+    ///         Begun::Replayed(replayed) => return Ok(replayed.into_json()),
+    ///         Begun::Fresh(work) => work,
+    ///     };
+    ///     let row = work.query_one("insert into orders (customer) values ($1) returning id", &[&request["customer"].as_str()]).await?;
+    ///     let order_id: i64 = row.get(0);
+    ///     work.audit(&AuditEntry::new("order", order_id, "placed", request)?).await?;
+    ///     work.publish(&NewEvent::new("order.placed", json!({"order_id": order_id})).key(order_id.to_string())).await?;
+    ///     let response = json!({"order_id": order_id});
+    ///     work.commit(&response).await?;
+    ///     Ok(response)
+    /// }
+    /// ```
+    pub async fn begin<Req: Serialize + ?Sized>(&mut self, key: &str, request: &Req) -> Result<Begun<'_>> {
+        validate_key("idempotency key", key)?;
+        let fingerprint = fingerprint(request)?;
+        let tx = self.client.transaction().await.map_err(|e| Error::database("starting a transaction", e))?;
+        // A stored receipt may vanish between our conflicting claim and our read (the janitor
+        // removed an expired one): the key is free again, and the next claim in this same
+        // transaction (READ COMMITTED: each statement sees what is committed now) takes it.
+        for _ in 0..3 {
+            if sql::claim_receipt(&tx, key, &fingerprint).await? {
+                return Ok(Begun::Fresh(Work { tx, key: key.to_string(), outbox: &self.outbox }));
+            }
+            if let Some(receipt) = sql::get_receipt(&tx, key).await? {
+                drop(tx.rollback().await);
+                return replay(key, &fingerprint, receipt).map(Begun::Replayed);
+            }
+        }
+        Err(Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again")))
+    }
+}
+
+impl Outbox {
+    /// Runs a unit of work once per idempotency key, in one transaction: [`Connection::begin`],
+    /// then `work`, then [`Work::commit`] with its response.
+    ///
+    /// An error returned by `work` rolls everything back and is returned as is; the crate's own
+    /// errors reach the caller through `E: From<Error>`. When the commit itself fails on a broken
+    /// connection its outcome is unknown; retrying with the same key is safe and replays the
+    /// response if it had committed.
+    ///
+    /// ```no_run
+    /// # async fn f(outbox: outbox_relay::Outbox) -> Result<(), outbox_relay::Error> {
+    /// use outbox_relay::{AuditEntry, NewEvent};
+    /// use serde_json::json;
+    /// let request = json!({"customer": "ana", "total": 12.5});
+    /// let placed = outbox
+    ///     .execute("order-7f3c", &request, async |work| {
+    ///         let row = work.query_one("insert into orders (customer) values ('ana') returning id", &[]).await?;
+    ///         let id: i64 = row.get(0);
+    ///         work.audit(&AuditEntry::new("order", id, "placed", &request)?).await?;
+    ///         work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
+    ///         Ok::<_, outbox_relay::Error>(json!({"order_id": id}))
+    ///     })
+    ///     .await?;
+    /// println!("order {} (replayed: {})", placed.response["order_id"], placed.replayed);
+    /// # Ok(()) }
+    /// ```
+    pub async fn execute<Req, T, E, F>(&self, key: &str, request: &Req, work: F) -> Result<Executed<T>, E>
+    where
+        Req: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: From<Error>,
+        F: AsyncFnOnce(&mut Work<'_>) -> Result<T, E>,
+    {
+        let mut connection = self.connection().await?;
+        let mut unit = match connection.begin(key, request).await? {
+            Begun::Replayed(replayed) => return Ok(Executed { response: replayed.response()?, replayed: true }),
+            Begun::Fresh(unit) => unit,
+        };
+        let response = work(&mut unit).await?;
+        unit.commit(&response).await?;
+        Ok(Executed { response, replayed: false })
+    }
+}
+
+fn fingerprint<Req: Serialize + ?Sized>(request: &Req) -> Result<Vec<u8>> {
+    let json = serde_json::to_vec(request)?;
+    Ok(Sha256::digest(&json).to_vec())
+}
+
+fn replay(key: &str, fingerprint: &[u8], stored: sql::Receipt) -> Result<Replayed> {
+    if stored.fingerprint != fingerprint {
+        return Err(Error::new(
+            ErrorKind::KeyReused,
+            format!("idempotency key {key:?} was already used for a different request; nothing was written"),
+        ));
+    }
+    let response = stored.response.ok_or_else(|| {
+        Error::new(ErrorKind::Database, format!("the receipt of idempotency key {key:?} has no stored response"))
+    })?;
+    Ok(Replayed { response })
+}
+
+/// A unit of work under an idempotency key: the open transaction (it derefs to
+/// [`tokio_postgres::Transaction`] for business SQL), plus audit entries and events that commit
+/// with it. [`commit`](Work::commit) it with the response; dropping it rolls back.
+pub struct Work<'c> {
+    tx: deadpool_postgres::Transaction<'c>,
+    key: String,
+    outbox: &'c Outbox,
+}
+
+impl<'c> Work<'c> {
+    /// The idempotency key this work runs under.
+    pub fn idempotency_key(&self) -> &str {
+        &self.key
+    }
+
+    /// Adds an event that commits with this work.
+    pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
+        event.validate()?;
+        sql::insert_event(&self.tx, event).await
+    }
+
+    /// Adds many events in one statement; returns their ids in order.
+    pub async fn publish_all(&self, events: &[NewEvent]) -> Result<Vec<i64>> {
+        for event in events {
+            event.validate()?;
+        }
+        sql::insert_events(&self.tx, events).await
+    }
+
+    /// Adds an audit entry that commits with this work, linked to the idempotency key.
+    pub async fn audit(&self, entry: &AuditEntry<'_>) -> Result<i64> {
+        entry.validate()?;
+        sql::insert_audit(&self.tx, entry, Some(&self.key)).await
+    }
+
+    /// Opens a savepoint named `name`: a nested transaction of this work that commits into it or
+    /// rolls back alone (dropping it rolls back to the savepoint).
+    pub async fn savepoint(&mut self, name: &str) -> Result<tokio_postgres::Transaction<'_>> {
+        let tx: &mut tokio_postgres::Transaction<'c> = &mut self.tx;
+        tx.savepoint(name).await.map_err(|e| Error::database("opening a savepoint", e))
+    }
+
+    /// Stores `response` with the receipt (what every replay of this key will return) and
+    /// commits: business rows, audit entries, receipt and events, together. Wakes a relay in
+    /// this process.
+    pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
+        let stored = serde_json::to_value(response)?;
+        crate::payload::check_storable("the response of the unit of work", &stored)?;
+        sql::store_response(&self.tx, &self.key, &stored).await?;
+        self.tx.commit().await.map_err(|e| Error::database("committing", e))?;
+        self.outbox.wakeup().wake();
+        Ok(())
+    }
+
+    /// Rolls everything back now (dropping the work does the same, without waiting).
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await.map_err(|e| Error::database("rolling back", e))
+    }
+}
+
+impl<'c> Deref for Work<'c> {
+    type Target = tokio_postgres::Transaction<'c>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl DerefMut for Work<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
+}
+
+impl std::fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("idempotency_key", &self.key).finish_non_exhaustive()
+    }
+}

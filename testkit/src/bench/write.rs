@@ -1,0 +1,267 @@
+//! The write path: business transactions per second from concurrent writers, through the
+//! library's own `execute` (and `audit` for the shapes without a receipt).
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use outbox_relay::{AuditEntry, NewEvent, Outbox};
+use serde_json::json;
+
+use super::notify::{NotifyMode, reset_notify, set_notify_mode};
+use super::{BoxError, db};
+
+const CUSTOMER: &str = "bench-customer";
+const TOTAL: f64 = 12.5;
+const ORDERS_CREATE: &str = "\
+create table if not exists public.bench_orders (
+    id         bigserial primary key,
+    customer   text not null,
+    total      float8 not null,
+    created_at timestamptz not null default now()
+)";
+const ORDERS_INSERT: &str = "insert into public.bench_orders (customer, total) values ($1, $2) returning id";
+const WRITE_TABLES_TRUNCATE: &str =
+    "truncate public.bench_orders, outbox_relay.audit, outbox_relay.idempotency, outbox_relay.outbox";
+
+/// What one business transaction of the write path writes, besides its `bench_orders` row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteTx {
+    /// An `outbox_relay.audit` entry.
+    pub audit: bool,
+    /// An idempotency receipt under a fresh key: the transaction is [`Outbox::execute`].
+    pub receipt: bool,
+    /// Events: one is [`outbox_relay::Work::publish`], more are one
+    /// [`outbox_relay::Work::publish_all`]. Only with a receipt.
+    pub events: usize,
+}
+
+impl WriteTx {
+    /// The business row alone.
+    pub const BARE: WriteTx = WriteTx { audit: false, receipt: false, events: 0 };
+    /// The business row and its audit entry.
+    pub const WITH_AUDIT: WriteTx = WriteTx { audit: true, receipt: false, events: 0 };
+    /// The business row, its audit entry and the idempotency receipt.
+    pub const WITH_RECEIPT: WriteTx = WriteTx { audit: true, receipt: true, events: 0 };
+    /// The full transaction: business row, audit entry, receipt and one event.
+    pub const FULL: WriteTx = WriteTx { audit: true, receipt: true, events: 1 };
+
+    /// The full transaction with `events` events.
+    pub const fn full_with_events(events: usize) -> WriteTx {
+        WriteTx { audit: true, receipt: true, events }
+    }
+}
+
+/// Creates `bench_orders` if it is missing, empties it and the audit, receipt and outbox tables,
+/// and runs a `CHECKPOINT` so that one due to earlier runs' WAL does not land in the next
+/// measurement (skipped when the user may not: it needs superuser or `pg_checkpoint`).
+pub async fn reset_write_tables(outbox: &Outbox) -> Result<(), BoxError> {
+    let client = outbox.connection().await?;
+    client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
+    client.batch_execute(WRITE_TABLES_TRUNCATE).await.map_err(db("truncating the write-path tables"))?;
+    if let Err(e) = client.batch_execute("checkpoint").await {
+        tracing::debug!(error = %e, "no checkpoint before the write measurement");
+    }
+    Ok(())
+}
+
+/// Commits per second of `writers` concurrent writers running the full transaction
+/// ([`WriteTx::FULL`]) for `duration`, with the trigger in `mode`. The tables are emptied first,
+/// no relay runs, and the trigger is back to normal afterwards.
+pub async fn write_tps(outbox: &Outbox, writers: usize, duration: Duration, mode: NotifyMode) -> Result<f64, BoxError> {
+    set_notify_mode(outbox, mode).await?;
+    let measured = async {
+        reset_write_tables(outbox).await?;
+        let mut writers = Writers::connect(outbox, writers, WriteTx::FULL).await?;
+        let (commits, elapsed) = writers.run_for(duration).await?;
+        Ok::<_, BoxError>(commits as f64 / elapsed.as_secs_f64())
+    }
+    .await;
+    let restored = reset_notify(outbox).await;
+    let tps = measured?;
+    restored?;
+    Ok(tps)
+}
+
+/// Concurrent writers, each a task with a connection of its own, running one kind of business
+/// transaction ([`WriteTx`]).
+pub struct Writers {
+    writers: Vec<Writer>,
+    shape: WriteTx,
+}
+
+impl fmt::Debug for Writers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Writers")
+            .field("writers", &self.writers.len())
+            .field("shape", &self.shape)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Writers {
+    /// Opens `count` connections to `outbox`'s database (an [`Outbox`] with a pool of one each);
+    /// creates `bench_orders` if it is missing.
+    pub async fn connect(outbox: &Outbox, count: usize, shape: WriteTx) -> Result<Writers, BoxError> {
+        if count == 0 {
+            return Err("at least one writer is needed".into());
+        }
+        if shape.events > 0 && !shape.receipt {
+            return Err("events are written through execute, which needs a receipt".into());
+        }
+        {
+            let client = outbox.connection().await?;
+            client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
+        }
+        let run = rand::random::<u64>();
+        let connecting = (0..count).map(|n| Writer::connect(outbox, format!("bench-{run:016x}-{n}")));
+        let writers = futures::future::try_join_all(connecting).await?;
+        Ok(Writers { writers, shape })
+    }
+
+    /// How many writers there are.
+    pub fn len(&self) -> usize {
+        self.writers.len()
+    }
+
+    /// Always false: there is at least one writer.
+    pub fn is_empty(&self) -> bool {
+        self.writers.is_empty()
+    }
+
+    /// Runs `total` transactions, spread evenly over the writers, and returns the wall time.
+    pub async fn run_count(&mut self, total: u64) -> Result<Duration, BoxError> {
+        let n = self.writers.len() as u64;
+        let started = Instant::now();
+        self.run(|i| Quota::Count(total / n + u64::from((i as u64) < total % n))).await?;
+        Ok(started.elapsed())
+    }
+
+    /// Runs transactions on every writer until `duration` has passed (each finishes the one it
+    /// is in) and returns how many committed and the wall time until the last writer finished.
+    pub async fn run_for(&mut self, duration: Duration) -> Result<(u64, Duration), BoxError> {
+        let started = Instant::now();
+        let deadline = started + duration;
+        let commits = self.run(|_| Quota::Until(deadline)).await?;
+        Ok((commits, started.elapsed()))
+    }
+
+    /// Runs every writer in its own task with its quota; returns the commits. A writer that
+    /// failed is lost, and with it this value's use: the first error is returned.
+    async fn run(&mut self, quota: impl Fn(usize) -> Quota) -> Result<u64, BoxError> {
+        let shape = self.shape;
+        let tasks: Vec<_> = std::mem::take(&mut self.writers)
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut writer)| {
+                let quota = quota(i);
+                tokio::spawn(async move {
+                    let result = writer.run(shape, quota).await;
+                    (writer, result)
+                })
+            })
+            .collect();
+        let mut commits = 0;
+        let mut first_error: Option<BoxError> = None;
+        for task in tasks {
+            match task.await {
+                Ok((writer, Ok(n))) => {
+                    commits += n;
+                    self.writers.push(writer);
+                }
+                Ok((_, Err(e))) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(e) => {
+                    first_error.get_or_insert(format!("a writer task failed: {e}").into());
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(commits),
+        }
+    }
+}
+
+/// How long one writer runs.
+#[derive(Clone, Copy)]
+enum Quota {
+    Count(u64),
+    Until(Instant),
+}
+
+/// One writer: an outbox with one connection, and its key sequence.
+struct Writer {
+    outbox: Outbox,
+    key_prefix: String,
+    next_key: u64,
+}
+
+impl Writer {
+    async fn connect(outbox: &Outbox, key_prefix: String) -> Result<Writer, BoxError> {
+        let own = Outbox::connect_with(outbox.url().clone(), 1).await?;
+        let client = own.connection().await?;
+        client
+            .batch_execute(&format!("set statement_timeout = '{}'", super::latency::STATEMENT_TIMEOUT))
+            .await
+            .map_err(db("configuring a writer connection"))?;
+        drop(client);
+        Ok(Writer { outbox: own, key_prefix, next_key: 0 })
+    }
+
+    async fn run(&mut self, shape: WriteTx, quota: Quota) -> Result<u64, BoxError> {
+        let mut commits = 0;
+        loop {
+            let more = match quota {
+                Quota::Count(n) => commits < n,
+                Quota::Until(deadline) => Instant::now() < deadline,
+            };
+            if !more {
+                return Ok(commits);
+            }
+            self.transaction(shape).await?;
+            commits += 1;
+        }
+    }
+
+    /// One business transaction, as a service writes it with the library.
+    async fn transaction(&mut self, shape: WriteTx) -> Result<(), BoxError> {
+        self.next_key += 1;
+        let request = json!({"customer": CUSTOMER, "total": TOTAL});
+        if !shape.receipt {
+            let mut connection = self.outbox.connection().await?;
+            let tx = connection.transaction().await.map_err(db("starting a transaction"))?;
+            let order_id: i64 = tx
+                .query_one(ORDERS_INSERT, &[&CUSTOMER, &TOTAL])
+                .await
+                .map_err(db("inserting the business row"))?
+                .get(0);
+            if shape.audit {
+                outbox_relay::audit(&tx, &AuditEntry::new("order", order_id, "placed", &request)?).await?;
+            }
+            tx.commit().await.map_err(db("committing"))?;
+            return Ok(());
+        }
+        let key = format!("{}-{}", self.key_prefix, self.next_key);
+        self.outbox
+            .execute(&key, &request, async |work| {
+                let order_id: i64 = work.query_one(ORDERS_INSERT, &[&CUSTOMER, &TOTAL]).await?.get(0);
+                work.audit(&AuditEntry::new("order", order_id, "placed", &request)?).await?;
+                let event = |n: usize| {
+                    NewEvent::new("order.placed", json!({"order_id": order_id, "n": n})).key(order_id.to_string())
+                };
+                match shape.events {
+                    0 => {}
+                    1 => {
+                        work.publish(&event(0)).await?;
+                    }
+                    n => {
+                        work.publish_all(&(0..n).map(event).collect::<Vec<_>>()).await?;
+                    }
+                }
+                Ok::<_, outbox_relay::Error>(json!({"order_id": order_id}))
+            })
+            .await?;
+        Ok(())
+    }
+}
