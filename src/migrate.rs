@@ -30,6 +30,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "harden_rows_and_writer_path",
         sql: include_str!("../migrations/0003_harden_rows_and_writer_path.sql"),
     },
+    Migration {
+        version: 4,
+        name: "order_per_key_and_breaker",
+        sql: include_str!("../migrations/0004_order_per_key_and_breaker.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -52,6 +52,12 @@ pub struct ConnectedRelay {
     pub connected_at: SystemTime,
     /// Whether it waits for a notification (idle), rather than being busy or lingering.
     pub waiting: bool,
+    /// Whether its outage breaker is open: it found its destination down, claims nothing, and
+    /// probes with one delivery at a time.
+    pub breaker_open: bool,
+    /// When its breaker last changed state, if it ever did.
+    #[serde(serialize_with = "crate::timestamp::serialize_option")]
+    pub breaker_since: Option<SystemTime>,
 }
 
 /// An event in the dead letters.

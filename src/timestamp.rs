@@ -36,6 +36,14 @@ pub(crate) fn serialize<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S:
     s.collect_str(&rfc3339_micros(*t))
 }
 
+/// Serializes an optional time as [`rfc3339_micros`] or null.
+pub(crate) fn serialize_option<S: serde::Serializer>(t: &Option<SystemTime>, s: S) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => serialize(t, s),
+        None => s.serialize_none(),
+    }
+}
+
 /// The proleptic Gregorian date of a day counted from 1970-01-01 (Howard Hinnant's
 /// `civil_from_days`, exact for every `i64` day a `SystemTime` can reach).
 fn civil_from_days(days: i64) -> (i64, u32, u32) {

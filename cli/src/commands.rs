@@ -68,8 +68,21 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
         ))
         .into());
     }
+    if args.breaker_probe_max < args.breaker_probe_min {
+        return Err(UsageError(format!(
+            "--breaker-probe-max ({}) is shorter than --breaker-probe-min ({})",
+            humantime::format_duration(args.breaker_probe_max),
+            humantime::format_duration(args.breaker_probe_min)
+        ))
+        .into());
+    }
     let config = RelayConfig {
         workers: args.workers,
+        concurrency: args.concurrency,
+        dead_letter_holds_key: args.dead_letter_holds_key,
+        breaker_threshold: args.breaker_threshold,
+        breaker_probe_min: args.breaker_probe_min,
+        breaker_probe_max: args.breaker_probe_max,
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
         lease: args.lease,
@@ -153,7 +166,11 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     println!("notification queue usage  {:.6}", stats.notification_queue_usage);
     println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
     for relay in &relays {
-        let state = if relay.waiting { "waiting" } else { "busy or lingering" };
+        let state = match (relay.breaker_open, relay.waiting) {
+            (true, _) => "BREAKER OPEN: destination down, probing",
+            (false, true) => "waiting",
+            (false, false) => "busy or lingering",
+        };
         println!(
             "  listener pid {:<8} from {:<15} since {}  {state}",
             relay.listener_pid,

@@ -92,9 +92,27 @@ pub(crate) struct RunArgs {
     /// Where events go: stdout, http://host[:port]/path, https://..., or nats://host:port.
     #[arg(long, value_name = "SINK")]
     sink: String,
-    /// Concurrent delivery workers.
+    /// Concurrent claimers (each claims its own batches).
     #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
     workers: usize,
+    /// Deliveries in progress at once, across all workers (HTTP requests in flight; a NATS or
+    /// stdout batch counts once).
+    #[arg(long, default_value_t = defaults::DEFAULT_CONCURRENCY, value_parser = parse_concurrency)]
+    concurrency: usize,
+    /// When the head event of a key goes to the dead letters, hold the key's later events until
+    /// the dead letter is retried or purged (by default they go on).
+    #[arg(long)]
+    dead_letter_holds_key: bool,
+    /// Distinct events failing transiently in a row that open the outage breaker (0: never).
+    #[arg(long, default_value_t = defaults::DEFAULT_BREAKER_THRESHOLD)]
+    breaker_threshold: u32,
+    /// First wait before the open breaker probes the destination; doubles per failed probe
+    /// (10ms to 1h).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1s")]
+    breaker_probe_min: Duration,
+    /// Longest wait between probes (10ms to 1h, at least --breaker-probe-min).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1m")]
+    breaker_probe_max: Duration,
     /// Events per claim.
     #[arg(long, default_value_t = defaults::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
     batch_size: usize,
@@ -170,6 +188,10 @@ fn retention() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Syn
 
 fn parse_workers(text: &str) -> Result<usize, String> {
     parse_count(text, 1, defaults::MAX_WORKERS)
+}
+
+fn parse_concurrency(text: &str) -> Result<usize, String> {
+    parse_count(text, 1, defaults::MAX_CONCURRENCY)
 }
 
 fn parse_batch_size(text: &str) -> Result<usize, String> {

@@ -27,7 +27,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use outbox_relay::sink::{Sink, SinkOptions};
-use outbox_relay::{AuditEntry, Begun, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig};
+use outbox_relay::{
+    AuditEntry, Begun, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig, Slots,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::task::JoinHandle;
@@ -98,7 +100,7 @@ impl Handler for AppHandler {
         }
     }
 
-    async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+    async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
         match self {
             AppHandler::Log => {
                 let mut results = Vec::with_capacity(events.len());
@@ -107,7 +109,7 @@ impl Handler for AppHandler {
                 }
                 results
             }
-            AppHandler::Sink(sink) => sink.handle_batch(events).await,
+            AppHandler::Sink(sink) => sink.handle_batch(events, slots).await,
         }
     }
 }

@@ -12,8 +12,10 @@ use tokio_util::sync::CancellationToken;
 
 use super::RelayPool;
 use super::backoff::retry_delay;
+use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::{Completion, RelayConfig};
-use super::handler::{DeliveryError, Handler, panicked};
+use super::handler::{DeliveryError, Handler, Slots, panicked};
+use super::idle::Idle;
 use super::metrics::RelayMetrics;
 use super::report::Reporter;
 use super::timer::Timer;
@@ -33,6 +35,22 @@ pub(crate) struct Claimer<H> {
     pub(crate) reporter: Arc<Reporter>,
     /// Stop delivering now; release what is in hand (shutdown past its grace).
     pub(crate) abort: CancellationToken,
+    /// The bound on deliveries in progress, shared by every batch.
+    pub(crate) slots: Slots,
+    /// Whether the destination is down.
+    pub(crate) breaker: Arc<Breaker>,
+    /// Where the breaker's state is published (the relay's row).
+    pub(crate) idle: Arc<Idle>,
+}
+
+/// What a claim is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Claim {
+    /// Deliver a batch; when it comes back empty and `schedule_next` is set, set the timer to
+    /// the earliest future event.
+    Batch { schedule_next: bool },
+    /// The open breaker's probe: one event.
+    Probe,
 }
 
 /// What became of each claimed event.
@@ -43,9 +61,15 @@ struct Outcomes {
     retry_ids: Vec<i64>,
     retry_delays: Vec<Duration>,
     retry_errors: Vec<String>,
+    /// Retries whose attempt is given back: an outage's failures.
+    uncounted_ids: Vec<i64>,
+    uncounted_delays: Vec<Duration>,
+    uncounted_errors: Vec<String>,
     bury_ids: Vec<i64>,
     bury_errors: Vec<String>,
     released: Vec<i64>,
+    /// Why the events were released, when it is news (`None`: shutdown).
+    released_why: Option<String>,
 }
 
 impl Outcomes {
@@ -71,21 +95,34 @@ impl Outcomes {
         self.bury_ids.push(id);
         self.bury_errors.push(reason);
     }
+
+    fn retry_uncounted(&mut self, id: i64, delay: Duration, error: String) {
+        self.uncounted_ids.push(id);
+        self.uncounted_delays.push(delay);
+        self.uncounted_errors.push(error);
+    }
 }
 
 impl<H: Handler> Claimer<H> {
-    /// Claims one batch and delivers it; returns how many events were claimed. When the claim
-    /// comes back empty and `schedule_next` is set, the timer is set to the earliest future event.
-    pub(crate) async fn claim_and_deliver(&self, schedule_next: bool) -> Result<usize> {
+    /// Claims one batch and delivers it; returns how many events were claimed. While the
+    /// breaker is open only a probe claims.
+    pub(crate) async fn claim_and_deliver(&self, claim: Claim) -> Result<usize> {
+        let probe = claim == Claim::Probe;
+        if !probe && self.breaker.is_open() {
+            return Ok(0);
+        }
         let config = &self.config;
         let token = rand::random::<i64>();
-        let batch = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
+        let batch = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let claimed = {
             let client = self.pool.client().await?;
-            let claimed = sql::claim_events(&*client, batch, config.lease, token).await?;
+            let claimed = sql::claim_events(&*client, batch, config.lease, token, config.dead_letter_holds_key).await?;
             self.metrics.claimed();
             if claimed.is_empty() {
-                if schedule_next {
+                if probe {
+                    self.breaker.probe_found_nothing();
+                }
+                if claim == (Claim::Batch { schedule_next: true }) {
                     // Woken for nothing deliverable yet: maybe a delayed event or a retry, written
                     // by any process. Sleep until the earliest one rather than up to a poll
                     // interval past it.
@@ -110,21 +147,28 @@ impl<H: Handler> Claimer<H> {
             }
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
-        tracing::debug!(count, "claimed events");
+        tracing::debug!(count, probe, "claimed events");
         let (events, ages): (Vec<Event>, Vec<Duration>) = events.into_iter().unzip();
         if !events.is_empty() {
-            self.deliver(&events, &ages, claimed_at, &mut outcomes).await;
+            match self.deliver(&events).await {
+                // Cut off at shutdown: the events go back, the attempt not counted.
+                None => outcomes.released.extend(events.iter().map(|e| e.id)),
+                Some(results) => self.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
+            }
+        } else if probe {
+            self.breaker.probe_found_nothing();
         }
         self.record(token, outcomes).await;
         Ok(count)
     }
 
-    /// Hands `events` to the handler, bounded by the lease and the shutdown's abort.
-    async fn deliver(&self, events: &[Event], ages: &[Duration], claimed_at: Instant, outcomes: &mut Outcomes) {
+    /// Hands `events` to the handler, bounded by the lease; `None` when the shutdown's abort cut
+    /// it off.
+    async fn deliver(&self, events: &[Event]) -> Option<Vec<Result<(), DeliveryError>>> {
         let config = &self.config;
         // Deliveries must end well inside the lease, or another worker may claim the same events.
-        let deadline = claimed_at + config.lease.mul_f64(0.9);
-        let delivery = AssertUnwindSafe(self.handler.handle_batch(events)).catch_unwind();
+        let deadline = Instant::now() + config.lease.mul_f64(0.9);
+        let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
         let all_failed = |error: DeliveryError| events.iter().map(|_| Err(error.clone())).collect();
         let mut results: Vec<Result<(), DeliveryError>> = tokio::select! {
             results = delivery => match results {
@@ -135,15 +179,39 @@ impl<H: Handler> Claimer<H> {
                 "delivery did not finish within 90% of the {:?} lease",
                 config.lease
             ))),
-            _ = self.abort.cancelled() => {
-                // Cut off at shutdown: the events go back, the attempt not counted.
-                outcomes.released.extend(events.iter().map(|e| e.id));
-                return;
-            }
+            _ = self.abort.cancelled() => return None,
         };
         if results.len() != events.len() {
             let message = format!("the handler returned {} results for {} events", results.len(), events.len());
             results.resize_with(events.len(), || Err(DeliveryError::transient(&message)));
+        }
+        Some(results)
+    }
+
+    /// Turns a batch's results into outcomes, asking the breaker whether the destination is down.
+    async fn judge(
+        &self,
+        events: &[Event],
+        ages: &[Duration],
+        claimed_at: Instant,
+        results: Vec<Result<(), DeliveryError>>,
+        probe: bool,
+        outcomes: &mut Outcomes,
+    ) {
+        let config = &self.config;
+        let seen: Vec<Seen> = events
+            .iter()
+            .zip(&results)
+            .map(|(event, result)| match result {
+                Err(e) if !e.is_permanent() => Seen::Failed(event.id),
+                _ => Seen::Answered,
+            })
+            .collect();
+        let retry_after = results.iter().filter_map(|r| r.as_ref().err()?.requested_delay()).max();
+        let (verdict, change) = self.breaker.observe(&seen, retry_after, probe);
+        let first_failure = results.iter().find_map(|r| r.as_ref().err().filter(|e| !e.is_permanent()));
+        if let Some(change) = change {
+            self.announce(change, first_failure).await;
         }
         for ((event, age), result) in events.iter().zip(ages).zip(results) {
             match result {
@@ -152,6 +220,19 @@ impl<H: Handler> Claimer<H> {
                     outcomes.latencies.push(*age + claimed_at.elapsed());
                 }
                 Err(e) if e.is_permanent() => outcomes.bury(event.id, e.message().to_string()),
+                Err(e) if verdict == Verdict::Open => {
+                    let why = format!(
+                        "the destination is down (outage breaker open); the attempt was not counted: {}",
+                        e.message()
+                    );
+                    if probe {
+                        // The next probe tries another event.
+                        outcomes.retry_uncounted(event.id, self.breaker.probe_delay(), why);
+                    } else {
+                        outcomes.released.push(event.id);
+                        outcomes.released_why.get_or_insert(why);
+                    }
+                }
                 Err(e) => {
                     // The last allowed attempt goes to the dead letters, logged on their own.
                     if let Some(delay) = outcomes.retry(config, event, &e) {
@@ -160,6 +241,35 @@ impl<H: Handler> Claimer<H> {
                     }
                 }
             }
+        }
+    }
+
+    /// One warn line per change of the breaker, its state in the metrics and in the relay's row.
+    async fn announce(&self, change: Change, failure: Option<&DeliveryError>) {
+        let error = failure.map(|e| e.message().to_string()).unwrap_or_default();
+        let open = match change {
+            Change::Opened { failures, probe_in } => {
+                tracing::warn!(
+                    failures,
+                    probe_in = %humantime::format_duration(probe_in),
+                    error = %error,
+                    "the destination looks down: {failures} distinct events failed in a row; the relay stops claiming, \
+                     gives back what it holds without counting the attempt, and probes with one delivery at a time"
+                );
+                true
+            }
+            Change::Closed { after } => {
+                let after = Duration::from_millis(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+                tracing::warn!(
+                    down_for = %humantime::format_duration(after),
+                    "the destination is back: a probe was delivered; the relay resumes"
+                );
+                false
+            }
+        };
+        self.metrics.breaker(open);
+        if let Err(e) = self.idle.publish_breaker(open).await {
+            tracing::debug!(error = %e, "could not publish the breaker's state");
         }
     }
 
@@ -200,13 +310,30 @@ impl<H: Handler> Claimer<H> {
             writes.push(Box::pin(sql::complete_events(db, delete, &o.delivered, token)));
         }
         if !o.retry_ids.is_empty() {
-            writes.push(Box::pin(sql::reschedule_events(db, &o.retry_ids, &o.retry_delays, &o.retry_errors, token)));
+            writes.push(Box::pin(sql::reschedule_events(
+                db,
+                &o.retry_ids,
+                &o.retry_delays,
+                &o.retry_errors,
+                token,
+                true,
+            )));
+        }
+        if !o.uncounted_ids.is_empty() {
+            writes.push(Box::pin(sql::reschedule_events(
+                db,
+                &o.uncounted_ids,
+                &o.uncounted_delays,
+                &o.uncounted_errors,
+                token,
+                false,
+            )));
         }
         if !o.bury_ids.is_empty() {
             writes.push(Box::pin(sql::bury_events(db, &o.bury_ids, &o.bury_errors, token)));
         }
         if !o.released.is_empty() {
-            writes.push(Box::pin(sql::release_events(db, &o.released, token)));
+            writes.push(Box::pin(sql::release_events(db, &o.released, token, o.released_why.as_deref())));
         }
         futures::future::try_join_all(writes).await.map(drop)
     }

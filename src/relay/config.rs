@@ -34,6 +34,14 @@ pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub const DEFAULT_LINGER: Duration = Duration::from_millis(20);
 /// Default longest wait between reconnection attempts of the listener.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// Default number of deliveries in progress at once.
+pub const DEFAULT_CONCURRENCY: usize = 32;
+/// Default number of distinct events failing in a row that opens the outage breaker.
+pub const DEFAULT_BREAKER_THRESHOLD: u32 = 10;
+/// Default first wait before the open breaker's probe; it doubles with each failed probe.
+pub const DEFAULT_BREAKER_PROBE_MIN: Duration = Duration::from_secs(1);
+/// Default longest wait between probes of the open breaker.
+pub const DEFAULT_BREAKER_PROBE_MAX: Duration = Duration::from_secs(60);
 
 /// The largest batch one claim may take.
 pub const MAX_BATCH_SIZE: usize = 10_000;
@@ -63,6 +71,12 @@ pub const MIN_RECONNECT_MAX: Duration = Duration::from_millis(10);
 pub const MAX_RECONNECT_MAX: Duration = Duration::from_secs(3600);
 /// The longest linger.
 pub const MAX_LINGER: Duration = Duration::from_secs(10);
+/// The most deliveries one relay may have in progress.
+pub const MAX_CONCURRENCY: usize = 10_000;
+/// The shortest wait between probes of an open breaker.
+pub const MIN_BREAKER_PROBE: Duration = Duration::from_millis(10);
+/// The longest wait between probes of an open breaker.
+pub const MAX_BREAKER_PROBE: Duration = Duration::from_secs(3600);
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -119,6 +133,21 @@ pub struct RelayConfig {
     /// writers start to notify it. Under sustained load it never marks itself waiting, so writers
     /// pay nothing for NOTIFY. Defaults to 20 ms.
     pub linger: Duration,
+    /// Deliveries in progress at once, across all workers (each HTTP request, NATS batch or
+    /// stdout write is one). Independent of `workers`, which only claim. Defaults to 32.
+    pub concurrency: usize,
+    /// When the head event of a key goes to the dead letters, hold the key's later events until
+    /// the dead letter is retried or purged (instead of delivering them). Defaults to false.
+    pub dead_letter_holds_key: bool,
+    /// Distinct events failing transiently in a row that mean the destination is down: the
+    /// breaker opens, the relay stops claiming, gives back what it holds without counting the
+    /// attempt, and probes with one delivery at a time. Zero turns the breaker off. Defaults to 10.
+    pub breaker_threshold: u32,
+    /// The first wait before the open breaker's probe; doubles with each failed probe (a
+    /// destination's `Retry-After` can make it longer). Defaults to 1 s.
+    pub breaker_probe_min: Duration,
+    /// The longest wait between probes. Defaults to 60 s.
+    pub breaker_probe_max: Duration,
 }
 
 impl Default for RelayConfig {
@@ -140,6 +169,11 @@ impl Default for RelayConfig {
             shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
             reconnect_max: DEFAULT_RECONNECT_MAX,
             linger: DEFAULT_LINGER,
+            concurrency: DEFAULT_CONCURRENCY,
+            dead_letter_holds_key: false,
+            breaker_threshold: DEFAULT_BREAKER_THRESHOLD,
+            breaker_probe_min: DEFAULT_BREAKER_PROBE_MIN,
+            breaker_probe_max: DEFAULT_BREAKER_PROBE_MAX,
         }
     }
 }
@@ -165,11 +199,25 @@ impl RelayConfig {
             ("shutdown_grace", self.shutdown_grace, Duration::ZERO, MAX_SHUTDOWN_GRACE),
             ("reconnect_max", self.reconnect_max, MIN_RECONNECT_MAX, MAX_RECONNECT_MAX),
             ("linger", self.linger, Duration::ZERO, MAX_LINGER),
+            ("breaker_probe_min", self.breaker_probe_min, MIN_BREAKER_PROBE, MAX_BREAKER_PROBE),
+            ("breaker_probe_max", self.breaker_probe_max, MIN_BREAKER_PROBE, MAX_BREAKER_PROBE),
         ];
         for (field, value, min, max) in durations {
             if let Err(why) = check_range(value, min, max) {
                 return bad(field, why);
             }
+        }
+        if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
+            return bad("concurrency", format!("is {}; it must be 1 to {MAX_CONCURRENCY}", self.concurrency));
+        }
+        if self.breaker_probe_max < self.breaker_probe_min {
+            return bad(
+                "breaker_probe_max",
+                format!(
+                    "({:?}) is shorter than breaker_probe_min ({:?})",
+                    self.breaker_probe_max, self.breaker_probe_min
+                ),
+            );
         }
         if self.max_attempts == 0 {
             return bad("max_attempts", "is 0; it must be at least 1".into());
@@ -229,6 +277,8 @@ mod tests {
                 RelayConfig { backoff_max: Duration::from_secs(30 * 86400), ..Default::default() },
                 "backoff_max is 30days; it must be at most 7days",
             ),
+            (RelayConfig { concurrency: 0, ..Default::default() }, "concurrency is 0"),
+            (RelayConfig { breaker_probe_max: Duration::from_millis(100), ..Default::default() }, "breaker_probe_max"),
         ];
         for (config, needle) in cases {
             let err = config.validate().unwrap_err();

@@ -2,9 +2,11 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::event::Event;
 
@@ -85,20 +87,63 @@ pub trait Handler: Send + Sync + 'static {
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), DeliveryError>> + Send;
 
     /// Delivers a batch, returning one result per event, in the order of `events`; the relay
-    /// records them together once the future completes. A handler that writes a batch at once
-    /// (one write and flush, one pipelined round trip) overrides this; each result must say
-    /// what became of that event, so a buffering handler makes the batch durable before it
-    /// returns `Ok` for any of it. Defaults to [`handle`](Self::handle) for each event in turn,
-    /// a panic failing only the event it happened on.
-    fn handle_batch(&self, events: &[Event]) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
-        async move {
-            let mut results = Vec::with_capacity(events.len());
-            for event in events {
+    /// records them together once the future completes.
+    ///
+    /// The relay never hands a batch two events of one key (a key's next event is claimed only
+    /// once the one before it is done), so the events of a batch may be delivered in any order
+    /// and at once. `slots` bounds the deliveries the whole relay has in progress
+    /// ([`RelayConfig::concurrency`](super::RelayConfig::concurrency)): take a slot for each
+    /// request, write or round trip in flight.
+    ///
+    /// Defaults to [`handle`](Self::handle) for every event at once, each holding a slot, a
+    /// panic failing only the event it happened on. A handler that writes a batch in one piece
+    /// (one write and flush, one pipelined exchange) overrides it; each result must say what
+    /// became of that event, so a buffering handler makes the batch durable before it returns
+    /// `Ok` for any of it.
+    fn handle_batch(
+        &self,
+        events: &[Event],
+        slots: &Slots,
+    ) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
+        futures::stream::iter(events)
+            .map(move |event| async move {
+                let _slot = slots.take().await;
                 let delivery = std::panic::AssertUnwindSafe(self.handle(event)).catch_unwind().await;
-                results.push(delivery.unwrap_or_else(|panic| Err(panicked(&*panic))));
-            }
-            results
-        }
+                delivery.unwrap_or_else(|panic| Err(panicked(&*panic)))
+            })
+            .buffered(events.len().max(1))
+            .collect()
+    }
+}
+
+/// The relay's bound on deliveries in progress at once, shared by all its batches: see
+/// [`Handler::handle_batch`].
+#[derive(Debug, Clone)]
+pub struct Slots {
+    semaphore: Arc<Semaphore>,
+}
+
+/// One delivery's place within [`Slots`]; it frees the place when dropped.
+#[derive(Debug)]
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Slots {
+    /// A bound of `limit` deliveries at once (at least one).
+    pub fn new(limit: usize) -> Self {
+        Slots { semaphore: Arc::new(Semaphore::new(limit.max(1))) }
+    }
+
+    /// Waits for a free place and takes it.
+    pub async fn take(&self) -> Slot {
+        let permit = self.semaphore.clone().acquire_owned().await.expect("the relay never closes its slots");
+        Slot { _permit: permit }
+    }
+
+    /// How many places are free now.
+    pub fn available(&self) -> usize {
+        self.semaphore.available_permits()
     }
 }
 
@@ -148,7 +193,11 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         (**self).handle(event)
     }
 
-    fn handle_batch(&self, events: &[Event]) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
-        (**self).handle_batch(events)
+    fn handle_batch(
+        &self,
+        events: &[Event],
+        slots: &Slots,
+    ) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
+        (**self).handle_batch(events, slots)
     }
 }

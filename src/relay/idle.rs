@@ -86,6 +86,12 @@ impl Idle {
         *marked = false;
         self.marked_hint.store(false, Ordering::Release);
         self.listener_pid.store(pid, Ordering::Release);
+        drop(marked);
+        // A row written before (the breaker's state) names the listener `status` joins it by.
+        let recorded = async { sql::set_listener(&*self.pool.client().await?, self.relay_id, pid).await };
+        if let Err(e) = recorded.await {
+            tracing::debug!(error = %e, "could not record the new listener in the relay's row");
+        }
     }
 
     /// The listener stopped listening.
@@ -116,6 +122,12 @@ impl Idle {
         let open = sql::open_transactions(&*self.pool.client().await?).await?;
         self.open_at_mark.send_replace(open);
         Ok(())
+    }
+
+    /// Publishes the breaker's state in the relay's row, for `status`.
+    pub(crate) async fn publish_breaker(&self, open: bool) -> Result<()> {
+        let client = self.pool.client().await?;
+        sql::set_breaker(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), open).await
     }
 
     /// Removes the relay's row (shutdown): writers need not notify a relay that is gone.

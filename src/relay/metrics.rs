@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 /// How many recent latencies are kept for percentiles.
@@ -41,6 +41,8 @@ pub struct RelayMetrics {
     claims: AtomicU64,
     wakeups: AtomicU64,
     reconnects: AtomicU64,
+    breaker_open: AtomicBool,
+    breaker_opens: AtomicU64,
     latencies_us: Mutex<VecDeque<u64>>,
 }
 
@@ -59,6 +61,10 @@ pub struct MetricsSnapshot {
     pub wakeups: u64,
     /// Times the listener connection was re-established.
     pub reconnects: u64,
+    /// True while the outage breaker is open (the destination is taken to be down).
+    pub breaker_open: bool,
+    /// Times the outage breaker opened.
+    pub breaker_opens: u64,
     /// Latency from an event's insert to its successful delivery, over recent events: p50.
     pub latency_p50: Option<Duration>,
     /// The same, p99.
@@ -99,6 +105,15 @@ impl RelayMetrics {
         self.reconnects.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub(crate) fn breaker(&self, open: bool) {
+        if open && !self.breaker_open.swap(true, Ordering::Relaxed) {
+            self.breaker_opens.fetch_add(1, Ordering::Relaxed);
+        }
+        if !open {
+            self.breaker_open.store(false, Ordering::Relaxed);
+        }
+    }
+
     /// Reads every counter and the latency percentiles.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut latencies: Vec<Duration> = self
@@ -116,6 +131,8 @@ impl RelayMetrics {
             claims: self.claims.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
+            breaker_open: self.breaker_open.load(Ordering::Relaxed),
+            breaker_opens: self.breaker_opens.load(Ordering::Relaxed),
             latency_p50: percentiles.map(|p| p.p50),
             latency_p99: percentiles.map(|p| p.p99),
         }

@@ -30,6 +30,7 @@
 //! allowed attempt, moves the event to the dead letters.
 
 mod backoff;
+mod breaker;
 mod claim;
 pub(crate) mod config;
 mod handler;
@@ -50,7 +51,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use config::{Completion, RelayConfig};
-pub use handler::{DeliveryError, Handler, HandlerFn, handler_fn};
+pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{MetricsSnapshot, Percentiles, RelayMetrics};
 
 use crate::connect::{DatabaseUrl, pool_error};
@@ -152,6 +153,13 @@ impl<H: Handler> Relay<H> {
             timer: timer.clone(),
             reporter: reporter.clone(),
             abort: abort.clone(),
+            slots: Slots::new(config.concurrency),
+            breaker: Arc::new(breaker::Breaker::new(
+                config.breaker_threshold,
+                config.breaker_probe_min,
+                config.breaker_probe_max,
+            )),
+            idle: idle.clone(),
         });
 
         let mut services = JoinSet::new();

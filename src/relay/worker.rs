@@ -1,6 +1,7 @@
 //! A delivery worker's state machine: wait for work, drain the queue batch by batch, and when it
 //! runs dry linger (claiming every millisecond for a while) before marking the relay waiting for
-//! NOTIFY; see `idle.rs` for why.
+//! NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
+//! for its turn to probe (see `breaker.rs`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::Handler;
 use super::backoff::retry_delay;
-use super::claim::Claimer;
+use super::breaker::Turn;
+use super::claim::{Claim, Claimer};
 use super::idle::{Idle, LINGER_POLL};
 use crate::error::Result;
 
@@ -33,10 +35,24 @@ impl<H: Handler> Worker<H> {
     pub(crate) async fn run(self) {
         let mut failures = 0u32;
         loop {
-            tokio::select! {
-                biased;
-                _ = self.stop.cancelled() => return,
-                _ = self.work.notified() => {}
+            if self.claimer.breaker.is_open() {
+                match self.claimer.breaker.turn(&self.stop).await {
+                    Turn::Stop => return,
+                    Turn::Closed => {}
+                    Turn::Probe => {
+                        if let Err(e) = self.claimer.claim_and_deliver(Claim::Probe).await {
+                            tracing::warn!(error = %e, "probing the destination failed to claim");
+                            self.claimer.breaker.probe_found_nothing();
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                tokio::select! {
+                    biased;
+                    _ = self.stop.cancelled() => return,
+                    _ = self.work.notified() => {}
+                }
             }
             if let Err(e) = self.drain().await {
                 tracing::warn!(error = %e, "claiming events failed");
@@ -52,7 +68,7 @@ impl<H: Handler> Worker<H> {
             // and then marks it waiting for NOTIFY. Workers queue for that turn rather than skip
             // it: a worker that unmarked the relay while another was lingering must see to it
             // that someone lingers and marks again, or writers would stop notifying an idle relay.
-            if !self.idle.is_marked() {
+            if !self.idle.is_marked() && !self.claimer.breaker.is_open() {
                 let _turn = self.idle.lingering.lock().await;
                 if !self.idle.is_marked() {
                     self.linger_then_wait().await;
@@ -61,20 +77,24 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Claims until a claim comes back short: then the queue is drained, for now.
+    /// Claims until a claim comes back empty: then the queue is drained, for now. (A short
+    /// claim is no sign of that: a key's next event becomes claimable only once its head is
+    /// done, and no notification says so.)
     async fn drain(&self) -> Result<()> {
         let batch_size = self.claimer.config.batch_size;
         while !self.stop.is_cancelled() {
-            let claimed = self.claimer.claim_and_deliver(true).await?;
-            if claimed > 0 && self.idle.is_marked() {
+            let claimed = self.claimer.claim_and_deliver(Claim::Batch { schedule_next: true }).await?;
+            if claimed == 0 {
+                break;
+            }
+            if self.idle.is_marked() {
                 // Busy: writers need not notify until this relay is idle again.
                 self.idle.set(false).await?;
             }
-            if claimed < batch_size {
-                break;
+            if claimed == batch_size {
+                // More may be waiting: let an idle worker help while this one claims again.
+                self.work.notify_one();
             }
-            // More may be waiting: let an idle worker help while this one claims again.
-            self.work.notify_one();
         }
         Ok(())
     }
@@ -100,7 +120,7 @@ impl<H: Handler> Worker<H> {
                 _ = self.work.notified() => {}
                 _ = tokio::time::sleep(LINGER_POLL) => {}
             }
-            match self.claimer.claim_and_deliver(false).await {
+            match self.claimer.claim_and_deliver(Claim::Batch { schedule_next: false }).await {
                 Ok(0) => {}
                 Ok(n) => {
                     quiet_since = Instant::now();

@@ -23,7 +23,7 @@ pub use self::nats::NatsSink;
 pub use self::stdout::StdoutSink;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::relay::{DeliveryError, Handler};
+use crate::relay::{DeliveryError, Handler, Slots};
 
 /// Default timeout of one HTTP delivery.
 pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -119,13 +119,13 @@ impl Handler for Sink {
         }
     }
 
-    async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+    async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
         match self {
-            Sink::Stdout(s) => s.handle_batch(events).await,
+            Sink::Stdout(s) => s.handle_batch(events, slots).await,
             #[cfg(feature = "http")]
-            Sink::Http(s) => s.handle_batch(events).await,
+            Sink::Http(s) => s.handle_batch(events, slots).await,
             #[cfg(feature = "nats")]
-            Sink::Nats(s) => s.handle_batch(events).await,
+            Sink::Nats(s) => s.handle_batch(events, slots).await,
         }
     }
 }

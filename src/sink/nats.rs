@@ -1,12 +1,13 @@
 //! NATS JetStream: one acknowledged publish per event, deduplicated by event id.
 
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, context::PublishErrorKind};
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::{self};
 
 use super::{SinkOptions, event_json};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
-use crate::relay::{DeliveryError, Handler};
+use crate::relay::{DeliveryError, Handler, Slots};
 
 /// Publishes each event to JetStream on subject `<prefix>.<topic>`, with the event id as
 /// `Nats-Msg-Id` so the stream drops a redelivered event inside its duplicate window, and waits
@@ -75,8 +76,9 @@ fn validate_prefix(prefix: &str) -> Result<()> {
     }
 }
 
-impl Handler for NatsSink {
-    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+impl NatsSink {
+    /// Sends one event's publish without waiting for its acknowledgement.
+    async fn send(&self, event: &Event) -> Result<(String, PublishAckFuture), DeliveryError> {
         let subject = self.subject(event);
         if subject.split('.').any(str::is_empty) {
             // Topics have no empty words since migration 0003; an older row may still.
@@ -89,20 +91,45 @@ impl Handler for NatsSink {
         headers.insert("Nats-Msg-Id", event.id.to_string().as_str());
         headers.insert("Outbox-Topic", event.topic.as_str());
         let payload = event_json(event)?;
-        let ack = self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await;
-        let result = match ack {
-            Ok(ack) => ack.await.map(|_| ()),
-            Err(e) => Err(e),
-        };
-        result.map_err(|e| match e.kind() {
-            PublishErrorKind::StreamNotFound => DeliveryError::transient(format!(
-                "no JetStream stream captures subject {subject}: create one, or run with --create-stream NAME"
-            )),
-            PublishErrorKind::MaxPayloadExceeded => {
-                DeliveryError::permanent(format!("event is larger than the NATS server accepts: {e}"))
-            }
-            _ => DeliveryError::transient(format!("publishing to {subject} failed: {e}")),
-        })
+        match self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await {
+            Ok(ack) => Ok((subject, ack)),
+            Err(e) => Err(publish_error(&subject, &e)),
+        }
+    }
+}
+
+/// What a failed publish or acknowledgement means for the event.
+fn publish_error(subject: &str, e: &async_nats::jetstream::context::PublishError) -> DeliveryError {
+    match e.kind() {
+        PublishErrorKind::StreamNotFound => DeliveryError::transient(format!(
+            "no JetStream stream captures subject {subject}: create one, or run with --create-stream NAME"
+        )),
+        PublishErrorKind::MaxPayloadExceeded => {
+            DeliveryError::permanent(format!("event is larger than the NATS server accepts: {e}"))
+        }
+        _ => DeliveryError::transient(format!("publishing to {subject} failed: {e}")),
+    }
+}
+
+impl Handler for NatsSink {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        let (subject, ack) = self.send(event).await?;
+        ack.await.map(drop).map_err(|e| publish_error(&subject, &e))
+    }
+
+    /// Publishes the whole batch, then awaits the acknowledgements together: one pipelined
+    /// exchange, one slot.
+    async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
+        let _slot = slots.take().await;
+        let mut sent = Vec::with_capacity(events.len());
+        for event in events {
+            sent.push(self.send(event).await);
+        }
+        let acks = sent.into_iter().map(|sent| async move {
+            let (subject, ack) = sent?;
+            ack.await.map(drop).map_err(|e| publish_error(&subject, &e))
+        });
+        futures::future::join_all(acks).await
     }
 }
 

@@ -4,7 +4,7 @@ use std::io::Write;
 
 use super::event_json;
 use crate::event::Event;
-use crate::relay::{DeliveryError, Handler};
+use crate::relay::{DeliveryError, Handler, Slots};
 
 /// Prints each event as one JSON line.
 ///
@@ -24,10 +24,18 @@ impl StdoutSink {
 
 impl Handler for StdoutSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        self.handle_batch(std::slice::from_ref(event)).await.pop().unwrap_or(Ok(()))
+        self.write(std::slice::from_ref(event)).await.pop().unwrap_or(Ok(()))
     }
 
-    async fn handle_batch(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+    /// One write for the batch: one slot.
+    async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
+        let _slot = slots.take().await;
+        self.write(events).await
+    }
+}
+
+impl StdoutSink {
+    async fn write(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
         let mut lines = Vec::new();
         let mut results = Vec::with_capacity(events.len());
         for event in events {

@@ -73,7 +73,8 @@ pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<Error
 /// The relays connected to this database: their listener connections, and whether each is
 /// marked waiting for a notification.
 const RELAYS_CONNECTED: &str = "\
-select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false)
+select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false),
+       coalesce(r.breaker, 'closed') = 'open', r.breaker_since
   from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
  where a.datname = current_database() and a.application_name = 'outbox-relay listener'
  order by a.backend_start";
@@ -83,7 +84,14 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
     let rows = all(db, RELAYS_CONNECTED, &[], "listing the connected relays").await?;
     Ok(rows
         .iter()
-        .map(|r| ConnectedRelay { listener_pid: r.get(0), client: r.get(1), connected_at: r.get(2), waiting: r.get(3) })
+        .map(|r| ConnectedRelay {
+            listener_pid: r.get(0),
+            client: r.get(1),
+            connected_at: r.get(2),
+            waiting: r.get(3),
+            breaker_open: r.get(4),
+            breaker_since: r.get(5),
+        })
         .collect())
 }
 

@@ -9,16 +9,45 @@ use crate::error::Result;
 use crate::event::NewEvent;
 use crate::publish::AuditEntry;
 
+/// The class of the advisory locks that serialize the writers of one key (`'outb'` in ASCII);
+/// see migration 0004.
+pub(crate) const KEY_LOCK_CLASS: i32 = 0x6f75_7462;
+
 const EVENT_INSERT: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
 values ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')
 returning id";
 
-/// Adds one event; returns its id.
+/// A keyed event: the key's advisory lock is taken before the insert draws its id, so writers of
+/// one key serialize and its events commit in id order (the lock's function scan runs first;
+/// the id default is computed as each row is inserted).
+const EVENT_INSERT_KEYED: &str = "\
+insert into outbox_relay.outbox (topic, key, payload, available_at)
+select $1, $2, $3, now() + $4::int8 * interval '1 microsecond'
+  from pg_advisory_xact_lock($5, hashtext($2))
+returning id";
+
+/// Adds one event (taking its key's lock first); returns its id.
 pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent) -> Result<i64> {
     let delay = micros(event.delay);
-    Ok(one(db, EVENT_INSERT, &[&event.topic, &event.key, &event.payload, &delay], "adding an event").await?.get(0))
+    let row = match &event.key {
+        None => one(db, EVENT_INSERT, &[&event.topic, &event.key, &event.payload, &delay], "adding an event").await?,
+        Some(_) => {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                [&event.topic, &event.key, &event.payload, &delay, &KEY_LOCK_CLASS];
+            one(db, EVENT_INSERT_KEYED, &params, "adding an event").await?
+        }
+    };
+    Ok(row.get(0))
 }
+
+/// Takes the advisory locks of the given keys, in one fixed order (so that two writers of the
+/// same keys cannot deadlock), before a multi-row insert draws its ids.
+const KEYS_LOCK: &str = "\
+select count(*) from (
+    select pg_advisory_xact_lock($1, h)::text from (select distinct hashtext(k) as h from unnest($2::text[]) as k) s
+     order by h
+) locked";
 
 const EVENT_INSERT_MANY: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
@@ -36,6 +65,10 @@ pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent]) -> Result<V
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
     let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
     let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
+    let keyed: Vec<&str> = keys.iter().flatten().copied().collect();
+    if !keyed.is_empty() {
+        all(db, KEYS_LOCK, &[&KEY_LOCK_CLASS, &keyed], "locking the events' keys").await?;
+    }
     let rows = all(db, EVENT_INSERT_MANY, &[&topics, &keys, &payloads, &delays], "adding events").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
@@ -58,15 +91,24 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
 /// `attempts` counts claims, so an event that crashes its worker still runs out of attempts.
 /// `age_us` is the event's age at the claim on the server's clock (no clock skew).
 ///
+/// Order per key: a keyed event is claimed only when no earlier event of its key is unfinished
+/// (pending, leased, or waiting for a retry: its row is there with `processed_at` null), and,
+/// when `$4` is set, no earlier one of its key is in the dead letters. So a claim holds at most
+/// one event per key, the key's head, and the next is claimable once the head is done.
+///
 /// No row may fail the statement, whoever wrote it: `attempts` stops short of the integer's end,
 /// and `age_us` is null for a `created_at` outside 1970 to 9999 (such an event is dead-lettered).
 const EVENT_CLAIM: &str = "\
 with claimable as (
-    select id from outbox_relay.outbox
-     where processed_at is null and available_at <= now()
-     order by available_at, id
+    select o.id from outbox_relay.outbox o
+     where o.processed_at is null and o.available_at <= now()
+       and (o.key is null or (
+            not exists (select 1 from outbox_relay.outbox e
+                         where e.key = o.key and e.processed_at is null and e.id < o.id)
+            and not ($4 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))))
+     order by o.available_at, o.id
      limit $1
-       for update skip locked
+       for update of o skip locked
 )
 update outbox_relay.outbox o
    set available_at = now() + $2::int8 * interval '1 microsecond',
@@ -91,9 +133,16 @@ pub(crate) struct ClaimedRow {
     pub(crate) age: Option<Duration>,
 }
 
-/// Claims up to `batch` deliverable events for `lease` under `token`.
-pub(crate) async fn claim_events(db: &impl Db, batch: i64, lease: Duration, token: i64) -> Result<Vec<ClaimedRow>> {
-    let rows = all(db, EVENT_CLAIM, &[&batch, &micros(lease), &token], "claiming events").await?;
+/// Claims up to `batch` deliverable events for `lease` under `token`; with `dead_letters_hold`,
+/// a key with an earlier event in the dead letters is held.
+pub(crate) async fn claim_events(
+    db: &impl Db,
+    batch: i64,
+    lease: Duration,
+    token: i64,
+    dead_letters_hold: bool,
+) -> Result<Vec<ClaimedRow>> {
+    let rows = all(db, EVENT_CLAIM, &[&batch, &micros(lease), &token, &dead_letters_hold], "claiming events").await?;
     Ok(rows
         .iter()
         .map(|row| ClaimedRow {
@@ -132,33 +181,39 @@ pub(crate) async fn complete_events(db: &impl Db, delete: bool, ids: &[i64], tok
     count(db, sql, &[&ids, &token], "recording deliveries").await
 }
 
+/// Per event a delay and an error; `$5` false gives the claim's attempt back (an outage's
+/// failure is the destination's, not the event's).
 const EVENT_RESCHEDULE: &str = "\
 update outbox_relay.outbox o
-   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null
+   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null,
+       attempts = case when $5 then o.attempts else greatest(o.attempts - 1, 0) end
   from unnest($1::int8[], $2::int8[], $3::text[]) as f(id, delay_us, error)
  where o.id = f.id and o.lease_token = $4";
 
-/// Reschedules failed deliveries of the claim `token` holds: per event a delay and an error.
+/// Reschedules failed deliveries of the claim `token` holds: per event a delay and an error;
+/// without `counted` the claim's attempt is given back.
 pub(crate) async fn reschedule_events(
     db: &impl Db,
     ids: &[i64],
     delays: &[Duration],
     errors: &[String],
     token: i64,
+    counted: bool,
 ) -> Result<u64> {
     let delays: Vec<i64> = delays.iter().map(|d| micros(*d)).collect();
-    count(db, EVENT_RESCHEDULE, &[&ids, &delays, &errors, &token], "rescheduling failed deliveries").await
+    count(db, EVENT_RESCHEDULE, &[&ids, &delays, &errors, &token, &counted], "rescheduling failed deliveries").await
 }
 
 const EVENT_RELEASE: &str = "\
 update outbox_relay.outbox
-   set available_at = now(), lease_token = null, attempts = greatest(attempts - 1, 0)
+   set available_at = now(), lease_token = null, attempts = greatest(attempts - 1, 0),
+       last_error = coalesce($3, last_error)
  where id = any($1) and lease_token = $2";
 
-/// Gives back claimed events that were not delivered (shutdown): deliverable at once, and the
-/// claim's attempt does not count.
-pub(crate) async fn release_events(db: &impl Db, ids: &[i64], token: i64) -> Result<u64> {
-    count(db, EVENT_RELEASE, &[&ids, &token], "releasing events").await
+/// Gives back claimed events that were not delivered (shutdown, an open breaker): deliverable
+/// at once, the claim's attempt not counted, and `why` as their `last_error` when given.
+pub(crate) async fn release_events(db: &impl Db, ids: &[i64], token: i64, why: Option<&str>) -> Result<u64> {
+    count(db, EVENT_RELEASE, &[&ids, &token, &why], "releasing events").await
 }
 
 const EVENT_BURY: &str = "\

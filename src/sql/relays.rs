@@ -38,6 +38,23 @@ pub(crate) async fn mark_busy(db: &impl Db, id: i64) -> Result<()> {
     count(db, RELAY_MARK_BUSY, &[&id], "marking the relay busy").await.map(drop)
 }
 
+const RELAY_BREAKER: &str = "\
+insert into outbox_relay.relays (id, listener_pid, waiting, breaker, breaker_since) values ($1, $2, false, $3, now())
+on conflict (id) do update set breaker = excluded.breaker, breaker_since = now(), updated_at = now()";
+
+/// Publishes relay `id`'s breaker state (`closed` or `open`), for `status`.
+pub(crate) async fn set_breaker(db: &impl Db, id: i64, listener_pid: i32, open: bool) -> Result<()> {
+    let state = if open { "open" } else { "closed" };
+    count(db, RELAY_BREAKER, &[&id, &listener_pid, &state], "publishing the breaker's state").await.map(drop)
+}
+
+const RELAY_LISTENER: &str = "update outbox_relay.relays set listener_pid = $2, updated_at = now() where id = $1";
+
+/// Records the backend pid of relay `id`'s new listener connection in its row, if it has one.
+pub(crate) async fn set_listener(db: &impl Db, id: i64, listener_pid: i32) -> Result<()> {
+    count(db, RELAY_LISTENER, &[&id, &listener_pid], "recording the relay's listener").await.map(drop)
+}
+
 const RELAY_REMOVE: &str = "delete from outbox_relay.relays where id = $1";
 
 /// Removes relay `id`'s row (it is stopping).

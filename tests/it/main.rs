@@ -5,6 +5,7 @@
 use outbox_relay_testkit::{harness, support as relay_support};
 
 mod bad_rows;
+mod delivery;
 mod faults;
 mod http_sink;
 mod migrations;

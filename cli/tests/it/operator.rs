@@ -27,7 +27,20 @@ async fn stdout_on_a_full_disk_marks_nothing_delivered() {
         .unwrap();
     let full = std::fs::OpenOptions::new().write(true).open("/dev/full").expect("/dev/full");
     let mut child = Command::new(BIN)
-        .args(["run", "--sink", "stdout", "--workers", "4", "--batch-size", "1", "--backoff-base", "1h"])
+        // (the breaker off: every event is to meet the full disk)
+        .args([
+            "run",
+            "--sink",
+            "stdout",
+            "--workers",
+            "4",
+            "--batch-size",
+            "1",
+            "--backoff-base",
+            "1h",
+            "--breaker-threshold",
+            "0",
+        ])
         .env("DATABASE_URL", &db.url)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::from(full))
@@ -127,6 +140,9 @@ async fn a_failing_sink_is_logged_and_status_shows_why_events_wait() {
             "50ms",
             "--max-attempts",
             "1000",
+            // the breaker off: this is about the failures' own warnings
+            "--breaker-threshold",
+            "0",
         ],
     );
     let mut log = BufReader::new(child.stderr.take().unwrap()).lines();

@@ -1,0 +1,395 @@
+//! The delivery engine: deliveries in progress at once, order per key across workers and
+//! relays, the dead-letter policy of keys, and the outage breaker, against real PostgreSQL and a
+//! real HTTP receiver that goes away.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use outbox_relay::sink::HttpSink;
+use outbox_relay::{DeliveryError, Event, Handler, NewEvent, Outbox, RelayConfig, publish};
+use serde_json::json;
+use tokio::sync::Notify;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, PATIENCE, config, eventually, eventually_within};
+
+/// Successful deliveries in the order they happened, shared by every relay of a test.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<(i64, Option<String>)>>>);
+
+impl Log {
+    fn push(&self, event: &Event) {
+        self.0.lock().unwrap().push((event.id, event.key.clone()));
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+
+    /// Per key, the ids in delivery order.
+    fn by_key(&self) -> BTreeMap<String, Vec<i64>> {
+        let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (id, key) in self.0.lock().unwrap().iter() {
+            if let Some(key) = key {
+                by_key.entry(key.clone()).or_default().push(*id);
+            }
+        }
+        by_key
+    }
+}
+
+/// Fails a share of deliveries transiently (at random), logs the rest.
+struct Flaky {
+    log: Log,
+    failure_rate: f64,
+}
+
+impl Handler for Flaky {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        // Some latency, so that deliveries of many keys overlap.
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..3))).await;
+        if rand::random::<f64>() < self.failure_rate {
+            return Err(DeliveryError::transient("flaky receiver"));
+        }
+        self.log.push(event);
+        Ok(())
+    }
+}
+
+async fn keyed_backlog(db: &TestDb, keys: i64, per_key: i64) -> BTreeMap<String, Vec<i64>> {
+    let client = db.client().await;
+    let rows = client
+        .query(
+            "insert into outbox_relay.outbox (topic, key, payload)
+             select 'order.step', 'k' || (g % $1::int8), jsonb_build_object('n', g)
+               from generate_series(0, $1::int8 * $2::int8 - 1) g
+             order by g returning id, key",
+            &[&keys, &per_key],
+        )
+        .await
+        .unwrap();
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for row in rows {
+        expected.entry(row.get(1)).or_default().push(row.get(0));
+    }
+    expected
+}
+
+/// Two relays share 100 keys × 50 events while a fifth of the deliveries fail: per key the
+/// successful deliveries arrive one at a time in id order, and every event arrives exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_key_order_holds_across_two_relays_under_failures() {
+    let db = TestDb::new().await;
+    let expected = keyed_backlog(&db, 100, 50).await;
+    let log = Log::default();
+    let relay_config = RelayConfig { max_attempts: 1000, poll_interval: Duration::from_millis(200), ..config() };
+    let second = Outbox::connect_with(db.database_url(), 8).await.unwrap();
+    let relays = [
+        support::start(&db.outbox, relay_config.clone(), Flaky { log: log.clone(), failure_rate: 0.2 }),
+        support::start(&second, relay_config, Flaky { log: log.clone(), failure_rate: 0.2 }),
+    ];
+    eventually_within("all 5,000 events delivered", Duration::from_secs(120), || async { log.len() >= 5000 }).await;
+    for relay in relays {
+        relay.stop().await;
+    }
+    assert_eq!(log.len(), 5000, "no event delivered twice");
+    assert_eq!(log.by_key(), expected, "per key, the deliveries in id order, none lost");
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
+
+/// Fails every delivery of the key `stuck`, delivers the rest.
+struct OneKeyStuck(Log);
+
+impl Handler for OneKeyStuck {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        if event.key.as_deref() == Some("stuck") {
+            return Err(DeliveryError::transient("this key's receiver is broken"));
+        }
+        self.0.push(event);
+        Ok(())
+    }
+}
+
+/// A key whose head keeps failing holds back only that key: every other key finishes.
+#[tokio::test]
+async fn a_failing_key_holds_back_only_itself() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, key, payload)
+             select 'order.step', case when g % 11 = 0 then 'stuck' else 'k' || (g % 11) end, '{}'
+               from generate_series(0, 219) g order by g",
+        )
+        .await
+        .unwrap();
+    let log = Log::default();
+    let relay = support::start(&db.outbox, RelayConfig { max_attempts: 1000, ..config() }, OneKeyStuck(log.clone()));
+    eventually("the 200 events of the other keys delivered", || async { log.len() >= 200 }).await;
+    let stuck: Vec<(i64, i32)> = client
+        .query(
+            "select id, attempts from outbox_relay.outbox where key = 'stuck' and processed_at is null order by id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    relay.stop().await;
+    assert_eq!(stuck.len(), 20, "every event of the stuck key waits");
+    assert!(stuck[0].1 >= 1, "its head was tried: {stuck:?}");
+    assert!(stuck[1..].iter().all(|(_, attempts)| *attempts == 0), "the rest were never handed out: {stuck:?}");
+    assert_eq!(log.len(), 200);
+}
+
+/// Two writers of one key interleave their transactions: the second waits for the first (the
+/// key's lock), so the key's events commit, and are delivered, in id order. Without the lock
+/// the second would commit first, and its later id would be delivered before the earlier one
+/// became visible.
+#[tokio::test]
+async fn writers_of_one_key_serialize_and_their_events_arrive_in_commit_order() {
+    let db = TestDb::new().await;
+    let log = Log::default();
+    let relay = support::start(&db.outbox, config(), Flaky { log: log.clone(), failure_rate: 0.0 });
+    let mut first = db.client().await;
+    let mut second = db.client().await;
+    let watcher = db.client().await;
+
+    let tx = first.transaction().await.unwrap();
+    let a = publish(&tx, &NewEvent::new("account.debited", json!({"n": 1})).key("acct-1")).await.unwrap();
+    // The second writer uses the SQL door, and commits as soon as it can.
+    let writer = tokio::spawn(async move {
+        let tx = second.transaction().await.unwrap();
+        let id: i64 = tx
+            .query_one("select outbox_relay.publish('account.credited', '{\"n\": 2}', 'acct-1')", &[])
+            .await
+            .unwrap()
+            .get(0);
+        tx.commit().await.unwrap();
+        id
+    });
+    eventually("the second writer waits for the key's lock", || async {
+        watcher
+            .query_one("select exists (select 1 from pg_locks where locktype = 'advisory' and not granted)", &[])
+            .await
+            .unwrap()
+            .get(0)
+    })
+    .await;
+    assert!(!writer.is_finished(), "the second writer cannot commit before the first");
+    tx.commit().await.unwrap();
+    let b = writer.await.unwrap();
+    eventually("both delivered", || async { log.len() >= 2 }).await;
+    relay.stop().await;
+    assert!(a < b);
+    assert_eq!(log.by_key()["acct-1"], vec![a, b]);
+}
+
+/// Refuses the key `poison` for good, delivers the rest.
+struct Poison(Log);
+
+impl Handler for Poison {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        if event.payload["poison"] == json!(true) {
+            return Err(DeliveryError::permanent("refused"));
+        }
+        self.0.push(event);
+        Ok(())
+    }
+}
+
+/// When the head of a key goes to the dead letters, the key's later events go on by default;
+/// with `dead_letter_holds_key` they wait until the dead letter is retried (and then follow it)
+/// or purged.
+#[tokio::test]
+async fn a_dead_lettered_head_releases_its_key_or_holds_it_by_setting() {
+    for hold in [false, true] {
+        let db = TestDb::new().await;
+        let log = Log::default();
+        let relay_config = RelayConfig { dead_letter_holds_key: hold, ..config() };
+        let poison = db.outbox.publish(&NewEvent::new("t", json!({"poison": true})).key("k")).await.unwrap();
+        let next = db.outbox.publish(&NewEvent::new("t", json!({"n": 2})).key("k")).await.unwrap();
+        let other = db.outbox.publish(&NewEvent::new("t", json!({"n": 3})).key("other")).await.unwrap();
+        let relay = support::start(&db.outbox, relay_config.clone(), Poison(log.clone()));
+        eventually("the poison dead-lettered", || async { db.outbox.queue_stats().await.unwrap().dead_letters == 1 })
+            .await;
+        if hold {
+            eventually("the other key delivered", || async { log.len() >= 1 }).await;
+            // Held: a claim after the dead letter does not hand out the key's next event.
+            db.outbox.publish(&NewEvent::new("t", json!({"n": 4})).key("other")).await.unwrap();
+            eventually("a later event of another key delivered", || async { log.len() >= 2 }).await;
+            assert!(!log.by_key().contains_key("k"), "held while its head is a dead letter");
+            relay.stop().await;
+            // Retried, the dead letter is the key's head again (its id is kept) and is delivered
+            // first: this time the handler takes it.
+            db.client().await.batch_execute("update outbox_relay.dead_letters set payload = '{}'").await.unwrap();
+            assert_eq!(db.outbox.retry_dead_letters(&[poison]).await.unwrap(), vec![poison]);
+            let relay = support::start(&db.outbox, relay_config, Poison(log.clone()));
+            eventually("the key delivered in order", || async { log.by_key().get("k").is_some_and(|k| k.len() == 2) })
+                .await;
+            relay.stop().await;
+            assert_eq!(log.by_key()["k"], vec![poison, next]);
+        } else {
+            eventually("the key's next event delivered", || async { log.len() >= 2 }).await;
+            relay.stop().await;
+            assert_eq!(log.by_key()["k"], vec![next]);
+            assert_eq!(log.by_key()["other"], vec![other]);
+        }
+    }
+}
+
+/// Counts deliveries in progress; each waits until `limit` are in progress at once, so a bound
+/// below `limit` would hang the test and one above it would show in `max`.
+struct Crowd {
+    in_flight: AtomicUsize,
+    max: AtomicUsize,
+    limit: usize,
+    full: Notify,
+    done: AtomicUsize,
+}
+
+impl Handler for Crowd {
+    async fn handle(&self, _event: &Event) -> Result<(), DeliveryError> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max.fetch_max(now, Ordering::SeqCst);
+        if now >= self.limit {
+            self.full.notify_waiters();
+        } else {
+            let full = self.full.notified();
+            if self.in_flight.load(Ordering::SeqCst) < self.limit {
+                // Or the last batch, which may not fill the bound.
+                let _ = tokio::time::timeout(Duration::from_millis(200), full).await;
+            }
+        }
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.done.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// `concurrency` deliveries in progress at once, across all workers, and no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deliveries_in_progress_are_bounded_by_concurrency_across_workers() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute("insert into outbox_relay.outbox (topic, payload) select 't', '{}' from generate_series(1, 400)")
+        .await
+        .unwrap();
+    let crowd = Arc::new(Crowd {
+        in_flight: AtomicUsize::new(0),
+        max: AtomicUsize::new(0),
+        limit: 8,
+        full: Notify::new(),
+        done: AtomicUsize::new(0),
+    });
+    let relay_config = RelayConfig { workers: 4, batch_size: 50, concurrency: 8, ..config() };
+    let relay = support::start(&db.outbox, relay_config, crowd.clone());
+    eventually("all 400 delivered", || async { crowd.done.load(Ordering::SeqCst) >= 400 }).await;
+    relay.stop().await;
+    assert_eq!(crowd.max.load(Ordering::SeqCst), 8, "8 in progress at once, never more");
+}
+
+/// An HTTP receiver on a fixed port that can be taken away (connections refused) and brought
+/// back; it counts what it received.
+struct Receiver {
+    addr: std::net::SocketAddr,
+    received: Arc<Mutex<HashMap<i64, usize>>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Receiver {
+    async fn start() -> Receiver {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut receiver = Receiver { addr, received: Arc::default(), server: None };
+        receiver.serve(listener);
+        receiver
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        let received = self.received.clone();
+        let app = Router::new().route(
+            "/hook",
+            post(move |headers: HeaderMap| {
+                let received = received.clone();
+                async move {
+                    let id = headers["outbox-event-id"].to_str().unwrap().parse::<i64>().unwrap();
+                    *received.lock().unwrap().entry(id).or_default() += 1;
+                    StatusCode::OK
+                }
+            }),
+        );
+        self.server = Some(tokio::spawn(async move { axum::serve(listener, app).await.unwrap() }));
+    }
+
+    /// Closes the port: connections are refused.
+    async fn go_away(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+            let _ = server.await;
+        }
+    }
+
+    async fn come_back(&mut self) {
+        let listener = tokio::net::TcpListener::bind(self.addr).await.expect("the receiver's port again");
+        self.serve(listener);
+    }
+
+    fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+}
+
+/// The receiver refuses connections for 15 s under a backlog, with `max_attempts` 3 and
+/// backoffs that would exhaust them in under a second: the breaker opens, nothing is
+/// dead-lettered, the state shows, and everything is delivered once the receiver is back.
+#[tokio::test]
+async fn an_outage_of_the_destination_dead_letters_nothing() {
+    let db = TestDb::new().await;
+    let mut receiver = Receiver::start().await;
+    receiver.go_away().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'order.placed', '{}' from generate_series(1, 200)",
+        )
+        .await
+        .unwrap();
+    let sink = HttpSink::new(&format!("http://{}/hook", receiver.addr), Duration::from_secs(2)).unwrap();
+    let relay_config = RelayConfig {
+        max_attempts: 3,
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(100),
+        breaker_probe_min: Duration::from_millis(200),
+        breaker_probe_max: Duration::from_secs(1),
+        poll_interval: Duration::from_millis(200),
+        ..config()
+    };
+    let relay = support::start(&db.outbox, relay_config, sink);
+    eventually("the breaker open", || async { relay.snapshot().breaker_open }).await;
+    eventually("the breaker shown in the relay's row", || async {
+        db.outbox.connected_relays().await.unwrap().iter().any(|r| r.breaker_open)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(15)).await; // the outage itself, not a synchronization
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!(stats.dead_letters, 0, "nothing dead-lettered during the outage: {stats:?}");
+    assert!(stats.max_attempts < 3, "the outage consumed no attempt: {stats:?}");
+    receiver.come_back().await;
+    eventually_within("every event delivered", PATIENCE, || async {
+        db.outbox.queue_stats().await.unwrap().processed == 200
+    })
+    .await;
+    let snapshot = relay.snapshot();
+    relay.stop().await;
+    assert!(!snapshot.breaker_open && snapshot.breaker_opens >= 1, "{snapshot:?}");
+    assert_eq!(receiver.count(), 200);
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
