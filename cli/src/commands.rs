@@ -10,7 +10,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Demo(args) => crate::demo::run(args, cli.database_url).await,
         Command::Bench(args) => crate::bench::run(args, cli.database_url).await,
         Command::Migrate => migrate(&require_url(cli.database_url)?).await,
-        Command::Run(args) => run_relay(&require_url(cli.database_url)?, args).await,
+        Command::Run(args) => run_relay(&require_url(cli.database_url)?, *args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
         Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
         Command::Cleanup { retention, idempotency_retention } => {

@@ -34,7 +34,7 @@ enum Command {
     /// Apply the library's schema migrations (safe to run again, and from several processes at once).
     Migrate,
     /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Show the queue: pending, delayed, in flight, processed, dead letters.
     Status {
         /// Print one JSON object instead of a table.

@@ -18,9 +18,12 @@ use tokio::sync::Notify;
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, PATIENCE, config, eventually, eventually_within};
 
+/// One successful delivery: the event's id and key.
+type Delivery = (i64, Option<String>);
+
 /// Successful deliveries in the order they happened, shared by every relay of a test.
 #[derive(Clone, Default)]
-struct Log(Arc<Mutex<Vec<(i64, Option<String>)>>>);
+struct Log(Arc<Mutex<Vec<Delivery>>>);
 
 impl Log {
     fn push(&self, event: &Event) {
