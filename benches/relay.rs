@@ -39,6 +39,8 @@ use tokio::runtime::Runtime;
 /// Events per throughput iteration, and with a batch size of 1 (one claim per event is slow).
 const DRAIN_EVENTS: usize = 5_000;
 const DRAIN_EVENTS_BATCH_1: usize = 500;
+/// Events per iteration to the slow HTTP receiver.
+const HTTP_EVENTS: usize = 1_500;
 
 fn main() {
     // The library's logs, on stderr, only when asked for (RUST_LOG=outbox_relay=debug).
@@ -54,6 +56,7 @@ fn main() {
 
     latency(&mut criterion, &env);
     throughput(&mut criterion, &env);
+    delivery(&mut criterion, &env);
     write_path(&mut criterion, &env);
     notify_cost(&mut criterion, &env);
 
@@ -191,7 +194,7 @@ fn throughput(c: &mut Criterion, env: &Env) {
         for workers in [1, 2, 4, 8] {
             for batch_size in [1, 10, 100, 500] {
                 let events = if batch_size == 1 { DRAIN_EVENTS_BATCH_1 } else { DRAIN_EVENTS };
-                let setup = DrainSetup { events, workers, batch_size, completion };
+                let setup = DrainSetup { events, workers, batch_size, completion, keys: None };
                 group.throughput(Throughput::Elements(events as u64));
                 let id = BenchmarkId::new(format!("{completion_name}/w{workers}"), format!("b{batch_size}"));
                 group.bench_function(id, |b| {
@@ -209,6 +212,64 @@ fn throughput(c: &mut Criterion, env: &Env) {
             }
         }
     }
+    // The default settings, the events without keys and over 100 keys (each key in order).
+    for (name, keys) in [("unkeyed", None), ("keyed_100", Some(100))] {
+        let setup = DrainSetup { keys, ..DrainSetup::defaults(DRAIN_EVENTS) };
+        group.throughput(Throughput::Elements(setup.events as u64));
+        group.bench_function(BenchmarkId::new("defaults", name), |b| {
+            let outbox = env.database("throughput");
+            b.iter_custom(|iters| {
+                env.block_on(async {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        total += ok(bench::drain_time(&outbox, setup).await, "draining the outbox");
+                    }
+                    total
+                })
+            });
+        });
+    }
+    group.finish();
+}
+
+/// Draining to destinations with the default settings: an HTTP receiver that answers in 20 ms,
+/// the stdout sink's work (to /dev/null), NATS JetStream (skipped when no server answers).
+fn delivery(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("delivery");
+    group
+        .sample_size(10)
+        .sampling_mode(SamplingMode::Flat)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(5));
+    fn drain<H: outbox_relay::Handler + Clone>(b: &mut criterion::Bencher<'_>, env: &Env, setup: DrainSetup, sink: H) {
+        let outbox = env.database("delivery");
+        b.iter_custom(|iters| {
+            env.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    total += ok(bench::drain_to(&outbox, setup, sink.clone()).await, "draining to a sink");
+                }
+                total
+            })
+        });
+    }
+    let http = DrainSetup::defaults(HTTP_EVENTS);
+    group.throughput(Throughput::Elements(http.events as u64));
+    group.bench_function("http_20ms", |b| {
+        let receiver = ok(env.block_on(bench::SlowReceiver::start(Duration::from_millis(20))), "starting the receiver");
+        drain(b, env, http, ok(receiver.sink(), "the HTTP sink"));
+    });
+    let sinks = DrainSetup::defaults(DRAIN_EVENTS);
+    group.throughput(Throughput::Elements(sinks.events as u64));
+    group.bench_function("stdout_devnull", |b| drain(b, env, sinks, bench::DevNullLines));
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    match env.block_on(bench::nats_sink(&nats_url, "OUTBOX_CRITERION")) {
+        Ok(Ok(sink)) => {
+            group.bench_function("nats_jetstream", |b| drain(b, env, sinks, sink.clone()));
+        }
+        Ok(Err(why)) => eprintln!("delivery/nats_jetstream skipped: {why}"),
+        Err(e) => eprintln!("delivery/nats_jetstream skipped: {e}"),
+    }
     group.finish();
 }
 
@@ -220,6 +281,7 @@ fn write_path(c: &mut Criterion, env: &Env) {
         ("plus_audit", WriteTx::WITH_AUDIT),
         ("plus_receipt", WriteTx::WITH_RECEIPT),
         ("full_1_event", WriteTx::FULL),
+        ("full_1_event_unkeyed", WriteTx::FULL_UNKEYED),
         ("full_10_events", WriteTx::full_with_events(10)),
     ];
     for (name, shape) in shapes {

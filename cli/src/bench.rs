@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use outbox_relay::Completion;
 use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
-use outbox_relay_testkit::bench::{self, BenchDb, NotifyMode, Percentiles, ServerInfo, WakePath};
+use outbox_relay_testkit::bench::{self, BenchDb, DrainSetup, NotifyMode, Percentiles, ServerInfo, WakePath};
 use serde_json::json;
 
 /// The command's failure: printed as one line by the caller.
@@ -17,7 +17,13 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Concurrent writers of the write-throughput measurement.
 const WRITERS: usize = 16;
 /// Steps, for the progress lines.
-const STEPS: usize = 7;
+const STEPS: usize = 11;
+/// Keys of the keyed drain (each delivered in order).
+const KEYS: usize = 100;
+/// The HTTP receiver's latency.
+const RECEIVER_LATENCY: Duration = Duration::from_millis(20);
+/// Events delivered to the slow HTTP receiver (at most; no more than --events).
+const HTTP_EVENTS: usize = 3000;
 
 /// Measure commit-to-handler latency, relay drain throughput and write throughput.
 ///
@@ -44,6 +50,9 @@ pub(crate) struct BenchArgs {
     /// How long each write-throughput measurement runs.
     #[arg(long, value_name = "DUR", value_parser = crate::duration_in(crate::MILLISECOND, Duration::from_secs(3600)), allow_hyphen_values = true, default_value = "3s")]
     write_duration: Duration,
+    /// NATS server for the JetStream drain (skipped, with a note, when none answers).
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", value_name = "URL")]
+    nats_url: String,
 }
 
 impl BenchArgs {
@@ -78,6 +87,11 @@ struct Report {
     in_process: Percentiles,
     poll: Percentiles,
     throughput: f64,
+    keyed_throughput: f64,
+    http_throughput: f64,
+    stdout_throughput: f64,
+    /// The JetStream drain, or why it was skipped.
+    nats_throughput: Result<f64, String>,
     tps_trigger: f64,
     tps_notify_every_commit: f64,
     tps_no_trigger: f64,
@@ -134,9 +148,38 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     progress(format!("latency ({poll}), {} samples", args.poll_samples()));
     let poll = latency(poll, args.poll_samples()).await?;
 
+    let setup = DrainSetup {
+        events: args.events,
+        workers: args.workers,
+        batch_size: args.batch_size,
+        completion: Completion::MarkProcessed,
+        keys: None,
+    };
     progress(format!("drain throughput: {} events, {} workers, batch {}", args.events, args.workers, args.batch_size));
-    let throughput =
-        bench::drain_throughput(&outbox, args.events, args.workers, args.batch_size, Completion::MarkProcessed).await?;
+    let throughput = bench::drain_throughput(&outbox, setup).await?;
+    progress(format!("drain throughput, the events over {KEYS} keys (each key in order)"));
+    let keyed_throughput = bench::drain_throughput(&outbox, DrainSetup { keys: Some(KEYS), ..setup }).await?;
+
+    let http = DrainSetup::defaults(args.events.min(HTTP_EVENTS));
+    progress(format!(
+        "{} events to an HTTP receiver that answers in {}, default settings",
+        http.events,
+        humantime::format_duration(RECEIVER_LATENCY)
+    ));
+    let receiver = bench::SlowReceiver::start(RECEIVER_LATENCY).await?;
+    let http_throughput = rate(http.events, bench::drain_to(&outbox, http, receiver.sink()?).await?);
+    drop(receiver);
+    let sinks = DrainSetup::defaults(args.events);
+    progress(format!("{} events to the stdout sink's work (to /dev/null), default settings", sinks.events));
+    let stdout_throughput = rate(sinks.events, bench::drain_to(&outbox, sinks, bench::DevNullLines).await?);
+    progress(format!("{} events to NATS JetStream at {}, default settings", sinks.events, args.nats_url));
+    let nats_throughput = match bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await? {
+        Ok(sink) => Ok(rate(sinks.events, bench::drain_to(&outbox, sinks, sink).await?)),
+        Err(why) => {
+            eprintln!("  skipped: {why}");
+            Err(why)
+        }
+    };
 
     let seconds = args.write_duration.as_secs_f64();
     progress(format!("write throughput, the trigger as shipped (no relay waiting): {WRITERS} writers, {seconds} s"));
@@ -157,10 +200,18 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         in_process,
         poll,
         throughput,
+        keyed_throughput,
+        http_throughput,
+        stdout_throughput,
+        nats_throughput,
         tps_trigger,
         tps_notify_every_commit,
         tps_no_trigger,
     })
+}
+
+fn rate(events: usize, elapsed: Duration) -> f64 {
+    events as f64 / elapsed.as_secs_f64()
 }
 
 fn ms(d: Duration) -> f64 {
@@ -184,6 +235,12 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "latency_inprocess_ms": percentiles_json(&r.in_process),
         "latency_poll_ms": percentiles_json(&r.poll),
         "throughput_events_per_s": rounded(r.throughput, 1),
+        "throughput_keyed_events_per_s": rounded(r.keyed_throughput, 1),
+        "throughput_keys": KEYS,
+        "http_20ms_events_per_s": rounded(r.http_throughput, 1),
+        "stdout_events_per_s": rounded(r.stdout_throughput, 1),
+        "nats_events_per_s": r.nats_throughput.as_ref().ok().map(|v| rounded(*v, 1)),
+        "nats_share_of_stdout": r.nats_throughput.as_ref().ok().map(|v| rounded(v / r.stdout_throughput, 3)),
         "write_tps_trigger": rounded(r.tps_trigger, 1),
         "write_tps_no_trigger": rounded(r.tps_no_trigger, 1),
         "write_tps_notify_every_commit": rounded(r.tps_notify_every_commit, 1),
@@ -237,6 +294,27 @@ fn print_table(args: &BenchArgs, r: &Report) {
         args.batch_size,
         grouped(r.throughput)
     );
+    println!(
+        "drain throughput, the same over {KEYS} keys (each key in order):         {} events/s",
+        grouped(r.keyed_throughput)
+    );
+    println!();
+    println!("delivery, default settings (workers, batch, concurrency):");
+    println!(
+        "  {:<44}{:>12} events/s",
+        format!("to an HTTP receiver answering in {}", humantime::format_duration(RECEIVER_LATENCY)),
+        grouped(r.http_throughput)
+    );
+    println!("  {:<44}{:>12} events/s", "to the stdout sink's work (/dev/null)", grouped(r.stdout_throughput));
+    match &r.nats_throughput {
+        Ok(nats) => println!(
+            "  {:<44}{:>12} events/s ({:.0} % of stdout)",
+            "to NATS JetStream",
+            grouped(*nats),
+            nats / r.stdout_throughput * 100.0
+        ),
+        Err(why) => println!("  {:<44}{:>12} ({why})", "to NATS JetStream", "skipped"),
+    }
     println!();
     println!("write throughput ({WRITERS} writers, full transaction, {} s each):", args.write_duration.as_secs_f64());
     println!("  {:<40}{:>12} tx/s", "trigger as shipped (relay busy/lingering)", grouped(r.tps_trigger));

@@ -43,6 +43,19 @@ pub(crate) struct Claimer<H> {
     pub(crate) idle: Arc<Idle>,
 }
 
+/// A claimed batch, waiting to be delivered.
+pub(crate) struct Batch {
+    token: i64,
+    claimed_at: Instant,
+    /// Rows claimed, the unreadable ones included.
+    pub(crate) count: usize,
+    events: Vec<Event>,
+    ages: Vec<Duration>,
+    /// What is already decided: rows no handler can be given.
+    outcomes: Outcomes,
+    probe: bool,
+}
+
 /// What a claim is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Claim {
@@ -107,34 +120,44 @@ impl<H: Handler> Claimer<H> {
     /// Claims one batch and delivers it; returns how many events were claimed. While the
     /// breaker is open only a probe claims.
     pub(crate) async fn claim_and_deliver(&self, claim: Claim) -> Result<usize> {
+        match self.claim(claim).await? {
+            None => Ok(0),
+            Some(batch) => {
+                let count = batch.count;
+                self.deliver_and_record(batch).await;
+                Ok(count)
+            }
+        }
+    }
+
+    /// Claims one batch (`None`: nothing to claim, or the breaker is open and this is no probe).
+    /// Rows no handler can be given are already set aside for the dead letters.
+    pub(crate) async fn claim(&self, claim: Claim) -> Result<Option<Batch>> {
         let probe = claim == Claim::Probe;
         if !probe && self.breaker.is_open() {
-            return Ok(0);
+            return Ok(None);
         }
         let config = &self.config;
         let token = rand::random::<i64>();
-        let batch = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
-        let claimed = {
-            let client = self.pool.client().await?;
-            let claimed = sql::claim_events(&*client, batch, config.lease, token, config.dead_letter_holds_key).await?;
-            self.metrics.claimed();
-            if claimed.is_empty() {
-                if probe {
-                    self.breaker.probe_found_nothing();
-                }
-                if claim == (Claim::Batch { schedule_next: true }) {
-                    // Woken for nothing deliverable yet: maybe a delayed event or a retry, written
-                    // by any process. Sleep until the earliest one rather than up to a poll
-                    // interval past it.
-                    if let Some(due) = sql::next_due(&*client).await? {
-                        self.timer.schedule(Instant::now() + due);
-                    }
-                }
-                return Ok(0);
-            }
-            claimed
-        };
+        let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
+        let client = self.pool.client().await?;
+        let claimed = sql::claim_events(&*client, size, config.lease, token, config.dead_letter_holds_key).await?;
         let claimed_at = Instant::now();
+        self.metrics.claimed();
+        if claimed.is_empty() {
+            if probe {
+                self.breaker.probe_found_nothing();
+            }
+            if claim == (Claim::Batch { schedule_next: true }) {
+                // Woken for nothing deliverable yet: maybe a delayed event or a retry, written by
+                // any process. Sleep until the earliest one rather than up to a poll interval past it.
+                if let Some(due) = sql::next_due(&*client).await? {
+                    self.timer.schedule(Instant::now() + due);
+                }
+            }
+            return Ok(None);
+        }
+        drop(client);
         let count = claimed.len();
         let mut outcomes = Outcomes::default();
         let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
@@ -148,26 +171,37 @@ impl<H: Handler> Claimer<H> {
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
         tracing::debug!(count, probe, "claimed events");
-        let (events, ages): (Vec<Event>, Vec<Duration>) = events.into_iter().unzip();
+        let (events, ages) = events.into_iter().unzip();
+        Ok(Some(Batch { token, claimed_at, count, events, ages, outcomes, probe }))
+    }
+
+    /// Delivers a claimed batch and records what became of it.
+    pub(crate) async fn deliver_and_record(&self, batch: Batch) {
+        let Batch { token, claimed_at, events, ages, mut outcomes, probe, .. } = batch;
         if !events.is_empty() {
-            match self.deliver(&events).await {
-                // Cut off at shutdown: the events go back, the attempt not counted.
-                None => outcomes.released.extend(events.iter().map(|e| e.id)),
-                Some(results) => self.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
+            if !probe && self.breaker.is_open() {
+                // Claimed while the breaker was opening: the outage covers it, nothing is tried.
+                outcomes.released.extend(events.iter().map(|e| e.id));
+            } else {
+                match self.deliver(&events, claimed_at).await {
+                    // Cut off at shutdown: the events go back, the attempt not counted.
+                    None => outcomes.released.extend(events.iter().map(|e| e.id)),
+                    Some(results) => self.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
+                }
             }
         } else if probe {
             self.breaker.probe_found_nothing();
         }
         self.record(token, outcomes).await;
-        Ok(count)
     }
 
     /// Hands `events` to the handler, bounded by the lease; `None` when the shutdown's abort cut
     /// it off.
-    async fn deliver(&self, events: &[Event]) -> Option<Vec<Result<(), DeliveryError>>> {
+    async fn deliver(&self, events: &[Event], claimed_at: Instant) -> Option<Vec<Result<(), DeliveryError>>> {
         let config = &self.config;
-        // Deliveries must end well inside the lease, or another worker may claim the same events.
-        let deadline = Instant::now() + config.lease.mul_f64(0.9);
+        // Deliveries must end well inside the lease, which runs from the claim, or another worker
+        // may claim the same events.
+        let deadline = claimed_at + config.lease.mul_f64(0.9);
         let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
         let all_failed = |error: DeliveryError| events.iter().map(|_| Err(error.clone())).collect();
         let mut results: Vec<Result<(), DeliveryError>> = tokio::select! {

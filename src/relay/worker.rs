@@ -3,6 +3,8 @@
 //! NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
 //! for its turn to probe (see `breaker.rs`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,24 +81,42 @@ impl<H: Handler> Worker<H> {
 
     /// Claims until a claim comes back empty: then the queue is drained, for now. (A short
     /// claim is no sign of that: a key's next event becomes claimable only once its head is
-    /// done, and no notification says so.)
+    /// done, and no notification says so.) The next batch is claimed while the last one is
+    /// delivered, so the database's round trips overlap the destination's.
     async fn drain(&self) -> Result<()> {
         let batch_size = self.claimer.config.batch_size;
-        while !self.stop.is_cancelled() {
-            let claimed = self.claimer.claim_and_deliver(Claim::Batch { schedule_next: true }).await?;
-            if claimed == 0 {
-                break;
+        let mut delivering: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
+        let outcome = loop {
+            if self.stop.is_cancelled() {
+                break Ok(());
             }
+            let claim = self.claimer.claim(Claim::Batch { schedule_next: true });
+            let claimed = match delivering.take() {
+                Some(previous) => futures::join!(claim, previous).0,
+                None => claim.await,
+            };
+            let batch = match claimed {
+                Ok(Some(batch)) => batch,
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            };
             if self.idle.is_marked() {
                 // Busy: writers need not notify until this relay is idle again.
-                self.idle.set(false).await?;
+                if let Err(e) = self.idle.set(false).await {
+                    delivering = Some(Box::pin(self.claimer.deliver_and_record(batch)));
+                    break Err(e);
+                }
             }
-            if claimed == batch_size {
+            if batch.count == batch_size {
                 // More may be waiting: let an idle worker help while this one claims again.
                 self.work.notify_one();
             }
+            delivering = Some(Box::pin(self.claimer.deliver_and_record(batch)));
+        };
+        if let Some(last) = delivering {
+            last.await;
         }
-        Ok(())
+        outcome
     }
 
     /// Waits a little after failed claims (the database is down or restarting); false when the

@@ -399,10 +399,18 @@ async fn bench_json_prints_one_object_with_every_figure() {
             assert!(v > 0.0, "{path}.{p} = {v}");
         }
     }
-    for field in
-        ["throughput_events_per_s", "write_tps_trigger", "write_tps_no_trigger", "write_tps_notify_every_commit"]
-    {
+    for field in [
+        "throughput_events_per_s",
+        "throughput_keyed_events_per_s",
+        "http_20ms_events_per_s",
+        "stdout_events_per_s",
+        "nats_events_per_s",
+        "nats_share_of_stdout",
+        "write_tps_trigger",
+        "write_tps_no_trigger",
+        "write_tps_notify_every_commit",
+    ] {
         assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
     }
-    assert!(stderr(&output).contains("[1/7]"), "progress goes to stderr");
+    assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
 }

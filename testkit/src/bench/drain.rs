@@ -1,11 +1,10 @@
-//! Events per second a relay drains from a pre-filled outbox.
+//! Events per second a relay drains from a pre-filled outbox, to a no-op handler or to any
+//! handler (a sink).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_relay::{Completion, Event, Outbox, Relay, RelayConfig, handler_fn};
-use tokio::sync::{Notify, oneshot};
+use outbox_relay::{Completion, Event, Handler, Outbox, Relay, RelayConfig, handler_fn};
+use tokio::sync::oneshot;
 
 use super::latency::stop_relay;
 use super::{BoxError, db};
@@ -14,9 +13,12 @@ use super::{BoxError, db};
 const DRAIN_TIMEOUT_BASE: Duration = Duration::from_secs(60);
 /// See [`DRAIN_TIMEOUT_BASE`].
 const DRAIN_TIMEOUT_PER_EVENT: Duration = Duration::from_millis(5);
+/// Events without a key, or spread round-robin over `$2` keys (`null`: none).
 const PREFILL_SQL: &str = "\
-insert into outbox_relay.outbox (topic, payload)
-select 'bench.drain', jsonb_build_object('n', g) from generate_series(1, $1::int8) as g";
+insert into outbox_relay.outbox (topic, key, payload)
+select 'bench.drain', case when $2::int8 is null then null else 'k' || (g % $2::int8) end, jsonb_build_object('n', g)
+  from generate_series(1, $1::int8) as g
+ order by g";
 
 /// How the relay is set up for a drain measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,48 +31,66 @@ pub struct DrainSetup {
     pub batch_size: usize,
     /// Mark delivered events processed, or delete them.
     pub completion: Completion,
+    /// The events spread round-robin over this many keys (each key delivered in order), or no
+    /// key at all.
+    pub keys: Option<usize>,
 }
 
-/// Events per second a relay drains from a pre-filled outbox; see the
+impl DrainSetup {
+    /// `events` without keys, with the relay's default settings otherwise.
+    pub fn defaults(events: usize) -> DrainSetup {
+        let config = RelayConfig::default();
+        DrainSetup {
+            events,
+            workers: config.workers,
+            batch_size: config.batch_size,
+            completion: config.completion,
+            keys: None,
+        }
+    }
+
+    fn config(&self) -> RelayConfig {
+        RelayConfig {
+            workers: self.workers,
+            batch_size: self.batch_size,
+            completion: self.completion,
+            janitor_interval: Duration::ZERO,
+            ..RelayConfig::default()
+        }
+    }
+}
+
+/// Events per second a relay drains from a pre-filled outbox to a no-op handler; see the
 /// [module documentation](super).
-pub async fn drain_throughput(
-    outbox: &Outbox,
-    events: usize,
-    workers: usize,
-    batch_size: usize,
-    completion: Completion,
-) -> Result<f64, BoxError> {
-    let elapsed = drain_time(outbox, DrainSetup { events, workers, batch_size, completion }).await?;
-    Ok(events as f64 / elapsed.as_secs_f64())
+pub async fn drain_throughput(outbox: &Outbox, setup: DrainSetup) -> Result<f64, BoxError> {
+    let elapsed = drain_time(outbox, setup).await?;
+    Ok(setup.events as f64 / elapsed.as_secs_f64())
 }
 
-/// Truncates and pre-fills the outbox, then returns how long a relay took to deliver and record
-/// every event (only the drain is timed); see the [module documentation](super).
+/// Truncates and pre-fills the outbox, then returns how long a relay with a no-op handler took
+/// to deliver and record every event (only the drain is timed); see the
+/// [module documentation](super).
 pub async fn drain_time(outbox: &Outbox, setup: DrainSetup) -> Result<Duration, BoxError> {
+    drain_to(outbox, setup, handler_fn(|_event: Event| std::future::ready(Ok(())))).await
+}
+
+/// [`drain_time`] with `handler` as the destination (a sink).
+pub async fn drain_to<H: Handler>(outbox: &Outbox, setup: DrainSetup, handler: H) -> Result<Duration, BoxError> {
+    drain_with(outbox, setup, setup.config(), handler).await
+}
+
+/// [`drain_to`] with a relay configuration of one's own (`janitor_interval` should be zero).
+pub async fn drain_with<H: Handler>(
+    outbox: &Outbox,
+    setup: DrainSetup,
+    config: RelayConfig,
+    handler: H,
+) -> Result<Duration, BoxError> {
     if setup.events == 0 {
         return Err("a drain needs at least one event".into());
     }
-    let config = RelayConfig {
-        workers: setup.workers,
-        batch_size: setup.batch_size,
-        completion: setup.completion,
-        janitor_interval: Duration::ZERO,
-        ..RelayConfig::default()
-    };
     config.validate()?;
-    prefill(outbox, setup.events).await?;
-
-    let handled = Arc::new(AtomicUsize::new(0));
-    let all_handled = Arc::new(Notify::new());
-    let handler = {
-        let (handled, all_handled, events) = (handled.clone(), all_handled.clone(), setup.events);
-        handler_fn(move |_event: Event| {
-            if handled.fetch_add(1, Ordering::Relaxed) + 1 == events {
-                all_handled.notify_one();
-            }
-            std::future::ready(Ok(()))
-        })
-    };
+    prefill(outbox, setup.events, setup.keys).await?;
     let relay = Relay::new(outbox, config, handler)?;
     let metrics = relay.metrics();
     let (shutdown, stop) = oneshot::channel::<()>();
@@ -81,9 +101,8 @@ pub async fn drain_time(outbox: &Outbox, setup: DrainSetup) -> Result<Duration, 
         stop.await.ok();
     }));
     let limit = DRAIN_TIMEOUT_BASE + DRAIN_TIMEOUT_PER_EVENT * u32::try_from(setup.events).unwrap_or(u32::MAX);
+    // Done when the relay has recorded every delivery (checked every millisecond).
     let drained = tokio::time::timeout(limit, async {
-        // Wait cheaply for the handler, then briefly for the last batch's outcome to be written.
-        all_handled.notified().await;
         while metrics.snapshot().delivered < events {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -106,11 +125,13 @@ pub async fn drain_time(outbox: &Outbox, setup: DrainSetup) -> Result<Duration, 
     Ok(elapsed)
 }
 
-/// Empties the outbox and fills it with `events` deliverable events, then vacuums and analyzes it.
-async fn prefill(outbox: &Outbox, events: usize) -> Result<(), BoxError> {
+/// Empties the outbox and fills it with `events` deliverable events (over `keys` keys, or
+/// none), then vacuums and analyzes it.
+async fn prefill(outbox: &Outbox, events: usize, keys: Option<usize>) -> Result<(), BoxError> {
     let client = outbox.connection().await?;
     client.batch_execute("truncate outbox_relay.outbox").await.map_err(db("truncating the outbox"))?;
-    client.execute(PREFILL_SQL, &[&i64::try_from(events)?]).await.map_err(db("pre-filling the outbox"))?;
+    let keys = keys.map(i64::try_from).transpose()?;
+    client.execute(PREFILL_SQL, &[&i64::try_from(events)?, &keys]).await.map_err(db("pre-filling the outbox"))?;
     client.batch_execute("vacuum analyze outbox_relay.outbox").await.map_err(db("vacuuming the outbox"))?;
     Ok(())
 }

@@ -89,14 +89,16 @@ mod drain;
 mod latency;
 mod notify;
 mod server;
+mod sinks;
 mod write;
 
 pub use outbox_relay::Percentiles;
 
-pub use self::drain::{DrainSetup, drain_throughput, drain_time};
+pub use self::drain::{DrainSetup, drain_throughput, drain_time, drain_to, drain_with};
 pub use self::latency::{LatencyProbe, WakePath, latency};
 pub use self::notify::{NotifyMode, reset_notify, set_notify_mode, set_notify_trigger};
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};
+pub use self::sinks::{DevNullLines, SlowReceiver, nats_sink};
 pub use self::write::{WriteTx, Writers, reset_write_tables, write_tps};
 
 /// The error type of this module: any error, with a message that says what failed.

@@ -33,21 +33,26 @@ pub struct WriteTx {
     /// Events: one is [`outbox_relay::Work::publish`], more are one
     /// [`outbox_relay::Work::publish_all`]. Only with a receipt.
     pub events: usize,
+    /// The events carry the order's id as their key (so the insert takes the key's lock), or
+    /// no key.
+    pub keyed: bool,
 }
 
 impl WriteTx {
     /// The business row alone.
-    pub const BARE: WriteTx = WriteTx { audit: false, receipt: false, events: 0 };
+    pub const BARE: WriteTx = WriteTx { audit: false, receipt: false, events: 0, keyed: false };
     /// The business row and its audit entry.
-    pub const WITH_AUDIT: WriteTx = WriteTx { audit: true, receipt: false, events: 0 };
+    pub const WITH_AUDIT: WriteTx = WriteTx { audit: true, receipt: false, events: 0, keyed: false };
     /// The business row, its audit entry and the idempotency receipt.
-    pub const WITH_RECEIPT: WriteTx = WriteTx { audit: true, receipt: true, events: 0 };
-    /// The full transaction: business row, audit entry, receipt and one event.
-    pub const FULL: WriteTx = WriteTx { audit: true, receipt: true, events: 1 };
+    pub const WITH_RECEIPT: WriteTx = WriteTx { audit: true, receipt: true, events: 0, keyed: false };
+    /// The full transaction: business row, audit entry, receipt and one event keyed by the order.
+    pub const FULL: WriteTx = WriteTx { audit: true, receipt: true, events: 1, keyed: true };
+    /// [`WriteTx::FULL`] with an event without a key (no key lock).
+    pub const FULL_UNKEYED: WriteTx = WriteTx { keyed: false, ..WriteTx::FULL };
 
-    /// The full transaction with `events` events.
+    /// The full transaction with `events` keyed events.
     pub const fn full_with_events(events: usize) -> WriteTx {
-        WriteTx { audit: true, receipt: true, events }
+        WriteTx { audit: true, receipt: true, events, keyed: true }
     }
 }
 
@@ -248,7 +253,8 @@ impl Writer {
                 let order_id: i64 = work.query_one(ORDERS_INSERT, &[&CUSTOMER, &TOTAL]).await?.get(0);
                 work.audit(&AuditEntry::new("order", order_id, "placed", &request)?).await?;
                 let event = |n: usize| {
-                    NewEvent::new("order.placed", json!({"order_id": order_id, "n": n})).key(order_id.to_string())
+                    let event = NewEvent::new("order.placed", json!({"order_id": order_id, "n": n}));
+                    if shape.keyed { event.key(order_id.to_string()) } else { event }
                 };
                 match shape.events {
                     0 => {}
