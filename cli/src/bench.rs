@@ -17,13 +17,15 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Concurrent writers of the write-throughput measurement.
 const WRITERS: usize = 16;
 /// Steps, for the progress lines.
-const STEPS: usize = 11;
+const STEPS: usize = 10;
 /// Keys of the keyed drain (each delivered in order).
 const KEYS: usize = 100;
 /// The HTTP receiver's latency.
 const RECEIVER_LATENCY: Duration = Duration::from_millis(20);
 /// Events delivered to the slow HTTP receiver (at most; no more than --events).
 const HTTP_EVENTS: usize = 3000;
+/// Rounds of the alternating stdout and NATS drains.
+const SINK_ROUNDS: usize = 3;
 
 /// Measure commit-to-handler latency, relay drain throughput and write throughput.
 ///
@@ -169,17 +171,25 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     let receiver = bench::SlowReceiver::start(RECEIVER_LATENCY).await?;
     let http_throughput = rate(http.events, bench::drain_to(&outbox, http, receiver.sink()?).await?);
     drop(receiver);
+    // Alternately, so that the machine's drift hits both alike; the medians are compared.
     let sinks = DrainSetup::defaults(args.events);
-    progress(format!("{} events to the stdout sink's work (to /dev/null), default settings", sinks.events));
-    let stdout_throughput = rate(sinks.events, bench::drain_to(&outbox, sinks, bench::DevNullLines).await?);
-    progress(format!("{} events to NATS JetStream at {}, default settings", sinks.events, args.nats_url));
-    let nats_throughput = match bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await? {
-        Ok(sink) => Ok(rate(sinks.events, bench::drain_to(&outbox, sinks, sink).await?)),
-        Err(why) => {
-            eprintln!("  skipped: {why}");
-            Err(why)
+    progress(format!(
+        "{} events to the stdout sink's work (to /dev/null) and to NATS JetStream at {}, alternately, {SINK_ROUNDS} rounds",
+        sinks.events, args.nats_url
+    ));
+    let nats = bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await?;
+    if let Err(why) = &nats {
+        eprintln!("  NATS skipped: {why}");
+    }
+    let (mut stdout_rates, mut nats_rates) = (Vec::new(), Vec::new());
+    for _ in 0..SINK_ROUNDS {
+        stdout_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, bench::DevNullLines).await?));
+        if let Ok(sink) = &nats {
+            nats_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, sink.clone()).await?));
         }
-    };
+    }
+    let stdout_throughput = median(&mut stdout_rates);
+    let nats_throughput = nats.map(|_| median(&mut nats_rates));
 
     let seconds = args.write_duration.as_secs_f64();
     progress(format!("write throughput, the trigger as shipped (no relay waiting): {WRITERS} writers, {seconds} s"));
@@ -208,6 +218,12 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         tps_notify_every_commit,
         tps_no_trigger,
     })
+}
+
+/// The median of rates (the lower middle of an even count).
+fn median(rates: &mut [f64]) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    rates.get(rates.len().saturating_sub(1) / 2).copied().unwrap_or(0.0)
 }
 
 fn rate(events: usize, elapsed: Duration) -> f64 {
@@ -305,10 +321,14 @@ fn print_table(args: &BenchArgs, r: &Report) {
         format!("to an HTTP receiver answering in {}", humantime::format_duration(RECEIVER_LATENCY)),
         grouped(r.http_throughput)
     );
-    println!("  {:<44}{:>12} events/s", "to the stdout sink's work (/dev/null)", grouped(r.stdout_throughput));
+    println!(
+        "  {:<44}{:>12} events/s (median of {SINK_ROUNDS})",
+        "to the stdout sink's work (/dev/null)",
+        grouped(r.stdout_throughput)
+    );
     match &r.nats_throughput {
         Ok(nats) => println!(
-            "  {:<44}{:>12} events/s ({:.0} % of stdout)",
+            "  {:<44}{:>12} events/s (median of {SINK_ROUNDS}; {:.0} % of stdout)",
             "to NATS JetStream",
             grouped(*nats),
             nats / r.stdout_throughput * 100.0

@@ -35,7 +35,7 @@ pub const DEFAULT_LINGER: Duration = Duration::from_millis(20);
 /// Default longest wait between reconnection attempts of the listener.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// Default number of deliveries in progress at once.
-pub const DEFAULT_CONCURRENCY: usize = 32;
+pub const DEFAULT_CONCURRENCY: usize = 64;
 /// Default number of distinct events failing in a row that opens the outage breaker.
 pub const DEFAULT_BREAKER_THRESHOLD: u32 = 10;
 /// Default first wait before the open breaker's probe; it doubles with each failed probe.
@@ -134,7 +134,7 @@ pub struct RelayConfig {
     /// pay nothing for NOTIFY. Defaults to 20 ms.
     pub linger: Duration,
     /// Deliveries in progress at once, across all workers (each HTTP request, NATS batch or
-    /// stdout write is one). Independent of `workers`, which only claim. Defaults to 32.
+    /// stdout write is one). Independent of `workers`, which only claim. Defaults to 64.
     pub concurrency: usize,
     /// When the head event of a key goes to the dead letters, hold the key's later events until
     /// the dead letter is retried or purged (instead of delivering them). Defaults to false.

@@ -3,11 +3,11 @@
 //! NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
 //! for its turn to probe (see `breaker.rs`).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -18,6 +18,10 @@ use super::breaker::Turn;
 use super::claim::{Claim, Claimer};
 use super::idle::{Idle, LINGER_POLL};
 use crate::error::Result;
+
+/// How many of its claimed batches a worker has in delivery at most (it claims the next while
+/// one fewer are).
+const DELIVERING_PER_WORKER: usize = 2;
 
 /// Longest pause after a failed claim (the database is down or restarting).
 const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
@@ -81,41 +85,46 @@ impl<H: Handler> Worker<H> {
 
     /// Claims until a claim comes back empty: then the queue is drained, for now. (A short
     /// claim is no sign of that: a key's next event becomes claimable only once its head is
-    /// done, and no notification says so.) The next batch is claimed while the last one is
-    /// delivered, so the database's round trips overlap the destination's.
+    /// done, and no notification says so.) The next batch is claimed while the last is being
+    /// delivered, so the database's round trips overlap the destination's; a worker has at most
+    /// [`DELIVERING_PER_WORKER`] batches in delivery, and holds no more batches than that.
     async fn drain(&self) -> Result<()> {
         let batch_size = self.claimer.config.batch_size;
-        let mut delivering: Option<Pin<Box<dyn Future<Output = ()> + Send + '_>>> = None;
+        let mut delivering = FuturesUnordered::new();
         let outcome = loop {
             if self.stop.is_cancelled() {
                 break Ok(());
             }
             let claim = self.claimer.claim(Claim::Batch { schedule_next: true });
-            let claimed = match delivering.take() {
-                Some(previous) => futures::join!(claim, previous).0,
-                None => claim.await,
+            tokio::pin!(claim);
+            let claimed = loop {
+                tokio::select! {
+                    claimed = &mut claim => break claimed,
+                    Some(()) = delivering.next(), if !delivering.is_empty() => {}
+                }
             };
             let batch = match claimed {
                 Ok(Some(batch)) => batch,
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
             };
+            let full = batch.count == batch_size;
+            delivering.push(self.claimer.deliver_and_record(batch));
             if self.idle.is_marked() {
                 // Busy: writers need not notify until this relay is idle again.
                 if let Err(e) = self.idle.set(false).await {
-                    delivering = Some(Box::pin(self.claimer.deliver_and_record(batch)));
                     break Err(e);
                 }
             }
-            if batch.count == batch_size {
+            if full {
                 // More may be waiting: let an idle worker help while this one claims again.
                 self.work.notify_one();
             }
-            delivering = Some(Box::pin(self.claimer.deliver_and_record(batch)));
+            while delivering.len() >= DELIVERING_PER_WORKER {
+                delivering.next().await;
+            }
         };
-        if let Some(last) = delivering {
-            last.await;
-        }
+        while delivering.next().await.is_some() {}
         outcome
     }
 

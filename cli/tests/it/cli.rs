@@ -412,5 +412,5 @@ async fn bench_json_prints_one_object_with_every_figure() {
     ] {
         assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
     }
-    assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
+    assert!(stderr(&output).contains("[1/10]"), "progress goes to stderr");
 }
