@@ -217,3 +217,82 @@ async fn the_relay_refuses_a_database_missing_a_migration() {
         "{err}"
     );
 }
+
+/// The destination down, then back, as the operator sees it: one warn line when the breaker
+/// opens, `status` showing it open (table and JSON), one warn line when a probe gets through,
+/// and every event delivered with none dead-lettered and no attempt spent on the outage.
+#[tokio::test]
+async fn the_breaker_shows_in_the_log_and_in_status() {
+    let db = TestDb::new().await;
+    // A port nobody listens on yet; the receiver takes it later.
+    let addr = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    for n in 0..40 {
+        publish(&db, "order.placed", json!({"n": n})).await;
+    }
+    let sink = format!("http://{addr}/hooks");
+    let mut child = spawn_run(
+        &db.url,
+        &[
+            "--sink",
+            &sink,
+            "--max-attempts",
+            "3",
+            "--backoff-base",
+            "10ms",
+            "--backoff-max",
+            "20ms",
+            "--breaker-probe-min",
+            "100ms",
+            "--breaker-probe-max",
+            "200ms",
+        ],
+    );
+    let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut lines = Vec::new();
+    let opened = next_line_containing(&mut log, &mut lines, "the destination looks down").await;
+    assert!(opened.contains("WARN") && opened.contains("probe_in="), "{opened}");
+
+    let status = cli(&db.url, &["status", "--json"]).await;
+    let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    assert_eq!(status["relays"][0]["breaker_open"], json!(true), "{status}");
+    assert!(status["relays"][0]["breaker_since"].is_string(), "{status}");
+    let table = cli(&db.url, &["status"]).await;
+    assert!(stdout(&table).contains("BREAKER OPEN"), "{}", stdout(&table));
+
+    let listener = tokio::net::TcpListener::bind(addr).await.expect("the receiver's port");
+    let app = axum::Router::new().route("/hooks", axum::routing::post(|| async { axum::http::StatusCode::OK }));
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    next_line_containing(&mut log, &mut lines, "the destination is back").await;
+    eventually("every event delivered", || async {
+        count(&db, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    let status = cli(&db.url, &["status", "--json"]).await;
+    let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    assert_eq!(status["relays"][0]["breaker_open"], json!(false), "{status}");
+    assert_eq!(status["dead_letters"], json!(0), "{status}");
+    assert!(count(&db, "select max(attempts)::int8 from outbox_relay.outbox").await < 3);
+
+    assert_eq!(terminate_collecting(child, &mut log, &mut lines).await, Some(0));
+    let opens = lines.iter().filter(|l| l.contains("the destination looks down")).count();
+    assert_eq!(opens, 1, "one warn line per change of the breaker:\n{lines:#?}");
+}
+
+/// Reads the log until a line contains `needle`, keeping every line read.
+async fn next_line_containing(
+    log: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
+    lines: &mut Vec<String>,
+    needle: &str,
+) -> String {
+    loop {
+        let line = tokio::time::timeout(PATIENCE, log.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no log line containing {needle:?}; the log so far:\n{lines:#?}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("the log ended before a line containing {needle:?}:\n{lines:#?}"));
+        lines.push(line.clone());
+        if line.contains(needle) {
+            return line;
+        }
+    }
+}
