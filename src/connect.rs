@@ -95,11 +95,17 @@ impl DatabaseUrl {
     /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
     /// a claim or completion lost in a server crash only causes a redelivery, which at-least-once
     /// delivery allows, so they need not wait for the WAL flush. Business transactions never use it.
-    pub(crate) fn relay_pool(&self, size: usize) -> Result<Pool> {
+    /// A session that stays idle in a transaction for `lease` (a held claim whose relay stalled)
+    /// is ended by the server, which gives its events back.
+    pub(crate) fn relay_pool(&self, size: usize, lease: Duration) -> Result<Pool> {
         let mut config = self.info.config.clone();
+        let ours = format!(
+            "-c synchronous_commit=off -c idle_in_transaction_session_timeout={}",
+            lease.as_millis().clamp(1, i32::MAX as u128)
+        );
         let options = match config.get_options() {
-            Some(existing) if !existing.is_empty() => format!("{existing} -c synchronous_commit=off"),
-            _ => "-c synchronous_commit=off".to_string(),
+            Some(existing) if !existing.is_empty() => format!("{existing} {ours}"),
+            _ => ours,
         };
         config.options(options);
         build_pool(config, self.tls.clone(), size)

@@ -86,6 +86,7 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
         batch_size: args.batch_size,
         poll_interval: args.poll_interval,
         lease: args.lease,
+        hold: args.hold,
         max_attempts: args.max_attempts,
         backoff_base: args.backoff_base,
         backoff_max: args.backoff_max,

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_relay::{
-    AuditEntry, Begun, DatabaseUrl, DeliveryError, Event, Executed, Handler, NewEvent, Outbox, Percentiles, Relay,
-    RelayConfig,
+    AuditEntry, Begun, Completion, DatabaseUrl, DeliveryError, Event, Executed, Handler, NewEvent, Outbox, Percentiles,
+    Relay, RelayConfig,
 };
 use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
 use serde::{Deserialize, Serialize};
@@ -187,6 +187,8 @@ async fn scenario(
         backoff_base: Duration::from_millis(50),
         backoff_max: Duration::from_millis(400),
         max_attempts: 5,
+        // Delivered rows are kept, marked processed, so that the checks can count them.
+        completion: Completion::MarkProcessed,
         ..RelayConfig::default()
     };
     let relay = Relay::new(&outbox, relay_config, erp.clone())?;

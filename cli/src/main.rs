@@ -138,8 +138,13 @@ pub(crate) struct RunArgs {
     /// How long a claimed event belongs to its worker before another may take it (100ms to 1 day).
     #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_LEASE, defaults::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
     lease: Duration,
-    /// Keep delivered events (marked processed) or delete them.
-    #[arg(long, value_enum, default_value_t = CompletionArg::Mark)]
+    /// How long a claim's transaction may stay open while its batch is delivered (its row locks
+    /// hold the events, the fastest way); a longer delivery turns the claim into a lease. 0s
+    /// leases every claim. 0s to 1m; cut to half of --lease when longer.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_HOLD), allow_hyphen_values = true, default_value = "1s")]
+    hold: Duration,
+    /// Delete delivered events, or keep them (marked processed) until the retention passes.
+    #[arg(long, value_enum, default_value_t = CompletionArg::Delete)]
     completion: CompletionArg,
     /// Time in-flight deliveries get to finish on shutdown (0s to 1h).
     #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]

@@ -1,5 +1,11 @@
-//! One batch: claim it, hand it to the handler with no transaction open, record what became of
-//! each event.
+//! One batch: claim it, hand it to the handler, record what became of each event.
+//!
+//! A claim holds its events in one of two ways. *Held* (the default, `hold` above zero): the
+//! claim's transaction stays open during the delivery, its row locks are the lease, and the
+//! outcomes commit with it (see `held.rs`). A delivery that outlives `hold` turns the claim into
+//! a *lease*: the rows get `available_at` moved past the lease, the attempt counted and the
+//! claim's token, the transaction commits, and the outcomes are recorded later by token. With
+//! `hold` zero every claim is leased at once, in a transaction of its own.
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -15,6 +21,7 @@ use super::backoff::retry_delay;
 use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::{Completion, RelayConfig};
 use super::handler::{DeliveryError, Handler, Slots, panicked};
+use super::held::Held;
 use super::idle::Idle;
 use super::metrics::RelayMetrics;
 use super::report::Reporter;
@@ -45,6 +52,9 @@ pub(crate) struct Claimer<H> {
 
 /// A claimed batch, waiting to be delivered.
 pub(crate) struct Batch {
+    /// The claim's open transaction while the claim is held; `None` once it is leased.
+    held: Option<Held>,
+    /// The token a lease of this claim carries.
     token: i64,
     claimed_at: Instant,
     /// Rows claimed, the unreadable ones included.
@@ -66,21 +76,31 @@ pub(crate) enum Claim {
     Probe,
 }
 
-/// What became of each claimed event.
+/// What became of one claimed event.
+enum Outcome {
+    Delivered,
+    /// A transient failure, tried again after `delay`; `counted: false` gives the attempt back
+    /// (an outage's failure is the destination's, not the event's).
+    Retry {
+        delay: Duration,
+        error: String,
+        counted: bool,
+    },
+    /// To the dead letters.
+    Bury {
+        error: String,
+    },
+    /// Given back untried (shutdown, an open breaker), the attempt not counted.
+    Released,
+}
+
+/// What became of each claimed event: per event its id, the number of the attempt this claim
+/// made, and the outcome.
 #[derive(Default)]
 struct Outcomes {
-    delivered: Vec<i64>,
+    events: Vec<(i64, i32, Outcome)>,
+    /// Claim-to-delivery latencies of the delivered events.
     latencies: Vec<Duration>,
-    retry_ids: Vec<i64>,
-    retry_delays: Vec<Duration>,
-    retry_errors: Vec<String>,
-    /// Retries whose attempt is given back: an outage's failures.
-    uncounted_ids: Vec<i64>,
-    uncounted_delays: Vec<Duration>,
-    uncounted_errors: Vec<String>,
-    bury_ids: Vec<i64>,
-    bury_errors: Vec<String>,
-    released: Vec<i64>,
     /// Why the events were released, when it is news (`None`: shutdown).
     released_why: Option<String>,
 }
@@ -91,28 +111,77 @@ impl Outcomes {
     /// Returns the retry delay, if any.
     fn retry(&mut self, config: &RelayConfig, event: &Event, e: &DeliveryError) -> Option<Duration> {
         if event.attempts >= i32::try_from(config.max_attempts).unwrap_or(i32::MAX) {
-            self.bury(event.id, format!("gave up after {} attempts: {}", event.attempts, e.message()));
+            self.bury(event, format!("gave up after {} attempts: {}", event.attempts, e.message()));
             return None;
         }
         let attempt = u32::try_from(event.attempts).unwrap_or(1);
         let backoff =
             retry_delay(attempt, config.backoff_base, config.backoff_max, config.backoff_jitter, rand::random());
         let delay = e.requested_delay().map_or(backoff, |asked| backoff.max(asked.min(config.backoff_max)));
-        self.retry_ids.push(event.id);
-        self.retry_delays.push(delay);
-        self.retry_errors.push(e.message().to_string());
+        self.push(event, Outcome::Retry { delay, error: e.message().to_string(), counted: true });
         Some(delay)
     }
 
-    fn bury(&mut self, id: i64, reason: String) {
-        self.bury_ids.push(id);
-        self.bury_errors.push(reason);
+    fn push(&mut self, event: &Event, outcome: Outcome) {
+        self.events.push((event.id, event.attempts, outcome));
     }
 
-    fn retry_uncounted(&mut self, id: i64, delay: Duration, error: String) {
-        self.uncounted_ids.push(id);
-        self.uncounted_delays.push(delay);
-        self.uncounted_errors.push(error);
+    fn bury(&mut self, event: &Event, error: String) {
+        self.push(event, Outcome::Bury { error });
+    }
+
+    fn release_all(&mut self, events: &[Event]) {
+        self.events.extend(events.iter().map(|e| (e.id, e.attempts, Outcome::Released)));
+    }
+
+    fn count(&self, wanted: impl Fn(&Outcome) -> bool) -> usize {
+        self.events.iter().filter(|(_, _, outcome)| wanted(outcome)).count()
+    }
+}
+
+/// Retries as the statement takes them: ids, delays, errors, attempts.
+type Retries = (Vec<i64>, Vec<Duration>, Vec<String>, Vec<i32>);
+
+/// The outcomes as the statements take them: arrays per kind of outcome.
+#[derive(Default)]
+struct Writes {
+    delivered: (Vec<i64>, Vec<i32>),
+    /// Uncounted retries, then counted ones.
+    retried: [Retries; 2],
+    buried: (Vec<i64>, Vec<String>, Vec<i32>),
+    released: (Vec<i64>, Vec<i32>),
+    released_why: Option<String>,
+}
+
+impl Writes {
+    fn of(outcomes: &Outcomes) -> Writes {
+        let mut w = Writes { released_why: outcomes.released_why.clone(), ..Writes::default() };
+        for (id, attempt, outcome) in &outcomes.events {
+            let (id, attempt, given_back) = (*id, *attempt, (*attempt - 1).max(0));
+            match outcome {
+                Outcome::Delivered => {
+                    w.delivered.0.push(id);
+                    w.delivered.1.push(attempt);
+                }
+                Outcome::Retry { delay, error, counted } => {
+                    let r = &mut w.retried[usize::from(*counted)];
+                    r.0.push(id);
+                    r.1.push(*delay);
+                    r.2.push(error.clone());
+                    r.3.push(if *counted { attempt } else { given_back });
+                }
+                Outcome::Bury { error } => {
+                    w.buried.0.push(id);
+                    w.buried.1.push(error.clone());
+                    w.buried.2.push(attempt);
+                }
+                Outcome::Released => {
+                    w.released.0.push(id);
+                    w.released.1.push(given_back);
+                }
+            }
+        }
+        w
     }
 }
 
@@ -140,8 +209,18 @@ impl<H: Handler> Claimer<H> {
         let config = &self.config;
         let token = rand::random::<i64>();
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
+        let holds = config.dead_letter_holds_key;
         let client = self.pool.client().await?;
-        let claimed = sql::claim_events(&*client, size, config.lease, token, config.dead_letter_holds_key).await?;
+        let (held, client, claimed) = if config.effective_hold().is_zero() {
+            let claimed = sql::claim_events(&*client, size, holds, sql::Hold::Lease(config.lease, token)).await?;
+            (None, Some(client), claimed)
+        } else {
+            let claim = async |db: &deadpool_postgres::ClientWrapper| {
+                sql::claim_events(db, size, holds, sql::Hold::Locks).await
+            };
+            let (held, claimed) = Held::begin(client, claim).await?;
+            (Some(held), None, claimed)
+        };
         let claimed_at = Instant::now();
         self.metrics.claimed();
         if claimed.is_empty() {
@@ -151,13 +230,26 @@ impl<H: Handler> Claimer<H> {
             if claim == (Claim::Batch { schedule_next: true }) {
                 // Woken for nothing deliverable yet: maybe a delayed event or a retry, written by
                 // any process. Sleep until the earliest one rather than up to a poll interval past it.
-                if let Some(due) = sql::next_due(&*client).await? {
+                let due = match (&held, &client) {
+                    (Some(held), _) => sql::next_due(held.db()).await?,
+                    (None, Some(client)) => sql::next_due(&**client).await?,
+                    (None, None) => None,
+                };
+                if let Some(due) = due {
                     self.timer.schedule(Instant::now() + due);
                 }
+            }
+            if let Some(held) = held {
+                held.rollback().await?;
             }
             return Ok(None);
         }
         drop(client);
+        if let Some(held) = &held {
+            // Cached after the connection's first batch: the outcomes can then be pipelined
+            // before the COMMIT.
+            sql::prepare_outcomes(held.db()).await?;
+        }
         let count = claimed.len();
         let mut outcomes = Outcomes::default();
         let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
@@ -166,33 +258,70 @@ impl<H: Handler> Claimer<H> {
                 Ok(event) => events.push(event),
                 // A row no handler can be given (written by hand, or before migration 0003) goes
                 // to the dead letters at once, saying why; the rest of the batch goes on.
-                Err((id, reason)) => outcomes.bury(id, reason),
+                Err((id, attempt, error)) => outcomes.events.push((id, attempt, Outcome::Bury { error })),
             }
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
-        tracing::debug!(count, probe, "claimed events");
+        tracing::debug!(count, probe, held = held.is_some(), "claimed events");
         let (events, ages) = events.into_iter().unzip();
-        Ok(Some(Batch { token, claimed_at, count, events, ages, outcomes, probe }))
+        Ok(Some(Batch { held, token, claimed_at, count, events, ages, outcomes, probe }))
     }
 
-    /// Delivers a claimed batch and records what became of it.
+    /// Delivers a claimed batch and records what became of it. A held claim whose delivery
+    /// outlives `hold` is leased meanwhile.
     pub(crate) async fn deliver_and_record(&self, batch: Batch) {
-        let Batch { token, claimed_at, events, ages, mut outcomes, probe, .. } = batch;
+        let Batch { mut held, token, claimed_at, events, ages, mut outcomes, probe, .. } = batch;
         if !events.is_empty() {
             if !probe && self.breaker.is_open() {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
-                outcomes.released.extend(events.iter().map(|e| e.id));
+                outcomes.release_all(&events);
             } else {
-                match self.deliver(&events, claimed_at).await {
+                let delivery = self.deliver(&events, claimed_at);
+                tokio::pin!(delivery);
+                let mut results = None;
+                if held.is_some() {
+                    tokio::select! {
+                        done = &mut delivery => results = Some(done),
+                        _ = tokio::time::sleep_until(claimed_at + self.config.effective_hold()) => {
+                            if let Some(claim) = held.take() {
+                                self.lease(claim, &events, token).await;
+                            }
+                        }
+                    }
+                }
+                let results = match results {
+                    Some(results) => results,
+                    None => delivery.await,
+                };
+                match results {
                     // Cut off at shutdown: the events go back, the attempt not counted.
-                    None => outcomes.released.extend(events.iter().map(|e| e.id)),
+                    None => outcomes.release_all(&events),
                     Some(results) => self.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
                 }
             }
         } else if probe {
             self.breaker.probe_found_nothing();
         }
-        self.record(token, outcomes).await;
+        self.record(held, token, outcomes).await;
+    }
+
+    /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.
+    async fn lease(&self, held: Held, events: &[Event], token: i64) {
+        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+        let lease = self.config.lease;
+        let leased = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
+            sql::lease_held_events(db, &ids, lease, token).await
+        });
+        match leased.await {
+            Ok(_) => {
+                tracing::debug!(events = ids.len(), hold = ?self.config.effective_hold(), "a delivery outlived the hold; its claim is leased")
+            }
+            // The transaction is gone, and with it the claim: the events are claimable again,
+            // and what this delivery achieves is not recorded (they are delivered again).
+            Err(e) => {
+                tracing::warn!(error = %e, events = ids.len(), "turning a held claim into a lease failed; its events will be delivered again")
+            }
+        }
     }
 
     /// Hands `events` to the handler, bounded by the lease; `None` when the shutdown's abort cut
@@ -250,10 +379,10 @@ impl<H: Handler> Claimer<H> {
         for ((event, age), result) in events.iter().zip(ages).zip(results) {
             match result {
                 Ok(()) => {
-                    outcomes.delivered.push(event.id);
+                    outcomes.push(event, Outcome::Delivered);
                     outcomes.latencies.push(*age + claimed_at.elapsed());
                 }
-                Err(e) if e.is_permanent() => outcomes.bury(event.id, e.message().to_string()),
+                Err(e) if e.is_permanent() => outcomes.bury(event, e.message().to_string()),
                 Err(e) if verdict == Verdict::Open => {
                     let why = format!(
                         "the destination is down (outage breaker open); the attempt was not counted: {}",
@@ -261,9 +390,10 @@ impl<H: Handler> Claimer<H> {
                     );
                     if probe {
                         // The next probe tries another event.
-                        outcomes.retry_uncounted(event.id, self.breaker.probe_delay(), why);
+                        let delay = self.breaker.probe_delay();
+                        outcomes.push(event, Outcome::Retry { delay, error: why, counted: false });
                     } else {
-                        outcomes.released.push(event.id);
+                        outcomes.push(event, Outcome::Released);
                         outcomes.released_why.get_or_insert(why);
                     }
                 }
@@ -307,79 +437,82 @@ impl<H: Handler> Claimer<H> {
         }
     }
 
-    /// Writes the outcomes of one batch. Each statement only touches rows still holding this
-    /// claim's token. A failure here is retried a few times and then left to the lease: the
-    /// events come back and are delivered again, which at-least-once delivery allows.
-    async fn record(&self, token: i64, outcomes: Outcomes) {
-        let mut tries = 0;
-        loop {
-            tries += 1;
-            match self.write_outcomes(token, &outcomes).await {
-                Ok(()) => break,
-                Err(e) if tries < 4 => {
-                    tracing::warn!(error = %e, "recording delivery outcomes failed; trying again");
-                    tokio::time::sleep(Duration::from_millis(100 * tries)).await;
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, events = outcomes.delivered.len(), "recording delivery outcomes failed; the events will be delivered again after their lease");
+    /// Writes the outcomes of one batch: in the held claim's transaction, committing it, or
+    /// by the lease's token (each statement only touches rows still holding it). A held claim's
+    /// failure here ends its transaction, so its events are claimable again at once; a leased
+    /// one's is retried a few times and then left to the lease. Either way the events are
+    /// delivered again, which at-least-once delivery allows.
+    async fn record(&self, held: Option<Held>, token: i64, outcomes: Outcomes) {
+        let writes = Writes::of(&outcomes);
+        let delete = self.config.completion == Completion::Delete;
+        match held {
+            Some(held) => {
+                let recorded = held
+                    .commit_after(async |db: &deadpool_postgres::ClientWrapper| write(db, delete, None, &writes).await);
+                if let Err(e) = recorded.await {
+                    tracing::error!(error = %e, events = outcomes.events.len(), "recording delivery outcomes failed; the claim's transaction ended, so its events are claimable again and will be delivered again");
                     return;
                 }
             }
+            None => {
+                let mut tries = 0;
+                loop {
+                    tries += 1;
+                    let written = async { write(&*self.pool.client().await?, delete, Some(token), &writes).await };
+                    match written.await {
+                        Ok(()) => break,
+                        Err(e) if tries < 4 => {
+                            tracing::warn!(error = %e, "recording delivery outcomes failed; trying again");
+                            tokio::time::sleep(Duration::from_millis(100 * tries)).await;
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, events = outcomes.events.len(), "recording delivery outcomes failed; the events will be delivered again after their lease");
+                            return;
+                        }
+                    }
+                }
+            }
         }
+        self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { counted: true, .. })));
         self.metrics.delivered(outcomes.latencies.into_iter());
-        self.metrics.retried(outcomes.retry_ids.len());
-        self.metrics.dead_lettered(outcomes.bury_ids.len());
-        if !outcomes.bury_ids.is_empty() {
-            tracing::warn!(ids = ?outcomes.bury_ids, errors = ?outcomes.bury_errors, "events moved to the dead letters");
+        self.metrics.dead_lettered(writes.buried.0.len());
+        if !writes.buried.0.is_empty() {
+            tracing::warn!(ids = ?writes.buried.0, errors = ?writes.buried.1, "events moved to the dead letters");
         }
-    }
-
-    async fn write_outcomes(&self, token: i64, o: &Outcomes) -> Result<()> {
-        let client = self.pool.client().await?;
-        let db = &*client;
-        let delete = self.config.completion == Completion::Delete;
-        // Independent statements on one connection are pipelined: one round trip for all of them.
-        let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
-        if !o.delivered.is_empty() {
-            writes.push(Box::pin(sql::complete_events(db, delete, &o.delivered, token)));
-        }
-        if !o.retry_ids.is_empty() {
-            writes.push(Box::pin(sql::reschedule_events(
-                db,
-                &o.retry_ids,
-                &o.retry_delays,
-                &o.retry_errors,
-                token,
-                true,
-            )));
-        }
-        if !o.uncounted_ids.is_empty() {
-            writes.push(Box::pin(sql::reschedule_events(
-                db,
-                &o.uncounted_ids,
-                &o.uncounted_delays,
-                &o.uncounted_errors,
-                token,
-                false,
-            )));
-        }
-        if !o.bury_ids.is_empty() {
-            writes.push(Box::pin(sql::bury_events(db, &o.bury_ids, &o.bury_errors, token)));
-        }
-        if !o.released.is_empty() {
-            writes.push(Box::pin(sql::release_events(db, &o.released, token, o.released_why.as_deref())));
-        }
-        futures::future::try_join_all(writes).await.map(drop)
     }
 }
 
-/// The event of a claimed row and its age, or the row's id and why no handler can be given it.
-fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i64, String)> {
-    let payload =
-        row.payload.map_err(|cause| (row.id, format!("the payload cannot be read as JSON by the relay: {cause}")))?;
+/// Runs the statements of one batch's outcomes on `db`, pipelined (one round trip for all);
+/// `token`: the lease's, or `None` for a held claim.
+async fn write(db: &deadpool_postgres::ClientWrapper, delete: bool, token: Option<i64>, w: &Writes) -> Result<()> {
+    let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
+    if !w.delivered.0.is_empty() {
+        writes.push(Box::pin(sql::complete_events(db, delete, &w.delivered.0, &w.delivered.1, token)));
+    }
+    for (ids, delays, errors, attempts) in &w.retried {
+        if !ids.is_empty() {
+            writes.push(Box::pin(sql::reschedule_events(db, ids, delays, errors, attempts, token)));
+        }
+    }
+    if !w.buried.0.is_empty() {
+        writes.push(Box::pin(sql::bury_events(db, &w.buried.0, &w.buried.1, &w.buried.2, token)));
+    }
+    if !w.released.0.is_empty() {
+        writes.push(Box::pin(sql::release_events(db, &w.released.0, &w.released.1, token, w.released_why.as_deref())));
+    }
+    futures::future::try_join_all(writes).await.map(drop)
+}
+
+/// The event of a claimed row and its age, or the row's id, attempt and why no handler can be
+/// given it.
+fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i64, i32, String)> {
+    let payload = row
+        .payload
+        .map_err(|cause| (row.id, row.attempts, format!("the payload cannot be read as JSON by the relay: {cause}")))?;
     let Some(age) = row.age else {
         return Err((
             row.id,
+            row.attempts,
             format!(
                 "created_at {} is outside the years 1970 to 9999, which an event cannot carry",
                 crate::timestamp::rfc3339_micros(row.created_at)

@@ -34,6 +34,7 @@ mod breaker;
 mod claim;
 pub(crate) mod config;
 mod handler;
+mod held;
 mod idle;
 mod janitor;
 mod listener;
@@ -128,7 +129,9 @@ impl<H: Handler> Relay<H> {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let Relay { outbox, config, handler, metrics } = self;
         let url = outbox.url().clone();
-        let pool = RelayPool { pool: url.relay_pool(config.workers + 2)?, url: url.clone() };
+        // Per worker: a held claim in delivery and the next claim (or two in delivery); and the
+        // bookkeeping beside them (marks, the race closure, the janitor).
+        let pool = RelayPool { pool: url.relay_pool(2 * config.workers + 3, config.lease)?, url: url.clone() };
         preflight(&pool, &config).await?;
         tracing::info_span!("relay", workers = config.workers).in_scope(|| {
             tracing::info!(

@@ -85,40 +85,68 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
 
-/// Claims up to `$1` deliverable events for a lease of `$2` microseconds under token `$3`.
-/// SKIP LOCKED lets many workers and processes claim side by side without waiting on each other.
-/// The lease moves `available_at` forward, so an event whose worker died comes back when it ends;
-/// `attempts` counts claims, so an event that crashes its worker still runs out of attempts.
-/// `age_us` is the event's age at the claim on the server's clock (no clock skew).
+/// Which rows a claim may take, in claim order, locked as taken. SKIP LOCKED lets many workers
+/// and processes claim side by side without waiting on each other (a row another claim holds,
+/// locked or leased, is passed over).
 ///
 /// Order per key: a keyed event is claimed only when no earlier event of its key is unfinished
-/// (pending, leased, or waiting for a retry: its row is there with `processed_at` null), and,
-/// when `$4` is set, no earlier one of its key is in the dead letters. So a claim holds at most
-/// one event per key, the key's head, and the next is claimable once the head is done.
-///
-/// No row may fail the statement, whoever wrote it: `attempts` stops short of the integer's end,
-/// and `age_us` is null for a `created_at` outside 1970 to 9999 (such an event is dead-lettered).
-const EVENT_CLAIM: &str = "\
-with claimable as (
-    select o.id from outbox_relay.outbox o
+/// (pending, leased, held by another claim, or waiting for a retry: its row is there with
+/// `processed_at` null), and, when `$2` is set, no earlier one of its key is in the dead
+/// letters. So a claim holds at most one event per key, the key's head, and the next is
+/// claimable once the head is done.
+macro_rules! claimable {
+    () => {
+        " from outbox_relay.outbox o
      where o.processed_at is null and o.available_at <= now()
        and (o.key is null or (
             not exists (select 1 from outbox_relay.outbox e
                          where e.key = o.key and e.processed_at is null and e.id < o.id)
-            and not ($4 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))))
+            and not ($2 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))))
      order by o.available_at, o.id
      limit $1
-       for update of o skip locked
-)
+       for update of o skip locked"
+    };
+}
+
+/// What a claim returns of each row: `attempt` is the number of the attempt the claim starts
+/// (it stops short of the integer's end, so no row can fail the statement), `age_us` the
+/// event's age on the server's clock (no clock skew), null for a `created_at` outside 1970 to
+/// 9999 (such an event is dead-lettered).
+macro_rules! claimed_columns {
+    ($attempt:literal) => {
+        concat!(
+            "o.id, o.topic, o.key, o.payload, o.created_at, ",
+            $attempt,
+            " as attempt,
+          case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
+               then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us"
+        )
+    };
+}
+
+/// The leased claim, a transaction of its own: claims up to `$1` events for a lease of `$3`
+/// microseconds under token `$4`. The lease moves `available_at` forward, so an event whose
+/// worker died comes back when it ends; `attempts` counts claims, so an event that crashes its
+/// worker still runs out of attempts.
+const EVENT_CLAIM_LEASED: &str = concat!(
+    "with claimable as (select o.id",
+    claimable!(),
+    ")
 update outbox_relay.outbox o
-   set available_at = now() + $2::int8 * interval '1 microsecond',
+   set available_at = now() + $3::int8 * interval '1 microsecond',
        attempts = least(o.attempts, 2147483646) + 1,
-       lease_token = $3
+       lease_token = $4
   from claimable c
  where o.id = c.id
-returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts,
-          case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
-               then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us";
+returning ",
+    claimed_columns!("o.attempts")
+);
+
+/// The held claim, inside a transaction that stays open while the batch is delivered: its row
+/// locks are the lease, so the claim writes nothing, and the outcomes are written in the same
+/// transaction (the rows' one change is the completion). A worker that dies ends its session,
+/// and its events are claimable at once.
+const EVENT_CLAIM_HELD: &str = concat!("select ", claimed_columns!("least(o.attempts, 2147483646) + 1"), claimable!());
 
 /// A claimed event as the claim returns it.
 pub(crate) struct ClaimedRow {
@@ -133,16 +161,31 @@ pub(crate) struct ClaimedRow {
     pub(crate) age: Option<Duration>,
 }
 
-/// Claims up to `batch` deliverable events for `lease` under `token`; with `dead_letters_hold`,
-/// a key with an earlier event in the dead letters is held.
+/// How a claim holds its events.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Hold {
+    /// By a lease of this length under this token, the claim committed.
+    Lease(Duration, i64),
+    /// By row locks, the claim's transaction open (the caller began it).
+    Locks,
+}
+
+/// Claims up to `batch` deliverable events; with `dead_letters_hold`, a key with an earlier
+/// event in the dead letters is held.
 pub(crate) async fn claim_events(
     db: &impl Db,
     batch: i64,
-    lease: Duration,
-    token: i64,
     dead_letters_hold: bool,
+    hold: Hold,
 ) -> Result<Vec<ClaimedRow>> {
-    let rows = all(db, EVENT_CLAIM, &[&batch, &micros(lease), &token, &dead_letters_hold], "claiming events").await?;
+    let rows = match hold {
+        Hold::Lease(lease, token) => {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&batch, &dead_letters_hold, &micros(lease), &token];
+            all(db, EVENT_CLAIM_LEASED, &params, "claiming events").await?
+        }
+        Hold::Locks => all(db, EVENT_CLAIM_HELD, &[&batch, &dead_letters_hold], "claiming events").await?,
+    };
     Ok(rows
         .iter()
         .map(|row| ClaimedRow {
@@ -157,6 +200,20 @@ pub(crate) async fn claim_events(
         .collect())
 }
 
+/// Turns held events (locked by this transaction) into leased ones, counting the attempt, so
+/// that the transaction can commit while their delivery goes on.
+const EVENT_LEASE_HELD: &str = "\
+update outbox_relay.outbox
+   set available_at = now() + $2::int8 * interval '1 microsecond',
+       attempts = least(attempts, 2147483646) + 1,
+       lease_token = $3
+ where id = any($1)";
+
+/// Leases the held events `ids` for `lease` under `token`.
+pub(crate) async fn lease_held_events(db: &impl Db, ids: &[i64], lease: Duration, token: i64) -> Result<u64> {
+    count(db, EVENT_LEASE_HELD, &[&ids, &micros(lease), &token], "turning a held claim into a lease").await
+}
+
 /// The earliest time a pending event becomes deliverable, for the relay's timer (an infinite
 /// `available_at`, possible in rows older than migration 0003, is no moment to wake at).
 const EVENT_NEXT_AVAILABLE: &str = "\
@@ -169,68 +226,106 @@ pub(crate) async fn next_due(db: &impl Db) -> Result<Option<Duration>> {
     Ok(row.get::<_, Option<i64>>(0).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64)))
 }
 
+// The outcome statements take `$2`, the claim's token, or null for a held claim (its row locks
+// already say the rows are this claim's). `attempts` are set as the relay counted them: the
+// attempt just made, or one fewer where it is given back.
+
 const EVENT_MARK_PROCESSED: &str = "\
-update outbox_relay.outbox set processed_at = now(), lease_token = null, last_error = null
- where id = any($1) and lease_token = $2";
+update outbox_relay.outbox set processed_at = now(), lease_token = null, last_error = null,
+       attempts = f.attempts
+  from unnest($1::int8[], $3::int4[]) as f(id, attempts)
+ where outbox.id = f.id and ($2::int8 is null or lease_token = $2)";
 
-const EVENT_DELETE_PROCESSED: &str = "delete from outbox_relay.outbox where id = any($1) and lease_token = $2";
+const EVENT_DELETE_PROCESSED: &str =
+    "delete from outbox_relay.outbox where id = any($1) and ($2::int8 is null or lease_token = $2)";
 
-/// Records deliveries of the claim `token` holds: marks the rows processed, or deletes them.
-pub(crate) async fn complete_events(db: &impl Db, delete: bool, ids: &[i64], token: i64) -> Result<u64> {
-    let sql = if delete { EVENT_DELETE_PROCESSED } else { EVENT_MARK_PROCESSED };
-    count(db, sql, &[&ids, &token], "recording deliveries").await
+/// Records the deliveries `ids` (their attempts `attempts`): marks the rows processed, or
+/// deletes them.
+pub(crate) async fn complete_events(
+    db: &impl Db,
+    delete: bool,
+    ids: &[i64],
+    attempts: &[i32],
+    token: Option<i64>,
+) -> Result<u64> {
+    if delete {
+        count(db, EVENT_DELETE_PROCESSED, &[&ids, &token], "recording deliveries").await
+    } else {
+        count(db, EVENT_MARK_PROCESSED, &[&ids, &token, &attempts], "recording deliveries").await
+    }
 }
 
-/// Per event a delay and an error; `$5` false gives the claim's attempt back (an outage's
-/// failure is the destination's, not the event's).
 const EVENT_RESCHEDULE: &str = "\
 update outbox_relay.outbox o
    set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null,
-       attempts = case when $5 then o.attempts else greatest(o.attempts - 1, 0) end
-  from unnest($1::int8[], $2::int8[], $3::text[]) as f(id, delay_us, error)
- where o.id = f.id and o.lease_token = $4";
+       attempts = f.attempts
+  from unnest($1::int8[], $3::int8[], $4::text[], $5::int4[]) as f(id, delay_us, error, attempts)
+ where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
 
-/// Reschedules failed deliveries of the claim `token` holds: per event a delay and an error;
-/// without `counted` the claim's attempt is given back.
+/// Reschedules failed deliveries: per event a delay, an error and its attempts.
 pub(crate) async fn reschedule_events(
     db: &impl Db,
     ids: &[i64],
     delays: &[Duration],
     errors: &[String],
-    token: i64,
-    counted: bool,
+    attempts: &[i32],
+    token: Option<i64>,
 ) -> Result<u64> {
     let delays: Vec<i64> = delays.iter().map(|d| micros(*d)).collect();
-    count(db, EVENT_RESCHEDULE, &[&ids, &delays, &errors, &token, &counted], "rescheduling failed deliveries").await
+    count(db, EVENT_RESCHEDULE, &[&ids, &token, &delays, &errors, &attempts], "rescheduling failed deliveries").await
 }
 
 const EVENT_RELEASE: &str = "\
-update outbox_relay.outbox
-   set available_at = now(), lease_token = null, attempts = greatest(attempts - 1, 0),
-       last_error = coalesce($3, last_error)
- where id = any($1) and lease_token = $2";
+update outbox_relay.outbox o
+   set available_at = now(), lease_token = null, attempts = f.attempts, last_error = coalesce($4, o.last_error)
+  from unnest($1::int8[], $3::int4[]) as f(id, attempts)
+ where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
 
 /// Gives back claimed events that were not delivered (shutdown, an open breaker): deliverable
-/// at once, the claim's attempt not counted, and `why` as their `last_error` when given.
-pub(crate) async fn release_events(db: &impl Db, ids: &[i64], token: i64, why: Option<&str>) -> Result<u64> {
-    count(db, EVENT_RELEASE, &[&ids, &token, &why], "releasing events").await
+/// at once, with the attempts they had before the claim, and `why` as their `last_error` when
+/// given.
+pub(crate) async fn release_events(
+    db: &impl Db,
+    ids: &[i64],
+    attempts: &[i32],
+    token: Option<i64>,
+    why: Option<&str>,
+) -> Result<u64> {
+    count(db, EVENT_RELEASE, &[&ids, &token, &attempts, &why], "releasing events").await
 }
 
 const EVENT_BURY: &str = "\
 with failed as (
     delete from outbox_relay.outbox o
-     using unnest($1::int8[], $2::text[]) as f(id, error)
-     where o.id = f.id and o.lease_token = $3
-    returning o.id, o.topic, o.key, o.payload, o.created_at, o.attempts, f.error
+     using unnest($1::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
+     where o.id = f.id and ($2::int8 is null or o.lease_token = $2)
+    returning o.id, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
 )
 insert into outbox_relay.dead_letters (id, topic, key, payload, created_at, attempts, last_error)
 select id, topic, key, payload, created_at, attempts, error from failed
 on conflict (id) do update
    set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
 
-/// Moves events of the claim `token` holds to the dead letters with their errors, keeping ids.
-pub(crate) async fn bury_events(db: &impl Db, ids: &[i64], errors: &[String], token: i64) -> Result<u64> {
-    count(db, EVENT_BURY, &[&ids, &errors, &token], "moving events to the dead letters").await
+/// Prepares every statement that records outcomes or leases a held claim, so that they can be
+/// pipelined before a COMMIT.
+pub(crate) async fn prepare_outcomes(db: &impl Db) -> Result<()> {
+    for sql in
+        [EVENT_MARK_PROCESSED, EVENT_DELETE_PROCESSED, EVENT_RESCHEDULE, EVENT_RELEASE, EVENT_BURY, EVENT_LEASE_HELD]
+    {
+        db.prepare(sql).await.map_err(|e| crate::error::Error::database("preparing the outcome statements", e))?;
+    }
+    Ok(())
+}
+
+/// Moves events to the dead letters with their errors and attempts, keeping ids.
+pub(crate) async fn bury_events(
+    db: &impl Db,
+    ids: &[i64],
+    errors: &[String],
+    attempts: &[i32],
+    token: Option<i64>,
+) -> Result<u64> {
+    count(db, EVENT_BURY, &[&ids, &token, &errors, &attempts], "moving events to the dead letters").await
 }
 
 const EVENT_DELETE_EXPIRED: &str = "\

@@ -43,6 +43,10 @@ pub(crate) trait Db: Sync {
         sql: &'static str,
         params: Params<'a>,
     ) -> impl Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a;
+
+    /// Prepares `sql` ahead of its use where statements are kept, so that a later run sends it
+    /// at its first poll (what pipelining a statement before COMMIT relies on).
+    fn prepare(&self, sql: &'static str) -> impl Future<Output = Result<(), tokio_postgres::Error>> + Send;
 }
 
 impl Db for deadpool_postgres::ClientWrapper {
@@ -53,6 +57,10 @@ impl Db for deadpool_postgres::ClientWrapper {
     async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
         self.execute(&self.prepare_cached(sql).await?, params).await
     }
+
+    async fn prepare(&self, sql: &'static str) -> Result<(), tokio_postgres::Error> {
+        self.prepare_cached(sql).await.map(drop)
+    }
 }
 
 impl Db for deadpool_postgres::Transaction<'_> {
@@ -62,6 +70,10 @@ impl Db for deadpool_postgres::Transaction<'_> {
 
     async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
         self.execute(&self.prepare_cached(sql).await?, params).await
+    }
+
+    async fn prepare(&self, sql: &'static str) -> Result<(), tokio_postgres::Error> {
+        self.prepare_cached(sql).await.map(drop)
     }
 }
 
@@ -83,6 +95,10 @@ impl<C: GenericClient + Sync> Db for Unprepared<'_, C> {
         params: Params<'a>,
     ) -> impl Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a {
         self.0.execute(sql, params)
+    }
+
+    async fn prepare(&self, _sql: &'static str) -> Result<(), tokio_postgres::Error> {
+        Ok(())
     }
 }
 

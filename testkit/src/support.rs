@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use outbox_relay::{DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics};
+use outbox_relay::{
+    Completion, DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics,
+};
 use tokio::sync::{mpsc, oneshot};
 
 /// A handler that records every delivery and sends it down a channel the test awaits.
@@ -137,9 +139,11 @@ impl Running {
 }
 
 /// A config for tests: quick retries, no janitor, a fallback poll that never fires by default so
-/// that a delivery proves the wake-up path.
+/// that a delivery proves the wake-up path, and delivered rows kept (marked processed) so that
+/// tests can read what became of each event.
 pub fn config() -> RelayConfig {
     RelayConfig {
+        completion: Completion::MarkProcessed,
         poll_interval: Duration::from_secs(3600),
         backoff_base: Duration::from_millis(20),
         backoff_max: Duration::from_millis(200),

@@ -85,16 +85,19 @@ async fn keyed_backlog(db: &TestDb, keys: i64, per_key: i64) -> BTreeMap<String,
 
 /// Two relays share 100 keys × 50 events while a fifth of the deliveries fail: per key the
 /// successful deliveries arrive one at a time in id order, and every event arrives exactly once.
+/// One relay holds its claims (the default), the other leases every claim (`hold` zero): the two
+/// ways of owning a batch respect each other.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn per_key_order_holds_across_two_relays_under_failures() {
     let db = TestDb::new().await;
     let expected = keyed_backlog(&db, 100, 50).await;
     let log = Log::default();
     let relay_config = RelayConfig { max_attempts: 1000, poll_interval: Duration::from_millis(200), ..config() };
+    let leasing = RelayConfig { hold: Duration::ZERO, ..relay_config.clone() };
     let second = Outbox::connect_with(db.database_url(), 8).await.unwrap();
     let relays = [
-        support::start(&db.outbox, relay_config.clone(), Flaky { log: log.clone(), failure_rate: 0.2 }),
-        support::start(&second, relay_config, Flaky { log: log.clone(), failure_rate: 0.2 }),
+        support::start(&db.outbox, relay_config, Flaky { log: log.clone(), failure_rate: 0.2 }),
+        support::start(&second, leasing, Flaky { log: log.clone(), failure_rate: 0.2 }),
     ];
     eventually_within("all 5,000 events delivered", Duration::from_secs(120), || async { log.len() >= 5000 }).await;
     for relay in relays {

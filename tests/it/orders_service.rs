@@ -246,17 +246,22 @@ async fn embedded_relay_delivers_the_event() {
 
     let id = order_id(&service.post(Some("checkout-1"), &ana()).await);
     let client = db.client().await;
+    // The relay's default completion deletes a delivered event (the audit entry stays).
     eventually("the order.placed event is delivered", || async {
-        client
+        let left: i64 = client
             .query_one(
-                "select processed_at is not null from outbox_relay.outbox where topic = 'order.placed' and key = $1",
+                "select count(*) from outbox_relay.outbox where topic = 'order.placed' and key = $1",
                 &[&id.to_string()],
             )
             .await
             .unwrap()
-            .get(0)
+            .get(0);
+        left == 0
     })
     .await;
+    let count = |sql: &'static str| async { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) };
+    assert_eq!(count("select count(*) from outbox_relay.dead_letters").await, 0);
+    assert_eq!(count("select count(*) from outbox_relay.audit where entity = 'order'").await, 1);
 
     stop.send(()).unwrap();
     tokio::time::timeout(PATIENCE, relay)

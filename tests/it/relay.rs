@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_relay::{Completion, DeliveryError, Event, NewEvent, RelayConfig, handler_fn};
+use outbox_relay::{Completion, DeliveryError, Event, Handler, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -35,7 +35,9 @@ async fn ten_thousand_events_two_relays_each_delivered_exactly_once() {
         .await
         .unwrap();
     let (handler, mut deliveries) = recorder();
-    let cfg = RelayConfig { workers: 4, ..config() };
+    // The shipped completion and hold: delivered rows are deleted in the claim's transaction.
+    let cfg = RelayConfig { workers: 4, completion: Completion::Delete, ..config() };
+    assert_eq!(cfg.hold, RelayConfig::default().hold);
     let a = support::start(&db.outbox, cfg.clone(), handler.labelled("a"));
     let b = support::start(&db.outbox, cfg, handler.labelled("b"));
     let delivered = deliveries.take(10_000).await;
@@ -46,8 +48,7 @@ async fn ten_thousand_events_two_relays_each_delivered_exactly_once() {
     assert_eq!(counts.len(), 10_000);
     assert!(counts.values().all(|n| *n == 1), "no event twice");
     assert!(deliveries.is_empty());
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 0, "every delivered row deleted");
     let by_a = delivered.iter().filter(|d| d.by == "a").count();
     eprintln!("relay a delivered {by_a}, relay b {}", 10_000 - by_a);
 }
@@ -122,12 +123,10 @@ async fn after_the_listener_is_killed_it_catches_up_and_listens_again() {
     relay.stop().await;
 }
 
-#[tokio::test]
-async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
-    let db = TestDb::new().await;
-    let client = db.client().await;
-    // A handler that never finishes, as if its process froze mid-batch.
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
+/// A handler that never finishes, as if its process froze mid-batch; it says which events it
+/// was given.
+fn stuck_handler() -> (impl Handler, tokio::sync::mpsc::UnboundedReceiver<i64>) {
+    let (started_tx, started) = tokio::sync::mpsc::unbounded_channel::<i64>();
     let stuck = handler_fn(move |event: Event| {
         let started_tx = started_tx.clone();
         async move {
@@ -136,13 +135,66 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
             Ok(())
         }
     });
-    let lease = Duration::from_millis(500);
-    let crashed = support::start(&db.outbox, RelayConfig { workers: 1, batch_size: 10, lease, ..config() }, stuck);
+    (stuck, started)
+}
+
+/// A relay that dies while its claim is held (within `hold`): its session ends, the server rolls
+/// the claim back, and the events are claimable at once, long before any lease would end. The
+/// attempt left no trace, so it is not counted.
+#[tokio::test]
+async fn events_of_a_relay_that_died_holding_its_claim_come_back_at_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (stuck, mut started) = stuck_handler();
+    let crashing = RelayConfig {
+        workers: 1,
+        batch_size: 10,
+        lease: Duration::from_secs(3600),
+        hold: Duration::from_secs(60),
+        ..config()
+    };
+    let crashed = support::start(&db.outbox, crashing, stuck);
     let ids: Vec<i64> =
         db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
     started.recv().await.unwrap();
+    let open =
+        "select count(*) from pg_stat_activity where datname = current_database() and state = 'idle in transaction'";
+    assert_eq!(count(&client, open).await, 1, "the claim holds its transaction open");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
     crashed.crash().await;
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 5);
+
+    let (handler, mut deliveries) = recorder();
+    let rescuer =
+        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
+    // (a lease of an hour: only the end of the dead relay's session can have freed them)
+    let mut got: Vec<Event> = deliveries.take(5).await.into_iter().map(|d| d.event).collect();
+    got.sort_by_key(|e| e.id);
+    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    assert!(got.iter().all(|e| e.attempts == 1), "a held claim that died is no attempt: {got:?}");
+    rescuer.stop().await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+}
+
+/// A delivery that outlives `hold` has its claim turned into a lease (the rows carry the token,
+/// the attempt is counted, no transaction stays open); when that relay dies, the events come
+/// back once the lease ends.
+#[tokio::test]
+async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (stuck, mut started) = stuck_handler();
+    let lease = Duration::from_millis(500);
+    let crashing = RelayConfig { workers: 1, batch_size: 10, lease, hold: Duration::from_millis(100), ..config() };
+    let crashed = support::start(&db.outbox, crashing, stuck);
+    let ids: Vec<i64> =
+        db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    started.recv().await.unwrap();
+    eventually("the held claim turned into a lease", || async {
+        count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null and attempts = 1").await
+            == 5
+    })
+    .await;
+    crashed.crash().await;
 
     let (handler, mut deliveries) = recorder();
     let rescuer =
@@ -150,7 +202,7 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
     let mut got: Vec<Event> = deliveries.take(5).await.into_iter().map(|d| d.event).collect();
     got.sort_by_key(|e| e.id);
     assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
-    assert!(got.iter().all(|e| e.attempts == 2), "the crashed claim counts as an attempt: {got:?}");
+    assert!(got.iter().all(|e| e.attempts == 2), "the leased claim counts as an attempt: {got:?}");
     rescuer.stop().await;
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
 }

@@ -24,8 +24,18 @@ pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// Starts `outbox-relay run` with these arguments.
+/// Starts `outbox-relay run` with these arguments; delivered rows are kept (`--completion mark`,
+/// unless the arguments say otherwise) so that tests can read what became of each event.
 pub fn spawn_run(url: &str, args: &[&str]) -> Child {
+    if args.contains(&"--completion") {
+        spawn_run_as_shipped(url, args)
+    } else {
+        spawn_run_as_shipped(url, &[args, &["--completion", "mark"]].concat())
+    }
+}
+
+/// Starts `outbox-relay run` with exactly these arguments (the defaults delete delivered rows).
+pub fn spawn_run_as_shipped(url: &str, args: &[&str]) -> Child {
     Command::new(BIN)
         .arg("run")
         .args(args)

@@ -12,12 +12,13 @@ use tokio::process::Command;
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
-use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate};
+use crate::binary::{BIN, cli, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate};
 
+/// Also: with the default completion, delivered rows are deleted.
 #[tokio::test]
 async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
     let db = TestDb::new().await;
-    let mut child = spawn_run(&db.url, &["--sink", "stdout", "--poll-interval", "1h"]);
+    let mut child = spawn_run_as_shipped(&db.url, &["--sink", "stdout", "--poll-interval", "1h"]);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = publish(&db, "order.placed", json!({"order_id": 1})).await;
     let second = publish(&db, "order.shipped", json!({"order_id": 1, "carrier": "x"})).await;
@@ -38,6 +39,11 @@ async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
     assert_eq!(seen[0]["attempts"], json!(1));
     assert_eq!(seen[1]["id"], json!(second));
     assert!(humantime::parse_rfc3339(seen[1]["created_at"].as_str().unwrap()).is_ok());
+    let client = db.client().await;
+    eventually("the delivered rows deleted", || async {
+        client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get::<_, i64>(0) == 0
+    })
+    .await;
     assert_eq!(terminate(child).await, Some(0));
 }
 

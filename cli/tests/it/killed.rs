@@ -82,10 +82,15 @@ impl RelayProcess {
         self.child.id().expect("still running").to_string()
     }
 
-    /// Sends `signal` with kill(1) and waits for the process to end.
-    async fn signal(mut self, signal: &str) -> std::process::ExitStatus {
+    /// Sends `signal` with kill(1).
+    fn send(&self, signal: &str) {
         let sent = std::process::Command::new("kill").args([signal, &self.pid()]).status().unwrap();
         assert!(sent.success(), "kill {signal} failed");
+    }
+
+    /// Sends `signal` with kill(1) and waits for the process to end.
+    async fn signal(mut self, signal: &str) -> std::process::ExitStatus {
+        self.send(signal);
         match tokio::time::timeout(PATIENCE, self.child.wait()).await {
             Ok(status) => status.unwrap(),
             Err(_) => panic!("outbox-relay run did not end after {signal}; its log:\n{}", self.log()),
@@ -135,6 +140,9 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
         "2s",
         "--poll-interval",
         "100ms",
+        // the rows kept, to compare with what the receiver saw
+        "--completion",
+        "mark",
     ];
     let first = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
@@ -149,14 +157,17 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status:?}");
     let received_at_kill = receiver.requests.load(Ordering::SeqCst);
 
-    // What the killed process held: claimed (leased under its token) and not recorded.
-    let in_flight: BTreeSet<i64> = client
-        .query("select id from outbox_relay.outbox where processed_at is null and lease_token is not null", &[])
+    // What the killed process had in flight: handed to the receiver and not recorded. (Its held
+    // claims left no trace in the rows, the server rolled them back; leased ones carry its token.)
+    let seen_at_kill: BTreeSet<i64> = receiver.seen.lock().unwrap().keys().copied().collect();
+    let unprocessed: BTreeSet<i64> = client
+        .query("select id from outbox_relay.outbox where processed_at is null", &[])
         .await
         .unwrap()
         .iter()
         .map(|r| r.get(0))
         .collect();
+    let in_flight: BTreeSet<i64> = seen_at_kill.intersection(&unprocessed).copied().collect();
     let bound = 2 * WORKERS * BATCH_SIZE;
     assert!(in_flight.len() <= bound, "{} events in flight at the kill; at most {bound} can be", in_flight.len());
 
@@ -179,7 +190,7 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     let twice: BTreeSet<i64> = seen.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
     eprintln!(
         "killed after {received_at_kill} requests; {} events in flight at the kill; {} received more than once \
-         (bound: workers * batch_size = {bound}); {} requests in all",
+         (bound: 2 * workers * batch_size = {bound}); {} requests in all",
         in_flight.len(),
         twice.len(),
         receiver.requests.load(Ordering::SeqCst)
@@ -194,4 +205,74 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     );
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
+}
+
+/// Fault: `outbox-relay run` frozen with SIGSTOP while it holds claims (the process lives, its
+/// connections stay open, it answers nothing). The server ends its sessions once they have been
+/// idle in their transactions for the lease (`idle_in_transaction_session_timeout`), which gives
+/// the claims back; a second relay delivers everything. Thawed, the first relay finds its
+/// sessions gone, records nothing of what it held, and stops cleanly.
+#[tokio::test]
+async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
+    const EVENTS: i64 = 200;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let receiver = SlowReceiver::default();
+    let app = axum::Router::new().route("/hook", axum::routing::post(slow_hook)).with_state(receiver.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    client
+        .batch_execute(&format!(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'fault.freeze', jsonb_build_object('n', g) from generate_series(1, {EVENTS}) g"
+        ))
+        .await
+        .unwrap();
+    let sink = format!("http://{addr}/hook");
+    let args = [
+        "--sink",
+        &sink,
+        "--batch-size",
+        "10",
+        "--lease",
+        "2s",
+        "--hold",
+        "1s",
+        "--poll-interval",
+        "100ms",
+        "--completion",
+        "mark",
+    ];
+    let frozen = RelayProcess::spawn(&db.url, &args);
+    let requests = receiver.requests.clone();
+    eventually("the first relay delivering", || {
+        let n = requests.load(Ordering::SeqCst);
+        async move { n >= 20 }
+    })
+    .await;
+    frozen.send("-STOP");
+    let holding = "select count(*) from pg_stat_activity
+                    where datname = current_database() and state = 'idle in transaction' and backend_xid is not null";
+    let held_at_freeze = count(&client, holding).await;
+
+    let second = RelayProcess::spawn(&db.url, &args);
+    eventually_within("the second relay processed every event", LONG_PATIENCE, || async {
+        count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    assert_eq!(count(&client, holding).await, 0, "the frozen relay's sessions were ended");
+    frozen.send("-CONT");
+    let frozen_log = frozen.log.clone();
+    let status = frozen.signal("-TERM").await;
+    assert_eq!(status.code(), Some(0), "thawed, it stops cleanly; its log:\n{}", frozen_log.lock().unwrap());
+    assert_eq!(second.signal("-TERM").await.code(), Some(0));
+
+    let seen = receiver.seen.lock().unwrap().clone();
+    assert_eq!(seen.len() as i64, EVENTS, "every event reached the receiver");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
+    eprintln!(
+        "{held_at_freeze} held claims at the freeze; {} events received twice",
+        seen.values().filter(|n| **n > 1).count()
+    );
 }

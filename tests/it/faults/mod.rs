@@ -9,6 +9,7 @@
 
 mod burst;
 mod cut;
+mod held;
 mod proxy;
 mod restart;
 mod writers;

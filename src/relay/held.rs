@@ -1,0 +1,73 @@
+//! A held claim: the claim's transaction stays open on a connection of its own while its batch
+//! is delivered, and its row locks are the lease.
+//!
+//! That is the cheapest way to own a batch: the claim writes nothing, and the outcome (for most
+//! events a delete) is the rows' only change, committed with the transaction. A relay that dies
+//! ends its session, so the server rolls back and the events are claimable at once, with no lease
+//! to wait out; a relay that stalls without dying is cut off by the session's
+//! `idle_in_transaction_session_timeout` (the lease). Since an open transaction holds back vacuum
+//! and a pool connection, a delivery that outlives `hold` turns the claim into a lease and
+//! commits (see `claim.rs`).
+//!
+//! The connection goes back to the pool only after the transaction ended cleanly. On any error,
+//! and when a `Held` is dropped unfinished (a worker abandoned at shutdown), the connection is
+//! taken out of the pool and closed: the server then rolls the transaction back.
+
+use crate::error::{Error, Result};
+
+/// An open transaction holding claimed rows, on a pooled connection.
+pub(crate) struct Held {
+    client: Option<deadpool_postgres::Object>,
+}
+
+impl Held {
+    /// Begins a transaction on `client` and runs `claim` in it, pipelined (one round trip);
+    /// returns the open transaction and what `claim` returned.
+    pub(crate) async fn begin<T, F>(client: deadpool_postgres::Object, claim: F) -> Result<(Held, T)>
+    where
+        F: AsyncFnOnce(&deadpool_postgres::ClientWrapper) -> Result<T>,
+    {
+        let held = Held { client: Some(client) };
+        // BEGIN is sent on the first poll, before the claim's first message.
+        let (begun, claimed) = futures::join!(held.db().batch_execute("begin"), claim(held.db()));
+        begun.map_err(|e| Error::database("beginning a claim's transaction", e))?;
+        Ok((held, claimed?))
+    }
+
+    /// The connection, inside the transaction.
+    pub(crate) fn db(&self) -> &deadpool_postgres::ClientWrapper {
+        self.client.as_ref().expect("a Held has its connection until it is finished")
+    }
+
+    /// Runs `writes` (whose statements must be prepared on this connection already, so that
+    /// each is sent on its first poll) and COMMIT after them, pipelined: one round trip. The
+    /// connection goes back to the pool when both succeed.
+    pub(crate) async fn commit_after<T, F>(mut self, writes: F) -> Result<T>
+    where
+        F: AsyncFnOnce(&deadpool_postgres::ClientWrapper) -> Result<T>,
+    {
+        let db = self.db();
+        let (written, committed) = futures::join!(writes(db), db.batch_execute("commit"));
+        let written = written?;
+        committed.map_err(|e| Error::database("committing a claim's transaction", e))?;
+        drop(self.client.take()); // back to the pool
+        Ok(written)
+    }
+
+    /// Rolls back (the claim took nothing, or gives everything back as it was).
+    pub(crate) async fn rollback(mut self) -> Result<()> {
+        self.db().batch_execute("rollback").await.map_err(|e| Error::database("ending a claim's transaction", e))?;
+        drop(self.client.take());
+        Ok(())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take() {
+            // Unfinished: never hand an open transaction to the pool's next user. Closing the
+            // connection makes the server roll it back.
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+}
