@@ -96,11 +96,13 @@ impl DatabaseUrl {
     /// a claim or completion lost in a server crash only causes a redelivery, which at-least-once
     /// delivery allows, so they need not wait for the WAL flush. Business transactions never use it.
     /// A session that stays idle in a transaction for `lease` (a held claim whose relay stalled)
-    /// is ended by the server, which gives its events back.
+    /// is ended by the server, which gives its events back. Its prepared statements use generic
+    /// plans from the first run: they are written for their indexes, and re-planning the claim
+    /// for every run (which PostgreSQL may otherwise settle on) costs more than running it.
     pub(crate) fn relay_pool(&self, size: usize, lease: Duration) -> Result<Pool> {
         let mut config = self.info.config.clone();
         let ours = format!(
-            "-c synchronous_commit=off -c idle_in_transaction_session_timeout={}",
+            "-c synchronous_commit=off -c plan_cache_mode=force_generic_plan -c idle_in_transaction_session_timeout={}",
             lease.as_millis().clamp(1, i32::MAX as u128)
         );
         let options = match config.get_options() {

@@ -35,6 +35,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "order_per_key_and_breaker",
         sql: include_str!("../migrations/0004_order_per_key_and_breaker.sql"),
     },
+    Migration { version: 5, name: "claim_paths", sql: include_str!("../migrations/0005_claim_paths.sql") },
 ];
 
 /// What a migration run did.

@@ -48,6 +48,32 @@ pub(crate) struct Claimer<H> {
     pub(crate) breaker: Arc<Breaker>,
     /// Where the breaker's state is published (the relay's row).
     pub(crate) idle: Arc<Idle>,
+    /// Where the next walk over the keys starts.
+    pub(crate) walk: KeyWalk,
+}
+
+/// Where the next claim's walk over the keys starts (see `sql/events.rs`), and which kind of
+/// event takes the next batch first (they alternate, so neither starves the other).
+#[derive(Debug, Default)]
+pub(crate) struct KeyWalk {
+    after: std::sync::Mutex<String>,
+    keyed_first: std::sync::atomic::AtomicBool,
+}
+
+impl KeyWalk {
+    /// The walk of the next claim of up to `batch_size` events: twice as many keys as it may
+    /// take heads, within bounds.
+    fn next(&self, batch_size: usize) -> sql::Walk {
+        let after = self.after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+        let keys = i32::try_from(batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
+        let keyed_first = !self.keyed_first.fetch_xor(true, std::sync::atomic::Ordering::Relaxed);
+        sql::Walk { after, keys, keyed_first }
+    }
+
+    /// Where the last walk ended: the next one goes on from there.
+    fn ended(&self, end: Option<String>) {
+        *self.after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = end.unwrap_or_default();
+    }
 }
 
 /// A claimed batch, waiting to be delivered.
@@ -59,6 +85,8 @@ pub(crate) struct Batch {
     claimed_at: Instant,
     /// Rows claimed, the unreadable ones included.
     pub(crate) count: usize,
+    /// Whether any of them has a key.
+    pub(crate) keyed: bool,
     events: Vec<Event>,
     ages: Vec<Duration>,
     /// What is already decided: rows no handler can be given.
@@ -210,47 +238,45 @@ impl<H: Handler> Claimer<H> {
         let token = rand::random::<i64>();
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let holds = config.dead_letter_holds_key;
+        let walk = self.walk.next(config.batch_size);
         let client = self.pool.client().await?;
-        let (held, client, claimed) = if config.effective_hold().is_zero() {
-            let claimed = sql::claim_events(&*client, size, holds, sql::Hold::Lease(config.lease, token)).await?;
-            (None, Some(client), claimed)
+        let (held, claimed) = if config.effective_hold().is_zero() {
+            let lease = sql::Hold::Lease(config.lease, token);
+            (None, sql::claim_events(&*client, size, holds, &walk, lease).await?)
         } else {
             let claim = async |db: &deadpool_postgres::ClientWrapper| {
-                sql::claim_events(db, size, holds, sql::Hold::Locks).await
+                sql::claim_events(db, size, holds, &walk, sql::Hold::Locks).await
             };
             let (held, claimed) = Held::begin(client, claim).await?;
-            (Some(held), None, claimed)
+            (Some(held), claimed)
         };
         let claimed_at = Instant::now();
         self.metrics.claimed();
+        let sql::Claimed { rows: claimed, walked_to, next_due } = claimed;
+        self.walk.ended(walked_to);
+        if claim == (Claim::Batch { schedule_next: true })
+            && let Some(due) = next_due
+        {
+            // A delayed event or a retry, written by any process, or a lease that ends: sleep
+            // until the earliest rather than up to a poll interval past it.
+            self.timer.schedule(claimed_at + due);
+        }
         if claimed.is_empty() {
             if probe {
                 self.breaker.probe_found_nothing();
-            }
-            if claim == (Claim::Batch { schedule_next: true }) {
-                // Woken for nothing deliverable yet: maybe a delayed event or a retry, written by
-                // any process. Sleep until the earliest one rather than up to a poll interval past it.
-                let due = match (&held, &client) {
-                    (Some(held), _) => sql::next_due(held.db()).await?,
-                    (None, Some(client)) => sql::next_due(&**client).await?,
-                    (None, None) => None,
-                };
-                if let Some(due) = due {
-                    self.timer.schedule(Instant::now() + due);
-                }
             }
             if let Some(held) = held {
                 held.rollback().await?;
             }
             return Ok(None);
         }
-        drop(client);
         if let Some(held) = &held {
             // Cached after the connection's first batch: the outcomes can then be pipelined
             // before the COMMIT.
             sql::prepare_outcomes(held.db()).await?;
         }
         let count = claimed.len();
+        self.idle.rate.claimed(count);
         let mut outcomes = Outcomes::default();
         let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
         for row in claimed {
@@ -263,14 +289,16 @@ impl<H: Handler> Claimer<H> {
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
         tracing::debug!(count, probe, held = held.is_some(), "claimed events");
+        let keyed = events.iter().any(|(event, _)| event.key.is_some());
         let (events, ages) = events.into_iter().unzip();
-        Ok(Some(Batch { held, token, claimed_at, count, events, ages, outcomes, probe }))
+        Ok(Some(Batch { held, token, claimed_at, count, keyed, events, ages, outcomes, probe }))
     }
 
     /// Delivers a claimed batch and records what became of it. A held claim whose delivery
-    /// outlives `hold` is leased meanwhile.
-    pub(crate) async fn deliver_and_record(&self, batch: Batch) {
-        let Batch { mut held, token, claimed_at, events, ages, mut outcomes, probe, .. } = batch;
+    /// outlives `hold` is leased meanwhile. Returns whether the batch held events with a key:
+    /// once it is done, their keys' next events may be claimable.
+    pub(crate) async fn deliver_and_record(&self, batch: Batch) -> bool {
+        let Batch { mut held, token, claimed_at, keyed, events, ages, mut outcomes, probe, .. } = batch;
         if !events.is_empty() {
             if !probe && self.breaker.is_open() {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
@@ -303,6 +331,7 @@ impl<H: Handler> Claimer<H> {
             self.breaker.probe_found_nothing();
         }
         self.record(held, token, outcomes).await;
+        keyed
     }
 
     /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.

@@ -163,6 +163,7 @@ impl<H: Handler> Relay<H> {
                 config.breaker_probe_max,
             )),
             idle: idle.clone(),
+            walk: claim::KeyWalk::default(),
         });
 
         let mut services = JoinSet::new();

@@ -1,6 +1,6 @@
 //! A delivery worker's state machine: wait for work, drain the queue batch by batch, and when it
-//! runs dry linger (claiming every millisecond for a while) before marking the relay waiting for
-//! NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
+//! runs dry at a high rate linger (claiming every millisecond for a while) before marking the
+//! relay waiting for NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
 //! for its turn to probe (see `breaker.rs`).
 
 use std::sync::Arc;
@@ -83,42 +83,70 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Claims until a claim comes back empty: then the queue is drained, for now. (A short
-    /// claim is no sign of that: a key's next event becomes claimable only once its head is
-    /// done, and no notification says so.) The next batch is claimed while the last is being
-    /// delivered, so the database's round trips overlap the destination's; a worker has at most
+    /// Claims until a claim comes back empty and no batch in delivery holds events with a key,
+    /// or (while writers notify the relay) a short batch without keys took everything: then the
+    /// queue is drained, for now. (A key's next event becomes claimable only once its
+    /// head is done, and no notification says so: so when a batch with keyed events is done, the
+    /// worker claims again.) The next batch is claimed while the last is being delivered, so
+    /// the database's round trips overlap the destination's; a worker has at most
     /// [`DELIVERING_PER_WORKER`] batches in delivery, and holds no more batches than that.
     async fn drain(&self) -> Result<()> {
         let batch_size = self.claimer.config.batch_size;
         let mut delivering = FuturesUnordered::new();
-        let outcome = loop {
+        let outcome = 'claiming: loop {
             if self.stop.is_cancelled() {
                 break Ok(());
             }
+            // Whether a batch with keyed events was done while this claim ran.
+            let mut unblocked = false;
             let claim = self.claimer.claim(Claim::Batch { schedule_next: true });
             tokio::pin!(claim);
             let claimed = loop {
                 tokio::select! {
                     claimed = &mut claim => break claimed,
-                    Some(()) = delivering.next(), if !delivering.is_empty() => {}
+                    Some(keyed) = delivering.next(), if !delivering.is_empty() => unblocked |= keyed,
                 }
             };
             let batch = match claimed {
                 Ok(Some(batch)) => batch,
-                Ok(None) => break Ok(()),
+                Ok(None) if unblocked => continue,
+                Ok(None) => {
+                    while let Some(keyed) = delivering.next().await {
+                        if keyed {
+                            continue 'claiming;
+                        }
+                    }
+                    break Ok(());
+                }
                 Err(e) => break Err(e),
             };
             let full = batch.count == batch_size;
+            // A short batch of events without keys took everything claimable; while the relay
+            // is marked waiting, whatever is committed later notifies it. So no claim is needed
+            // until then (a quiet service pays no empty claim per event).
+            let took_all = !full && !batch.keyed;
             delivering.push(self.claimer.deliver_and_record(batch));
-            if self.idle.is_marked() {
-                // Busy: writers need not notify until this relay is idle again.
-                if let Err(e) = self.idle.set(false).await {
+            if self.idle.is_marked() && self.idle.rate.is_busy() {
+                // Busy: writers need not notify until this relay is idle again. (The batch is
+                // delivered meanwhile.)
+                let unmark = self.idle.set(false);
+                tokio::pin!(unmark);
+                let unmarked = loop {
+                    tokio::select! {
+                        unmarked = &mut unmark => break unmarked,
+                        Some(_) = delivering.next(), if !delivering.is_empty() => {}
+                    }
+                };
+                if let Err(e) = unmarked {
                     break Err(e);
                 }
             }
             if full {
                 // More may be waiting: let an idle worker help while this one claims again.
                 self.work.notify_one();
+            }
+            if took_all && self.idle.is_marked() {
+                break Ok(());
             }
             while delivering.len() >= DELIVERING_PER_WORKER {
                 delivering.next().await;
@@ -138,12 +166,12 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Lingers while work keeps coming, then marks the relay waiting (the race closure follows
-    /// in its own task). Returns when the relay is waiting, or stopping, or the listener is down
+    /// Lingers while work keeps coming at a high rate, then marks the relay waiting (the race
+    /// closure follows in its own task). Returns when the relay is waiting, or stopping, or the listener is down
     /// and only the poll can help.
     async fn linger_then_wait(&self) {
         let mut quiet_since = Instant::now();
-        while quiet_since.elapsed() < self.linger {
+        while quiet_since.elapsed() < self.linger && self.idle.rate.is_busy() {
             tokio::select! {
                 _ = self.stop.cancelled() => return,
                 _ = self.work.notified() => {}

@@ -85,26 +85,94 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
 
-/// Which rows a claim may take, in claim order, locked as taken. SKIP LOCKED lets many workers
-/// and processes claim side by side without waiting on each other (a row another claim holds,
-/// locked or leased, is passed over).
-///
-/// Order per key: a keyed event is claimed only when no earlier event of its key is unfinished
-/// (pending, leased, held by another claim, or waiting for a retry: its row is there with
-/// `processed_at` null), and, when `$2` is set, no earlier one of its key is in the dead
-/// letters. So a claim holds at most one event per key, the key's head, and the next is
-/// claimable once the head is done.
-macro_rules! claimable {
-    () => {
-        " from outbox_relay.outbox o
+// The claim. SKIP LOCKED lets many workers and processes claim side by side without waiting on
+// each other: a row another claim holds (locked, or leased: its `available_at` moved past now)
+// is passed over.
+//
+// Events without a key have no order: they are taken in (`available_at`, id) order from their
+// own partial index, which holds nothing else.
+//
+// Events with a key are delivered one at a time per key, in id order: only a key's *head*, its
+// pending event with the lowest id, may be claimed; the next becomes claimable once the head is
+// done. Scanning pending rows for heads would pass over every event queued behind a head that
+// is in flight or waiting for a retry, on every claim: with a backlog on few keys, nearly the
+// whole table. So the claim *walks the keys* instead: from `$3` (where the relay's last walk
+// ended), the next key of the pending-key index and its lowest pending id, one index probe per
+// key, for up to `$4` keys. That costs the same whatever waits behind each head. A head is taken
+// when it is due, not held by another claim and, with `$2` set, no earlier event of its key is in
+// the dead letters. The walk's end comes back in one marker row (`walked_to`, `walked`), so that
+// the next claim goes on from there and every key gets its turn.
+//
+// A batch of `$1`: the keyed heads and the unkeyed events share it, whichever comes first taking
+// up to all of it (the relay alternates, so that neither kind starves the other).
+
+/// The walk over the keys, and the claimable heads it found (locked), as CTEs.
+macro_rules! keyed_heads {
+    ($columns:expr, $limit:literal) => {
+        concat!(
+            "walk(key, id, n) as (
+    (select e.key, e.id, 1 from outbox_relay.outbox e
+      where e.processed_at is null and e.key is not null and e.key > $3
+      order by e.key, e.id limit 1)
+  union all
+    (select next.key, next.id, w.n + 1 from walk w, lateral (
+        select e.key, e.id from outbox_relay.outbox e
+         where e.processed_at is null and e.key is not null and e.key > w.key
+         order by e.key, e.id limit 1) next
+      where w.n < $4)
+),
+keyed as (
+    select ",
+            $columns,
+            " from outbox_relay.outbox o join walk w on o.id = w.id
      where o.processed_at is null and o.available_at <= now()
-       and (o.key is null or (
-            not exists (select 1 from outbox_relay.outbox e
-                         where e.key = o.key and e.processed_at is null and e.id < o.id)
-            and not ($2 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))))
+       and not ($2 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))
      order by o.available_at, o.id
-     limit $1
-       for update of o skip locked"
+     limit ",
+            $limit,
+            "
+       for update of o skip locked
+)"
+        )
+    };
+}
+
+/// The due events without a key (locked), as a CTE.
+macro_rules! unkeyed_events {
+    ($columns:expr, $limit:literal) => {
+        concat!(
+            "unkeyed as (
+    select ",
+            $columns,
+            " from outbox_relay.outbox o
+     where o.processed_at is null and o.key is null and o.available_at <= now()
+     order by o.available_at, o.id
+     limit ",
+            $limit,
+            "
+       for update of o skip locked
+)"
+        )
+    };
+}
+
+/// Both CTEs, the keyed heads first (`true`) or the unkeyed events first.
+macro_rules! claimable {
+    ($columns:expr, true) => {
+        concat!(
+            "with recursive ",
+            keyed_heads!($columns, "$1"),
+            ",\n",
+            unkeyed_events!($columns, "$1 - (select count(*) from keyed)")
+        )
+    };
+    ($columns:expr, false) => {
+        concat!(
+            "with recursive ",
+            unkeyed_events!($columns, "$1"),
+            ",\n",
+            keyed_heads!($columns, "$1 - (select count(*) from unkeyed)")
+        )
     };
 }
 
@@ -124,29 +192,66 @@ macro_rules! claimed_columns {
     };
 }
 
-/// The leased claim, a transaction of its own: claims up to `$1` events for a lease of `$3`
-/// microseconds under token `$4`. The lease moves `available_at` forward, so an event whose
-/// worker died comes back when it ends; `attempts` counts claims, so an event that crashes its
-/// worker still runs out of attempts.
-const EVENT_CLAIM_LEASED: &str = concat!(
-    "with claimable as (select o.id",
-    claimable!(),
-    ")
-update outbox_relay.outbox o
-   set available_at = now() + $3::int8 * interval '1 microsecond',
-       attempts = least(o.attempts, 2147483646) + 1,
-       lease_token = $4
-  from claimable c
- where o.id = c.id
-returning ",
-    claimed_columns!("o.attempts")
-);
+/// The marker row that ends every claim's result (its id is null): where the walk over the keys
+/// ended, and how long until the next pending event is due, when one is due later (a retry, a
+/// delayed event, a lease that ends), for the relay's timer. (An infinite `available_at`,
+/// possible in rows older than migration 0003, is no moment to wake at.)
+macro_rules! walk_and_next_due {
+    () => {
+        "
+union all
+select null, null, null, null, null, null, null,
+       (select key from walk order by n desc limit 1), (select count(*) from walk)::int4,
+       (select (extract(epoch from min(available_at) - now()) * 1000000)::int8 from outbox_relay.outbox
+         where processed_at is null and available_at > now() and isfinite(available_at))"
+    };
+}
+
+/// The leased claim, a transaction of its own, under lease `$5` (microseconds) and token `$6`.
+/// The lease moves `available_at` forward, so an event whose worker died comes back when it
+/// ends; `attempts` counts claims, so an event that crashes its worker still runs out of
+/// attempts.
+macro_rules! leased_claim {
+    ($keyed_first:tt) => {
+        concat!(
+            claimable!("o.id", $keyed_first),
+            ",
+leased as (
+    update outbox_relay.outbox o
+       set available_at = now() + $5::int8 * interval '1 microsecond',
+           attempts = least(o.attempts, 2147483646) + 1,
+           lease_token = $6
+      from (select id from keyed union all select id from unkeyed) c
+     where o.id = c.id
+    returning ",
+            claimed_columns!("o.attempts"),
+            "
+)
+select *, null::text as walked_to, null::int4 as walked, null::int8 as next_due_us from leased",
+            walk_and_next_due!()
+        )
+    };
+}
 
 /// The held claim, inside a transaction that stays open while the batch is delivered: its row
 /// locks are the lease, so the claim writes nothing, and the outcomes are written in the same
 /// transaction (the rows' one change is the completion). A worker that dies ends its session,
 /// and its events are claimable at once.
-const EVENT_CLAIM_HELD: &str = concat!("select ", claimed_columns!("least(o.attempts, 2147483646) + 1"), claimable!());
+macro_rules! held_claim {
+    ($keyed_first:tt) => {
+        concat!(
+            claimable!(claimed_columns!("least(o.attempts, 2147483646) + 1"), $keyed_first),
+            "
+select *, null::text as walked_to, null::int4 as walked, null::int8 as next_due_us from keyed
+union all
+select *, null, null, null from unkeyed",
+            walk_and_next_due!()
+        )
+    };
+}
+
+const EVENT_CLAIM_LEASED: [&str; 2] = [leased_claim!(false), leased_claim!(true)];
+const EVENT_CLAIM_HELD: [&str; 2] = [held_claim!(false), held_claim!(true)];
 
 /// A claimed event as the claim returns it.
 pub(crate) struct ClaimedRow {
@@ -170,25 +275,58 @@ pub(crate) enum Hold {
     Locks,
 }
 
-/// Claims up to `batch` deliverable events; with `dead_letters_hold`, a key with an earlier
-/// event in the dead letters is held.
+/// Where a claim's walk over the keys starts and how far it goes.
+#[derive(Debug, Clone)]
+pub(crate) struct Walk {
+    /// Keys after this one are walked ('' for the first key).
+    pub(crate) after: String,
+    /// At most this many keys.
+    pub(crate) keys: i32,
+    /// The keyed heads take the batch first, or the unkeyed events do.
+    pub(crate) keyed_first: bool,
+}
+
+/// What a claim found.
+pub(crate) struct Claimed {
+    pub(crate) rows: Vec<ClaimedRow>,
+    /// Where the walk over the keys ended: the key to go on after, or `None` when it reached
+    /// the last key (the next walk starts from the first).
+    pub(crate) walked_to: Option<String>,
+    /// How long until the next pending event is due, when one is due later.
+    pub(crate) next_due: Option<Duration>,
+}
+
+/// Claims up to `batch` deliverable events, walking the keys as `walk` says; with
+/// `dead_letters_hold`, a key with an earlier event in the dead letters is held.
 pub(crate) async fn claim_events(
     db: &impl Db,
     batch: i64,
     dead_letters_hold: bool,
+    walk: &Walk,
     hold: Hold,
-) -> Result<Vec<ClaimedRow>> {
+) -> Result<Claimed> {
+    let order = usize::from(walk.keyed_first);
     let rows = match hold {
         Hold::Lease(lease, token) => {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&batch, &dead_letters_hold, &micros(lease), &token];
-            all(db, EVENT_CLAIM_LEASED, &params, "claiming events").await?
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &micros(lease), &token];
+            all(db, EVENT_CLAIM_LEASED[order], &params, "claiming events").await?
         }
-        Hold::Locks => all(db, EVENT_CLAIM_HELD, &[&batch, &dead_letters_hold], "claiming events").await?,
+        Hold::Locks => {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                [&batch, &dead_letters_hold, &walk.after, &walk.keys];
+            all(db, EVENT_CLAIM_HELD[order], &params, "claiming events").await?
+        }
     };
-    Ok(rows
-        .iter()
-        .map(|row| ClaimedRow {
+    let mut claimed = Claimed { rows: Vec::with_capacity(rows.len()), walked_to: None, next_due: None };
+    for row in &rows {
+        if let Some(walked) = row.get::<_, Option<i32>>(8) {
+            claimed.walked_to = if walked < walk.keys { None } else { row.get::<_, Option<String>>(7) };
+            claimed.next_due =
+                row.get::<_, Option<i64>>(9).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
+            continue;
+        }
+        claimed.rows.push(ClaimedRow {
             id: row.get(0),
             topic: row.get(1),
             key: row.get(2),
@@ -196,8 +334,9 @@ pub(crate) async fn claim_events(
             created_at: row.get(4),
             attempts: row.get(5),
             age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
-        })
-        .collect())
+        });
+    }
+    Ok(claimed)
 }
 
 /// Turns held events (locked by this transaction) into leased ones, counting the attempt, so
@@ -212,18 +351,6 @@ update outbox_relay.outbox
 /// Leases the held events `ids` for `lease` under `token`.
 pub(crate) async fn lease_held_events(db: &impl Db, ids: &[i64], lease: Duration, token: i64) -> Result<u64> {
     count(db, EVENT_LEASE_HELD, &[&ids, &micros(lease), &token], "turning a held claim into a lease").await
-}
-
-/// The earliest time a pending event becomes deliverable, for the relay's timer (an infinite
-/// `available_at`, possible in rows older than migration 0003, is no moment to wake at).
-const EVENT_NEXT_AVAILABLE: &str = "\
-select (extract(epoch from min(available_at) - now()) * 1000000)::int8
-  from outbox_relay.outbox where processed_at is null and isfinite(available_at)";
-
-/// How long until the next pending event is due, when one is due later (not now).
-pub(crate) async fn next_due(db: &impl Db) -> Result<Option<Duration>> {
-    let row = one(db, EVENT_NEXT_AVAILABLE, &[], "reading the next due event").await?;
-    Ok(row.get::<_, Option<i64>>(0).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64)))
 }
 
 // The outcome statements take `$2`, the claim's token, or null for a held claim (its row locks

@@ -393,30 +393,50 @@ async fn demo_runs_the_article_scenario_and_every_check_passes() {
 async fn bench_json_prints_one_object_with_every_figure() {
     // A short run on the test server (the bench makes and drops databases of its own there).
     let server = crate::harness::server().url_for("postgres").to_connection_string();
-    let args = ["bench", "--json", "--events", "1000", "--samples", "8", "--write-duration", "300ms"];
+    let args = [
+        "bench",
+        "--json",
+        "--events",
+        "1000",
+        "--samples",
+        "8",
+        "--write-duration",
+        "300ms",
+        "--trickle-duration",
+        "1s",
+    ];
     let output = cli(&server, &args).await;
     let out = stdout(&output);
     assert!(output.status.success(), "{out}\n{}", stderr(&output));
     assert_eq!(out.trim().lines().count(), 1, "exactly one JSON object on stdout: {out}");
     let report: Value = serde_json::from_str(out.trim()).unwrap();
-    for path in ["latency_notify_ms", "latency_inprocess_ms", "latency_poll_ms"] {
+    for path in ["latency_notify_ms", "latency_inprocess_ms", "latency_poll_ms", "trickle_latency_ms"] {
         for p in ["p50", "p90", "p99", "max"] {
             let v = report[path][p].as_f64().unwrap_or_else(|| panic!("{path}.{p} missing: {report}"));
             assert!(v > 0.0, "{path}.{p} = {v}");
         }
     }
     for field in [
-        "throughput_events_per_s",
-        "throughput_keyed_events_per_s",
+        "drain_events_per_s",
+        "claim_delete_loop_rows_per_s",
+        "drain_share_of_claim_delete_loop",
+        "claim_delete_loop_alike_rows_per_s",
+        "drain_share_of_claim_delete_loop_alike",
+        "drain_mark_processed_events_per_s",
+        "drain_keyed_events_per_s",
         "http_20ms_events_per_s",
         "stdout_events_per_s",
         "nats_events_per_s",
         "nats_share_of_stdout",
+        "trickle_cpu_share",
         "write_tps_trigger",
         "write_tps_no_trigger",
         "write_tps_notify_every_commit",
+        "write_trigger_share_of_no_trigger",
     ] {
         assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
     }
+    assert_eq!(report["claim_delete_loop_clients"], 4);
+    assert_eq!(report["claim_delete_loop_batch"], 100);
     assert!(stderr(&output).contains("[1/10]"), "progress goes to stderr");
 }

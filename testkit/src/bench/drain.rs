@@ -135,3 +135,86 @@ async fn prefill(outbox: &Outbox, events: usize, keys: Option<usize>) -> Result<
     client.batch_execute("vacuum analyze outbox_relay.outbox").await.map_err(db("vacuuming the outbox"))?;
     Ok(())
 }
+
+/// The reference the relay's drain is compared with: the bare claim-and-delete loop of the
+/// `pgbench` script in `benches/claim_delete.pgbench`, run the way `pgbench -c 4 -j 2 -D
+/// batch=100` (simple protocol) runs it. Each of `clients` connections (plain sessions, the
+/// server's `synchronous_commit`) loops over
+///
+/// ```text
+/// BEGIN;
+/// SELECT coalesce(array_agg(id), '{}') AS ids FROM (SELECT id FROM outbox_relay.outbox
+///   WHERE processed_at IS NULL AND available_at <= now() ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED) c;
+/// DELETE FROM outbox_relay.outbox WHERE id = ANY('<ids>'::bigint[]);
+/// COMMIT;
+/// ```
+///
+/// one statement per round trip, until its claim comes back empty. It delivers nothing and
+/// keeps no order, counts no attempt and survives no crash: it is what the database can do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimDeleteLoop {
+    /// Events pre-filled and deleted.
+    pub events: usize,
+    /// Concurrent connections.
+    pub clients: usize,
+    /// Rows per claim.
+    pub batch: usize,
+}
+
+/// Truncates and pre-fills the outbox as the drain does, then returns how long `reference`'s
+/// clients took to claim and delete every row (only the loop is timed).
+pub async fn claim_delete_time(outbox: &Outbox, reference: ClaimDeleteLoop) -> Result<Duration, BoxError> {
+    if reference.events == 0 || reference.clients == 0 || reference.batch == 0 {
+        return Err("the claim-and-delete loop needs events, clients and a batch size".into());
+    }
+    prefill(outbox, reference.events, None).await?;
+    let mut clients = Vec::with_capacity(reference.clients);
+    for _ in 0..reference.clients {
+        clients.push(outbox.url().connect().await?);
+    }
+    let claim = format!(
+        "SELECT coalesce(array_agg(id), '{{}}') AS ids FROM (SELECT id FROM outbox_relay.outbox \
+         WHERE processed_at IS NULL AND available_at <= now() ORDER BY id LIMIT {} FOR UPDATE SKIP LOCKED) c",
+        reference.batch
+    );
+    let started = Instant::now();
+    let loops = clients.iter().map(|client| claim_delete_until_empty(client, &claim));
+    let deleted: u64 = futures::future::try_join_all(loops).await?.into_iter().sum();
+    let elapsed = started.elapsed();
+    if deleted != reference.events as u64 {
+        return Err(format!("the claim-and-delete loop deleted {deleted} of {} rows", reference.events).into());
+    }
+    Ok(elapsed)
+}
+
+/// One client of [`claim_delete_time`]; returns how many rows it deleted.
+async fn claim_delete_until_empty(client: &tokio_postgres::Client, claim: &str) -> Result<u64, BoxError> {
+    let mut deleted = 0;
+    loop {
+        client.batch_execute("BEGIN").await.map_err(db("BEGIN"))?;
+        let ids = client
+            .simple_query(claim)
+            .await
+            .map_err(db("claiming rows"))?
+            .into_iter()
+            .find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .ok_or("the claim returned no row")?;
+        if ids == "{}" {
+            client.batch_execute("COMMIT").await.map_err(db("COMMIT"))?;
+            return Ok(deleted);
+        }
+        let delete = format!("DELETE FROM outbox_relay.outbox WHERE id = ANY('{ids}'::bigint[])");
+        let rows = client.simple_query(&delete).await.map_err(db("deleting rows"))?;
+        deleted += rows
+            .iter()
+            .find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::CommandComplete(n) => Some(*n),
+                _ => None,
+            })
+            .unwrap_or(0);
+        client.batch_execute("COMMIT").await.map_err(db("COMMIT"))?;
+    }
+}

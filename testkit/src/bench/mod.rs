@@ -90,15 +90,19 @@ mod latency;
 mod notify;
 mod server;
 mod sinks;
+mod trickle;
 mod write;
 
 pub use outbox_relay::Percentiles;
 
-pub use self::drain::{DrainSetup, drain_throughput, drain_time, drain_to, drain_with};
+pub use self::drain::{
+    ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_with,
+};
 pub use self::latency::{LatencyProbe, WakePath, latency};
 pub use self::notify::{NotifyMode, reset_notify, set_notify_mode, set_notify_trigger};
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};
 pub use self::sinks::{DevNullLines, SlowReceiver, nats_sink};
+pub use self::trickle::{Trickle, TrickleReport, trickle};
 pub use self::write::{WriteTx, Writers, reset_write_tables, write_tps};
 
 /// The error type of this module: any error, with a message that says what failed.

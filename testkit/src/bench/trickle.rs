@@ -1,0 +1,234 @@
+//! What a relay costs at a trickle: the CPU of an `outbox-relay run` process and of its
+//! PostgreSQL backends while a writer commits events at a low, steady rate, and the latency from
+//! each commit to the event's line on the relay's stdout.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use outbox_relay::Outbox;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::mpsc;
+
+use super::latency::STATEMENT_TIMEOUT;
+use super::{BoxError, db};
+
+/// How long the relay gets to start and deliver a first event.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the last event may take to show up after the writer stopped.
+const TAIL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Written before the measured window, so that connections and caches are warm.
+const WARMUP: Duration = Duration::from_secs(1);
+
+/// The rate and length of a trickle measurement.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Trickle {
+    /// Events per second, one per transaction, evenly spaced.
+    pub rate: f64,
+    /// How long the measured window lasts.
+    pub duration: Duration,
+}
+
+/// What a trickle measurement found.
+#[derive(Debug, Clone)]
+pub struct TrickleReport {
+    /// Events committed in the window.
+    pub events: usize,
+    /// The window's length.
+    pub elapsed: Duration,
+    /// From just before each COMMIT to its event's line on the relay's stdout.
+    pub latencies: Vec<Duration>,
+    /// CPU time of the relay process in the window (`None` where `/proc` cannot tell).
+    pub relay_cpu: Option<Duration>,
+    /// CPU time of the relay's backends in the window (`None` when the server is not on this
+    /// machine, or `/proc` cannot tell).
+    pub backend_cpu: Option<Duration>,
+}
+
+impl TrickleReport {
+    /// A CPU time as a share of one core over the window (0.04: 4 %).
+    pub fn share(&self, cpu: Duration) -> f64 {
+        cpu.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Starts `relay` (an `outbox-relay run --sink stdout` command for `outbox`'s database, with
+/// stdout and stderr left to this function), writes events at `trickle.rate` from a separate
+/// connection for a warm-up and then for `trickle.duration`, and measures. The outbox should be
+/// empty; the relay is stopped with SIGTERM at the end.
+pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> Result<TrickleReport, BoxError> {
+    if !(trickle.rate > 0.0 && trickle.rate <= 10_000.0) {
+        return Err(
+            format!("a trickle's rate is {}; it must be above 0 and at most 10000 events/s", trickle.rate).into()
+        );
+    }
+    let writer = outbox.url().connect().await?;
+    writer
+        .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
+        .await
+        .map_err(db("configuring the writer connection"))?;
+    let publish = writer
+        .prepare("select outbox_relay.publish('bench.trickle', $1::jsonb)")
+        .await
+        .map_err(db("preparing the publish statement"))?;
+    let monitor = outbox.connection().await?;
+    let own: Vec<i32> = vec![
+        writer.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading the writer's pid"))?.get(0),
+        monitor.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading the monitor's pid"))?.get(0),
+    ];
+
+    let mut child = relay.stdout(Stdio::piped()).stderr(Stdio::null()).kill_on_drop(true).spawn()?;
+    let pid = child.id().ok_or("the relay exited at once")?;
+    let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel::<(i64, Instant)>();
+    let reader = tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            let at = Instant::now();
+            if let Some(id) = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["id"].as_i64()) {
+                seen_tx.send((id, at)).ok();
+            }
+        }
+    });
+
+    // One event through first: the relay is up, listening and idle.
+    let commit_one = async |n: u64| -> Result<(i64, Instant), BoxError> {
+        writer.batch_execute("begin").await.map_err(db("starting a transaction"))?;
+        let id: i64 = writer.query_one(&publish, &[&json!({"n": n})]).await.map_err(db("publishing"))?.get(0);
+        let committing = Instant::now();
+        writer.batch_execute("commit").await.map_err(db("committing"))?;
+        Ok((id, committing))
+    };
+    let (first, _) = commit_one(0).await?;
+    tokio::time::timeout(START_TIMEOUT, async {
+        while let Some((id, _)) = seen.recv().await {
+            if id == first {
+                return;
+            }
+        }
+    })
+    .await
+    .map_err(|_| "the relay delivered nothing within 30 s of starting")?;
+
+    let interval = Duration::from_secs_f64(1.0 / trickle.rate);
+    let mut committed: HashMap<i64, Instant> = HashMap::new();
+    let mut n = 1;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let warm_until = Instant::now() + WARMUP;
+    while Instant::now() < warm_until {
+        tick.tick().await;
+        commit_one(n).await?;
+        n += 1;
+    }
+    let relay_before = process_cpu(pid);
+    let backends_before = backend_cpu(&monitor, &own).await?;
+    let started = Instant::now();
+    while started.elapsed() < trickle.duration {
+        tick.tick().await;
+        let (id, at) = commit_one(n).await?;
+        committed.insert(id, at);
+        n += 1;
+    }
+    let elapsed = started.elapsed();
+    let relay_after = process_cpu(pid);
+    let backends_after = backend_cpu(&monitor, &own).await?;
+
+    let mut latencies = Vec::with_capacity(committed.len());
+    let deadline = Instant::now() + TAIL_TIMEOUT;
+    while latencies.len() < committed.len() {
+        match tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), seen.recv()).await {
+            Ok(Some((id, at))) => {
+                if let Some(committing) = committed.get(&id) {
+                    latencies.push(at.saturating_duration_since(*committing));
+                }
+            }
+            Ok(None) => return Err("the relay stopped during the trickle".into()),
+            Err(_) => {
+                return Err(
+                    format!("{} of {} events reached the relay's stdout", latencies.len(), committed.len()).into()
+                );
+            }
+        }
+    }
+    // SIGTERM, so that the relay removes its row (a row left marked waiting would make the next
+    // measurement's writers notify).
+    let stopped = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    if !stopped.is_ok_and(|status| status.success()) || tokio::time::timeout(TAIL_TIMEOUT, child.wait()).await.is_err()
+    {
+        child.kill().await.ok();
+        monitor
+            .execute(
+                "delete from outbox_relay.relays where listener_pid not in (select pid from pg_stat_activity)",
+                &[],
+            )
+            .await
+            .map_err(db("removing the stopped relay's row"))?;
+    }
+    reader.abort();
+
+    let delta = |before: Option<Duration>, after: Option<Duration>| Some(after?.saturating_sub(before?));
+    Ok(TrickleReport {
+        events: committed.len(),
+        elapsed,
+        latencies,
+        relay_cpu: delta(relay_before, relay_after),
+        backend_cpu: match (backends_before, backends_after) {
+            (Some(before), Some(after)) => Some(
+                after.iter().map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default())).sum(),
+            ),
+            _ => None,
+        },
+    })
+}
+
+/// User and system CPU time of a process (all its threads), from `/proc/<pid>/stat`.
+fn process_cpu(pid: u32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count from after it.
+    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64))
+}
+
+/// The unit of `/proc`'s CPU times (`getconf CLK_TCK`; 100 on Linux unless it says otherwise).
+fn clock_ticks_per_second() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|out| String::from_utf8(out.stdout).ok()?.trim().parse().ok())
+            .filter(|ticks| *ticks > 0)
+            .unwrap_or(100)
+    })
+}
+
+/// CPU time of each backend of this database but `own`, or `None` when they are not processes
+/// of this machine (a remote server).
+async fn backend_cpu(
+    monitor: &tokio_postgres::Client,
+    own: &[i32],
+) -> Result<Option<HashMap<i32, Duration>>, BoxError> {
+    let mut pids: Vec<i32> = monitor
+        .query("select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()", &[])
+        .await
+        .map_err(db("listing the relay's backends"))?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    pids.retain(|pid| !own.contains(pid));
+    let mut cpu = HashMap::new();
+    for pid in pids {
+        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if comm.trim() != "postgres" {
+            return Ok(None);
+        }
+        if let Some(time) = process_cpu(u32::try_from(pid)?) {
+            cpu.insert(pid, time);
+        }
+    }
+    Ok(Some(cpu))
+}
