@@ -7,14 +7,14 @@
 //!   trigger's channel and turns each notification into a wake-up. When its connection drops it
 //!   reconnects with capped backoff, listens again, and *then* wakes the workers for a catch-up
 //!   claim, since notifications sent while it was away are lost;
-//! - the **bridge** turns commits made through the same process's [`Outbox`] into wake-ups, with
-//!   no database round trip;
+//! - commits made through the same process's [`Outbox`] wake a worker themselves, with no
+//!   database round trip (`wake.rs`);
 //! - the **timer** (`timer.rs`) wakes the workers every `poll_interval` (the fallback for lost
 //!   hints) and at the earliest retry or delayed event it knows of;
-//! - the **workers** (`worker.rs`) drain the queue batch by batch, linger when it runs dry, and
-//!   then mark the relay waiting (`idle.rs`); each batch is claimed with `FOR UPDATE SKIP LOCKED`,
-//!   delivered with no transaction open (the claim is a lease) and its outcomes recorded
-//!   (`claim.rs`);
+//! - the **workers** (`worker.rs`) drain the queue batch by batch and, when it runs dry at a
+//!   high rate, linger before they mark the relay waiting (`idle.rs`); each batch is claimed
+//!   with `FOR UPDATE SKIP LOCKED`, delivered while the claim's transaction holds it (or under a
+//!   lease, past `hold`) and its outcomes recorded (`claim.rs`, `held.rs`);
 //! - the **race closure** (`idle.rs`) waits for the transactions open at each waiting mark;
 //! - the **janitor** (`janitor.rs`) deletes old processed events and idempotency receipts in small
 //!   batches, and the **reporter** (`report.rs`) logs failures and summaries.
@@ -145,6 +145,9 @@ impl<H: Handler> Relay<H> {
         let stop = CancellationToken::new();
         let abort = CancellationToken::new();
         let work = Arc::new(Notify::new());
+        // Commits through this process's Outbox wake a worker for as long as this lives.
+        let woken_by_commits = Arc::new(crate::wake::WakeTarget { work: work.clone(), metrics: metrics.clone() });
+        outbox.wakeup().register(&woken_by_commits);
         let timer = Arc::new(timer::Timer::default());
         let reporter = Arc::new(report::Reporter::default());
         let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
@@ -181,10 +184,6 @@ impl<H: Handler> Relay<H> {
                 .instrument(tracing::debug_span!("timer")),
         );
         services.spawn(
-            bridge(outbox.clone(), work.clone(), metrics.clone(), stop.clone())
-                .instrument(tracing::debug_span!("bridge")),
-        );
-        services.spawn(
             idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
         );
         services.spawn(
@@ -209,6 +208,7 @@ impl<H: Handler> Relay<H> {
         work.notify_one();
 
         shutdown.await;
+        drop(woken_by_commits);
         tracing::info!("relay stopping: no new claims; in-flight deliveries finish");
         stop.cancel();
         work.notify_waiters();
@@ -283,23 +283,6 @@ async fn drain(tasks: &mut JoinSet<()>) {
     while let Some(result) = tasks.join_next().await {
         if let Err(e) = result {
             tracing::error!(error = %e, "relay task failed");
-        }
-    }
-}
-
-/// Turns commits made through this process's [`Outbox`] into wake-ups.
-async fn bridge(outbox: Outbox, work: Arc<Notify>, metrics: Arc<RelayMetrics>, stop: CancellationToken) {
-    let mut commits = outbox.wakeup().subscribe();
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            changed = commits.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-                metrics.woken();
-                work.notify_one();
-            }
         }
     }
 }
