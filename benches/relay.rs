@@ -9,9 +9,11 @@
 //! - `latency/{notify,in_process,poll_100ms}`: commit to handler, one event at a time. Criterion
 //!   reports the mean; the p50/p90/p99/max of all samples taken go to stderr.
 //! - `throughput/{mark,delete}/w{1,2,4,8}/b{1,10,100,500}`: events per second drained from a
-//!   pre-filled outbox (5,000 events per iteration; 500 with batch 1). One iteration is one
+//!   pre-filled outbox (5,000 events per iteration; 500 with batch 1; 50,000 for the defaults and the loop). One iteration is one
 //!   pre-fill plus one drain, and only the drain is timed. Ten iterations per combination, so
-//!   this group takes most of the run.
+//!   this group takes most of the run. `throughput/defaults/{unkeyed,keyed_100}`: the relay's
+//!   default settings; `throughput/claim_delete_loop/c4_b100`: the bare claim-and-delete loop
+//!   the drain is compared with (`benches/claim_delete.pgbench`), on the same pre-fill.
 //! - `write_path/*`: one business transaction on one connection, growing from the bare business
 //!   insert to the full transaction with ten events (trigger in place, no relay running).
 //! - `notify_cost/{no_trigger,trigger,notify_every_commit}/{1,4,16}`: the full transaction from
@@ -39,6 +41,9 @@ use tokio::runtime::Runtime;
 /// Events per throughput iteration, and with a batch size of 1 (one claim per event is slow).
 const DRAIN_EVENTS: usize = 5_000;
 const DRAIN_EVENTS_BATCH_1: usize = 500;
+/// Events per iteration of the default settings and of the claim-and-delete loop: enough that
+/// the relay's start-up (its connections are opened on first use) weighs little.
+const DEFAULTS_DRAIN_EVENTS: usize = 50_000;
 /// Events per iteration to the slow HTTP receiver.
 const HTTP_EVENTS: usize = 1_500;
 
@@ -212,9 +217,26 @@ fn throughput(c: &mut Criterion, env: &Env) {
             }
         }
     }
+    // The reference: the bare claim-and-delete loop (benches/claim_delete.pgbench), 4 clients
+    // and batches of 100, on the same pre-fill.
+    let reference = bench::ClaimDeleteLoop { events: DEFAULTS_DRAIN_EVENTS, clients: 4, batch: 100 };
+    group.throughput(Throughput::Elements(DEFAULTS_DRAIN_EVENTS as u64));
+    group.bench_function(BenchmarkId::new("claim_delete_loop", "c4_b100"), |b| {
+        let outbox = env.database("throughput");
+        b.iter_custom(|iters| {
+            env.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    total +=
+                        ok(bench::claim_delete_time(&outbox, reference).await, "running the claim-and-delete loop");
+                }
+                total
+            })
+        });
+    });
     // The default settings, the events without keys and over 100 keys (each key in order).
     for (name, keys) in [("unkeyed", None), ("keyed_100", Some(100))] {
-        let setup = DrainSetup { keys, ..DrainSetup::defaults(DRAIN_EVENTS) };
+        let setup = DrainSetup { keys, ..DrainSetup::defaults(DEFAULTS_DRAIN_EVENTS) };
         group.throughput(Throughput::Elements(setup.events as u64));
         group.bench_function(BenchmarkId::new("defaults", name), |b| {
             let outbox = env.database("throughput");
