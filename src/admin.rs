@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::outbox::Outbox;
-use crate::queue::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
+use crate::queue::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, FoundEvent, Health, Pause, QueueStats};
 use crate::sql;
 
 impl Outbox {
@@ -53,6 +53,23 @@ impl Outbox {
         sql::purge_dead_letters(&*self.pooled().await?, older_than).await
     }
 
+    /// Deletes the dead letters with these ids. Returns the ids that were found and deleted.
+    pub async fn purge_dead_letters_by_id(&self, ids: &[i64]) -> Result<Vec<i64>> {
+        let mut purged = sql::purge_dead_letters_by_id(&*self.pooled().await?, ids).await?;
+        purged.sort_unstable();
+        Ok(purged)
+    }
+
+    /// Answers when the database does: one `select 1` on a pooled connection.
+    pub async fn ping(&self) -> Result<()> {
+        let client = self.pooled().await?;
+        client
+            .simple_query("")
+            .await
+            .map(drop)
+            .map_err(|e| crate::error::Error::database("asking the database whether it answers", e))
+    }
+
     /// One janitor pass: deletes processed events older than `retention` and idempotency receipts
     /// older than `idempotency_retention`, `batch` rows per statement so no lock is held long.
     pub async fn cleanup(
@@ -90,4 +107,51 @@ pub(crate) async fn cleanup(
         }
     }
     Ok(report)
+}
+
+impl Outbox {
+    /// Pauses delivery of `topic` (`None`: of every topic) for every relay on this database,
+    /// until [`Outbox::resume`]; relays see it within about a second (a batch already claimed
+    /// is still delivered). Paused events stay pending and are charged no attempt. Kept in the
+    /// database, so a restart does not lift it. Returns false when it was paused already.
+    pub async fn pause(&self, topic: Option<&str>) -> Result<bool> {
+        let topic = pause_topic(topic)?;
+        sql::pause(&*self.pooled().await?, topic).await
+    }
+
+    /// Lifts the pause of `topic` (`None`: the pause of every topic; pauses of single topics
+    /// stay). Returns false when there was none.
+    pub async fn resume(&self, topic: Option<&str>) -> Result<bool> {
+        let topic = pause_topic(topic)?;
+        let resumed = sql::resume(&*self.pooled().await?, topic).await?;
+        if resumed {
+            self.wakeup().wake();
+        }
+        Ok(resumed)
+    }
+
+    /// The pauses in place, the pause of every topic first.
+    pub async fn pauses(&self) -> Result<Vec<Pause>> {
+        sql::pauses(&*self.pooled().await?).await
+    }
+
+    /// The database's health signals: what holds vacuum back, the outbox's dead tuples, the
+    /// notification queue.
+    pub async fn health(&self) -> Result<Health> {
+        sql::health(&*self.pooled().await?).await
+    }
+
+    /// Up to `limit` events with this id or this key, in the outbox or the dead letters, newest
+    /// first.
+    pub async fn look_up(&self, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {
+        sql::look_up(&*self.pooled().await?, id, key, limit).await
+    }
+}
+
+/// A topic to pause or resume as the table holds it: '' for every topic.
+fn pause_topic(topic: Option<&str>) -> Result<&str> {
+    match topic {
+        Some(topic) => crate::event::validate_topic(topic).map(|()| topic),
+        None => Ok(""),
+    }
 }

@@ -10,6 +10,8 @@ mod event;
 mod migrate;
 mod outbox;
 mod payload;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 mod publish;
 mod queue;
 mod relay;
@@ -29,7 +31,10 @@ pub use migrate::MigrationReport;
 pub use outbox::{Connection, Outbox};
 pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH};
 pub use publish::{AuditEntry, audit, publish, publish_all};
-pub use queue::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
+pub use queue::{
+    CleanupReport, ConnectedRelay, DEAD_TUPLES_WARNING, DeadLetter, ErrorCount, FoundEvent, Health,
+    NOTIFICATION_QUEUE_WARNING, OLD_TRANSACTION_WARNING, Pause, QueueStats, XMIN_AGE_WARNING,
+};
 pub use work::{Begun, Executed, Replayed, Work};
 /// RFC 3339 text (UTC, microseconds) of any time PostgreSQL can hold, such as
 /// [`Event::created_at`]; unlike humantime's it does not panic before 1970 or after 9999.
@@ -37,8 +42,8 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     timestamp::rfc3339_micros(t)
 }
 pub use relay::{
-    Completion, DeliveryError, Handler, HandlerFn, MetricsSnapshot, Percentiles, Relay, RelayConfig, RelayMetrics,
-    Slot, Slots, handler_fn,
+    CLAIM_BUCKETS, Completion, DeliveryError, Handler, HandlerFn, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot,
+    Percentiles, Relay, RelayConfig, RelayMetrics, Slot, Slots, handler_fn,
 };
 /// Defaults and bounds of [`RelayConfig`].
 pub mod defaults {

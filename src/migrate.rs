@@ -36,6 +36,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0004_order_per_key_and_breaker.sql"),
     },
     Migration { version: 5, name: "claim_paths", sql: include_str!("../migrations/0005_claim_paths.sql") },
+    Migration { version: 6, name: "pauses", sql: include_str!("../migrations/0006_pauses.sql") },
 ];
 
 /// What a migration run did.

@@ -92,3 +92,101 @@ pub struct CleanupReport {
     /// Idempotency receipts deleted.
     pub receipts: u64,
 }
+
+/// A pause of delivery (see [`crate::Outbox::pause`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Pause {
+    /// The paused topic; `None` for the pause of every topic.
+    pub topic: Option<String>,
+    /// When it was paused.
+    #[serde(serialize_with = "crate::timestamp::serialize")]
+    pub paused_at: SystemTime,
+    /// The database role that paused it.
+    pub paused_by: String,
+}
+
+/// What holds PostgreSQL back from keeping the outbox lean, and how full its notification queue
+/// is. [`Health::warnings`] compares them with documented thresholds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Health {
+    /// Age of the oldest open transaction on the server, in milliseconds (sessions of other
+    /// roles count only when the role may see them: a superuser or pg_read_all_stats).
+    pub oldest_transaction_age_ms: Option<i64>,
+    /// Age in transactions of the xmin horizon (the oldest snapshot a session, a replication
+    /// slot or a prepared transaction holds): vacuum removes no row deleted after it.
+    pub xmin_horizon_age: Option<i64>,
+    /// Dead tuples in the outbox table (PostgreSQL's statistics; vacuum removes them).
+    pub outbox_dead_tuples: i64,
+    /// Live tuples in the outbox table, by the same statistics.
+    pub outbox_live_tuples: i64,
+    /// Share of the notification queue in use (0 to 1).
+    pub notification_queue_usage: f64,
+}
+
+/// An open transaction older than this holds vacuum back long enough to notice.
+pub const OLD_TRANSACTION_WARNING: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+/// An xmin horizon older than this many transactions.
+pub const XMIN_AGE_WARNING: i64 = 100_000_000;
+/// Dead tuples in the outbox beyond this many, and more than live ones.
+pub const DEAD_TUPLES_WARNING: i64 = 1_000_000;
+/// A notification queue fuller than this share.
+pub const NOTIFICATION_QUEUE_WARNING: f64 = 0.5;
+
+impl Health {
+    /// One line per signal past its threshold ([`OLD_TRANSACTION_WARNING`],
+    /// [`XMIN_AGE_WARNING`], [`DEAD_TUPLES_WARNING`], [`NOTIFICATION_QUEUE_WARNING`]).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut warnings = Vec::new();
+        if let Some(ms) = self.oldest_transaction_age_ms.filter(|ms| *ms >= OLD_TRANSACTION_WARNING.as_millis() as i64)
+        {
+            warnings.push(format!(
+                "a transaction has been open for {}: vacuum cannot remove the outbox's dead rows meanwhile (see pg_stat_activity)",
+                humantime::format_duration(std::time::Duration::from_secs(ms.max(0) as u64 / 1000))
+            ));
+        }
+        if let Some(age) = self.xmin_horizon_age.filter(|age| *age >= XMIN_AGE_WARNING) {
+            warnings.push(format!(
+                "the xmin horizon is {age} transactions old: a session, replication slot or prepared transaction holds vacuum back"
+            ));
+        }
+        if self.outbox_dead_tuples >= DEAD_TUPLES_WARNING && self.outbox_dead_tuples > self.outbox_live_tuples {
+            warnings.push(format!(
+                "the outbox table holds {} dead tuples ({} live): is autovacuum keeping up, or is something holding it back?",
+                self.outbox_dead_tuples, self.outbox_live_tuples
+            ));
+        }
+        if self.notification_queue_usage >= NOTIFICATION_QUEUE_WARNING {
+            warnings.push(format!(
+                "the notification queue is {:.0}% full: a listening session is not reading (NOTIFY fails when it is full)",
+                self.notification_queue_usage * 100.0
+            ));
+        }
+        warnings
+    }
+}
+
+/// An event found by [`crate::Outbox::look_up`], wherever it is.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FoundEvent {
+    /// Its id.
+    pub id: i64,
+    /// Its topic.
+    pub topic: String,
+    /// Its key.
+    pub key: Option<String>,
+    /// Its payload (as in [`DeadLetter::payload`]).
+    pub payload: Value,
+    /// When it was written.
+    #[serde(serialize_with = "crate::timestamp::serialize")]
+    pub created_at: SystemTime,
+    /// Delivery attempts so far.
+    pub attempts: i32,
+    /// The error of its last failed attempt.
+    pub last_error: Option<String>,
+    /// `pending`, `delayed`, `in flight`, `processed` or `dead`.
+    pub state: String,
+    /// When it was processed, or is due (pending), or failed for good (dead); `None` for a
+    /// time PostgreSQL calls infinite.
+    #[serde(serialize_with = "crate::timestamp::serialize_option")]
+    pub since: Option<SystemTime>,
+}

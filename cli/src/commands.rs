@@ -13,6 +13,45 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => run_relay(&require_url(cli.database_url)?, *args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
         Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
+        Command::Pause { topic } => {
+            let outbox = connect(&require_url(cli.database_url)?).await?;
+            let what = topic.as_deref().map_or("every topic".to_string(), |t| format!("topic {t}"));
+            if outbox.pause(topic.as_deref()).await? {
+                println!(
+                    "paused {what}: no relay on this database claims its events until `outbox-relay resume{}`",
+                    resume_flag(&topic)
+                );
+            } else {
+                println!("{what} was paused already");
+            }
+            Ok(())
+        }
+        Command::Resume { topic } => {
+            let outbox = connect(&require_url(cli.database_url)?).await?;
+            let what = topic.as_deref().map_or("every topic".to_string(), |t| format!("topic {t}"));
+            if outbox.resume(topic.as_deref()).await? {
+                println!("resumed {what}");
+            } else {
+                println!("{what} was not paused");
+            }
+            let left = outbox.pauses().await?;
+            if !left.is_empty() {
+                let names: Vec<&str> = left.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect();
+                println!("still paused: {}", names.join(", "));
+            }
+            Ok(())
+        }
+        Command::Console { listen, http_token } => {
+            let outbox = connect(&require_url(cli.database_url)?).await?;
+            let shutdown = shutdown_signal()?;
+            let (listener, console) = crate::http::bind(listen, &outbox, None, http_token).await?;
+            let stop = tokio_util::sync::CancellationToken::new();
+            let server = tokio::spawn(crate::http::serve(listener, console, stop.clone()));
+            shutdown.await;
+            stop.cancel();
+            let _ = server.await;
+            Ok(())
+        }
         Command::Cleanup { retention, idempotency_retention } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let report =
@@ -113,9 +152,26 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
     };
     let shown = sink.describe();
     let relay = Relay::new(&outbox, config, sink)?;
+    let stop_http = tokio_util::sync::CancellationToken::new();
+    let server = match args.http {
+        Some(addr) => {
+            let (listener, console) = crate::http::bind(addr, &outbox, Some(relay.metrics()), args.http_token).await?;
+            Some(tokio::spawn(crate::http::serve(listener, console, stop_http.clone())))
+        }
+        None => None,
+    };
     tracing::info!(sink = %shown, "delivering; stop with SIGINT or SIGTERM");
-    relay.run(shutdown).await?;
+    let ran = relay.run(shutdown).await;
+    stop_http.cancel();
+    if let Some(server) = server {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), server).await;
+    }
+    ran?;
     Ok(())
+}
+
+fn resume_flag(topic: &Option<String>) -> String {
+    topic.as_deref().map_or(String::new(), |t| format!(" --topic {t}"))
 }
 
 /// Installs the SIGINT and SIGTERM handlers now (a signal that arrives later, even before the
@@ -140,6 +196,9 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     let stats = outbox.queue_stats().await?;
     let errors = outbox.pending_errors(STATUS_ERRORS).await?;
     let relays = outbox.connected_relays().await?;
+    let pauses = outbox.pauses().await?;
+    let health = outbox.health().await?;
+    let warnings = health.warnings();
     if json {
         #[derive(serde::Serialize)]
         struct Status<'a> {
@@ -147,8 +206,19 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
             stats: &'a outbox_relay::QueueStats,
             errors: &'a [outbox_relay::ErrorCount],
             relays: &'a [outbox_relay::ConnectedRelay],
+            pauses: &'a [outbox_relay::Pause],
+            health: &'a outbox_relay::Health,
+            warnings: &'a [String],
         }
-        println!("{}", serde_json::to_string(&Status { stats: &stats, errors: &errors, relays: &relays })?);
+        let status = Status {
+            stats: &stats,
+            errors: &errors,
+            relays: &relays,
+            pauses: &pauses,
+            health: &health,
+            warnings: &warnings,
+        };
+        println!("{}", serde_json::to_string(&status)?);
         return Ok(());
     }
     let age = |ms: Option<i64>| {
@@ -165,6 +235,18 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     println!("oldest ready (lag)        {}", age(stats.oldest_ready_age_ms));
     println!("highest attempts          {}", stats.max_attempts);
     println!("notification queue usage  {:.6}", stats.notification_queue_usage);
+    println!("oldest open transaction   {}", age(health.oldest_transaction_age_ms));
+    println!(
+        "xmin horizon age          {}",
+        health.xmin_horizon_age.map_or("-".to_string(), |a| format!("{a} transactions"))
+    );
+    println!("outbox dead tuples        {} ({} live)", health.outbox_dead_tuples, health.outbox_live_tuples);
+    if pauses.is_empty() {
+        println!("paused                    nothing");
+    } else {
+        let names: Vec<&str> = pauses.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect();
+        println!("paused                    {}", names.join(", "));
+    }
     println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
     for relay in &relays {
         let state = match (relay.breaker_open, relay.waiting) {
@@ -178,6 +260,9 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
             relay.client,
             outbox_relay::rfc3339(relay.connected_at)
         );
+    }
+    for warning in &warnings {
+        println!("warning: {warning}");
     }
     if !errors.is_empty() {
         println!("most common errors of pending events:");

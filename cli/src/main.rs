@@ -3,7 +3,9 @@
 
 mod bench;
 mod commands;
+mod console;
 mod demo;
+mod http;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -44,6 +46,29 @@ enum Command {
     /// List, retry or purge dead letters.
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
+    /// Pause delivery, for every relay on this database, until `resume` (kept in the database:
+    /// restarts do not lift it). Paused events stay pending and are charged no attempt.
+    Pause {
+        /// Pause only this topic (by default every topic).
+        #[arg(long, value_name = "TOPIC")]
+        topic: Option<String>,
+    },
+    /// Lift a pause: of every topic, or with --topic of that topic.
+    Resume {
+        /// Lift the pause of this topic (by default the pause of every topic).
+        #[arg(long, value_name = "TOPIC")]
+        topic: Option<String>,
+    },
+    /// Serve the web console, /metrics and the health endpoints without running a relay.
+    Console {
+        /// Where to listen, e.g. 127.0.0.1:9187.
+        #[arg(long, value_name = "ADDR")]
+        listen: std::net::SocketAddr,
+        /// Token that actions (retry, purge, pause, resume) need; required for actions on a
+        /// non-loopback address. At least 16 characters; never logged.
+        #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+        http_token: Option<http::Secret>,
+    },
     /// Run one pass of the janitor and print what it removed.
     Cleanup {
         /// Delete processed events older than this (0s to 100 years).
@@ -161,6 +186,13 @@ pub(crate) struct RunArgs {
     /// Apply pending migrations before starting.
     #[arg(long)]
     migrate: bool,
+    /// Serve /metrics, /healthz, /readyz and the console here, e.g. 127.0.0.1:9187 (off by default).
+    #[arg(long, value_name = "ADDR")]
+    http: Option<std::net::SocketAddr>,
+    /// Token that the console's actions need; required for actions when --http is not a
+    /// loopback address. At least 16 characters; never logged.
+    #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN")]
+    http_token: Option<http::Secret>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

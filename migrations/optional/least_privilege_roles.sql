@@ -52,6 +52,8 @@ grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writ
 grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
+-- Pauses: the relay reads them; `outbox-relay pause` and `resume` write them.
+grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;
 -- (the janitor locks the rows it deletes, FOR UPDATE SKIP LOCKED, which needs UPDATE)
 grant select, update, delete on outbox_relay.idempotency to outbox_relayer;
 grant select on outbox_relay.schema_migrations to outbox_relayer;

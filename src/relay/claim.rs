@@ -24,6 +24,7 @@ use super::handler::{DeliveryError, Handler, Slots, panicked};
 use super::held::Held;
 use super::idle::Idle;
 use super::metrics::RelayMetrics;
+use super::pauses::Pauses;
 use super::report::Reporter;
 use super::timer::Timer;
 use crate::error::Result;
@@ -50,6 +51,8 @@ pub(crate) struct Claimer<H> {
     pub(crate) idle: Arc<Idle>,
     /// Where the next walk over the keys starts.
     pub(crate) walk: KeyWalk,
+    /// The topics not to claim.
+    pub(crate) pauses: Arc<Pauses>,
 }
 
 /// Where the next claim's walk over the keys starts (see `sql/events.rs`), and which kind of
@@ -63,11 +66,11 @@ pub(crate) struct KeyWalk {
 impl KeyWalk {
     /// The walk of the next claim of up to `batch_size` events: twice as many keys as it may
     /// take heads, within bounds.
-    fn next(&self, batch_size: usize) -> sql::Walk {
+    fn next(&self, batch_size: usize, paused: Arc<[String]>) -> sql::Walk {
         let after = self.after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let keys = i32::try_from(batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
         let keyed_first = !self.keyed_first.fetch_xor(true, std::sync::atomic::Ordering::Relaxed);
-        sql::Walk { after, keys, keyed_first }
+        sql::Walk { after, keys, keyed_first, paused }
     }
 
     /// Where the last walk ended: the next one goes on from there.
@@ -234,12 +237,19 @@ impl<H: Handler> Claimer<H> {
         if !probe && self.breaker.is_open() {
             return Ok(None);
         }
+        if self.pauses.all() {
+            if probe {
+                self.breaker.probe_found_nothing();
+            }
+            return Ok(None);
+        }
         let config = &self.config;
         let token = rand::random::<i64>();
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let holds = config.dead_letter_holds_key;
-        let walk = self.walk.next(config.batch_size);
+        let walk = self.walk.next(config.batch_size, self.pauses.topics());
         let client = self.pool.client().await?;
+        let started = Instant::now();
         let (held, claimed) = if config.effective_hold().is_zero() {
             let lease = sql::Hold::Lease(config.lease, token);
             (None, sql::claim_events(&*client, size, holds, &walk, lease).await?)
@@ -251,7 +261,7 @@ impl<H: Handler> Claimer<H> {
             (Some(held), claimed)
         };
         let claimed_at = Instant::now();
-        self.metrics.claimed();
+        self.metrics.claimed(claimed.rows.len(), claimed_at - started);
         let sql::Claimed { rows: claimed, walked_to, next_due } = claimed;
         self.walk.ended(walked_to);
         if claim == (Claim::Batch { schedule_next: true })

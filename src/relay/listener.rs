@@ -91,6 +91,7 @@ impl Listener {
             pid = sql::listen(&client) => pid?,
         };
         self.idle.listener_changed(pid).await;
+        self.metrics.set_listening(true);
         if *connected_before {
             self.metrics.reconnected();
             tracing::info!("relay listener reconnected; catching up on what was committed meanwhile");
@@ -123,6 +124,7 @@ impl Listener {
             _ = self.stop.cancelled() => Ok(()),
         };
         self.idle.listener_gone();
+        self.metrics.set_listening(false);
         result
     }
 }

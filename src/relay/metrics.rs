@@ -32,9 +32,73 @@ impl Percentiles {
     }
 }
 
+/// Upper bounds of the delivery latency histogram's buckets, in seconds (commit to delivery:
+/// from half a millisecond, where a relay at rest delivers, to the hours a backlog can take).
+pub const LATENCY_BUCKETS: [f64; 18] =
+    [0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
+/// Upper bounds of the claim duration histogram's buckets, in seconds.
+pub const CLAIM_BUCKETS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0];
+
+/// A histogram of durations with fixed buckets, lock-free.
+#[derive(Debug)]
+struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (not cumulative), the last one past every bound.
+    counts: Vec<AtomicU64>,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Histogram { bounds, counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(), sum_ns: AtomicU64::new(0) }
+    }
+
+    fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        let bucket = self.bounds.iter().position(|b| secs <= *b).unwrap_or(self.bounds.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> HistogramSnapshot {
+        let buckets: Vec<(f64, u64)> = self
+            .bounds
+            .iter()
+            .copied()
+            .chain(std::iter::once(f64::INFINITY))
+            .zip(&self.counts)
+            .map(|(bound, n)| (bound, n.load(Ordering::Relaxed)))
+            .collect();
+        HistogramSnapshot {
+            count: buckets.iter().map(|(_, n)| n).sum(),
+            sum_seconds: self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            buckets,
+        }
+    }
+}
+
+/// A histogram as read: per bucket (upper bound in seconds, the last infinite) its own count,
+/// not cumulative.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HistogramSnapshot {
+    /// Observations in all.
+    pub count: u64,
+    /// Their sum, in seconds.
+    pub sum_seconds: f64,
+    /// `(upper bound, observations in this bucket)`.
+    pub buckets: Vec<(f64, u64)>,
+}
+
 /// Live counters of one relay; read them through [`crate::Relay::metrics`].
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct RelayMetrics {
+    running: AtomicBool,
+    listening: AtomicBool,
+    paused_all: AtomicBool,
+    paused_topics: AtomicU64,
+    claimed_events: AtomicU64,
+    claim_seconds: Histogram,
+    latency_seconds: Histogram,
     delivered: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
@@ -44,6 +108,29 @@ pub struct RelayMetrics {
     breaker_open: AtomicBool,
     breaker_opens: AtomicU64,
     latencies_us: Mutex<VecDeque<u64>>,
+}
+
+impl Default for RelayMetrics {
+    fn default() -> Self {
+        RelayMetrics {
+            running: AtomicBool::default(),
+            listening: AtomicBool::default(),
+            paused_all: AtomicBool::default(),
+            paused_topics: AtomicU64::default(),
+            claimed_events: AtomicU64::default(),
+            claim_seconds: Histogram::new(&CLAIM_BUCKETS),
+            latency_seconds: Histogram::new(&LATENCY_BUCKETS),
+            delivered: AtomicU64::default(),
+            retried: AtomicU64::default(),
+            dead_lettered: AtomicU64::default(),
+            claims: AtomicU64::default(),
+            wakeups: AtomicU64::default(),
+            reconnects: AtomicU64::default(),
+            breaker_open: AtomicBool::default(),
+            breaker_opens: AtomicU64::default(),
+            latencies_us: Mutex::default(),
+        }
+    }
 }
 
 /// A snapshot of [`RelayMetrics`].
@@ -69,6 +156,20 @@ pub struct MetricsSnapshot {
     pub latency_p50: Option<Duration>,
     /// The same, p99.
     pub latency_p99: Option<Duration>,
+    /// True from the start of [`crate::Relay::run`] until it returns.
+    pub running: bool,
+    /// True while the listener listens for notifications.
+    pub listening: bool,
+    /// Every topic is paused, as the relay last read the pauses.
+    pub paused_all: bool,
+    /// How many single topics are paused, as last read.
+    pub paused_topics: u64,
+    /// Events claimed (a claim of several counts each).
+    pub claimed_events: u64,
+    /// How long claim statements took, from the statement's start to its rows.
+    pub claim_seconds: HistogramSnapshot,
+    /// Commit to successful delivery (from the event's `created_at`, its transaction's clock).
+    pub latency_seconds: HistogramSnapshot,
 }
 
 impl RelayMetrics {
@@ -81,6 +182,7 @@ impl RelayMetrics {
                 window.pop_front();
             }
             window.push_back(u64::try_from(latency.as_micros()).unwrap_or(u64::MAX));
+            self.latency_seconds.observe(latency);
         }
         self.delivered.fetch_add(n, Ordering::Relaxed);
     }
@@ -93,8 +195,23 @@ impl RelayMetrics {
         self.dead_lettered.fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    pub(crate) fn claimed(&self) {
+    pub(crate) fn claimed(&self, events: usize, took: Duration) {
         self.claims.fetch_add(1, Ordering::Relaxed);
+        self.claimed_events.fetch_add(events as u64, Ordering::Relaxed);
+        self.claim_seconds.observe(took);
+    }
+
+    pub(crate) fn set_running(&self, running: bool) {
+        self.running.store(running, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_listening(&self, listening: bool) {
+        self.listening.store(listening, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_paused(&self, all: bool, topics: usize) {
+        self.paused_all.store(all, Ordering::Relaxed);
+        self.paused_topics.store(topics as u64, Ordering::Relaxed);
     }
 
     pub(crate) fn woken(&self) {
@@ -135,6 +252,13 @@ impl RelayMetrics {
             breaker_opens: self.breaker_opens.load(Ordering::Relaxed),
             latency_p50: percentiles.map(|p| p.p50),
             latency_p99: percentiles.map(|p| p.p99),
+            running: self.running.load(Ordering::Relaxed),
+            listening: self.listening.load(Ordering::Relaxed),
+            paused_all: self.paused_all.load(Ordering::Relaxed),
+            paused_topics: self.paused_topics.load(Ordering::Relaxed),
+            claimed_events: self.claimed_events.load(Ordering::Relaxed),
+            claim_seconds: self.claim_seconds.snapshot(),
+            latency_seconds: self.latency_seconds.snapshot(),
         }
     }
 }
@@ -171,5 +295,17 @@ mod tests {
         metrics.delivered((1..=100).map(ms));
         let s = metrics.snapshot();
         assert_eq!((s.delivered, s.latency_p50, s.latency_p99), (100, Some(ms(50)), Some(ms(99))));
+    }
+
+    #[test]
+    fn the_histogram_puts_each_duration_in_the_first_bucket_it_fits() {
+        let h = Histogram::new(&[0.001, 0.01]);
+        for d in [Duration::from_micros(500), ms(1), ms(5), ms(10), ms(11), Duration::from_secs(99)] {
+            h.observe(d);
+        }
+        let s = h.snapshot();
+        assert_eq!(s.count, 6);
+        assert_eq!(s.buckets, vec![(0.001, 2), (0.01, 2), (f64::INFINITY, 2)]);
+        assert!((s.sum_seconds - 99.0275).abs() < 1e-9, "{}", s.sum_seconds);
     }
 }

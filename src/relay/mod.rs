@@ -39,6 +39,7 @@ mod idle;
 mod janitor;
 mod listener;
 mod metrics;
+mod pauses;
 mod report;
 mod timer;
 mod worker;
@@ -53,7 +54,7 @@ use tracing::Instrument;
 
 pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
-pub use metrics::{MetricsSnapshot, Percentiles, RelayMetrics};
+pub use metrics::{CLAIM_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot, Percentiles, RelayMetrics};
 
 use crate::connect::{DatabaseUrl, pool_error};
 use crate::error::{Error, ErrorKind, Result};
@@ -151,6 +152,8 @@ impl<H: Handler> Relay<H> {
         let timer = Arc::new(timer::Timer::default());
         let reporter = Arc::new(report::Reporter::default());
         let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
+        let pauses = Arc::new(pauses::Pauses::default());
+        metrics.set_running(true);
         let claimer = Arc::new(claim::Claimer {
             pool: pool.clone(),
             handler,
@@ -167,6 +170,7 @@ impl<H: Handler> Relay<H> {
             )),
             idle: idle.clone(),
             walk: claim::KeyWalk::default(),
+            pauses: pauses.clone(),
         });
 
         let mut services = JoinSet::new();
@@ -185,6 +189,10 @@ impl<H: Handler> Relay<H> {
         );
         services.spawn(
             idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
+        );
+        services.spawn(
+            pauses::run(pauses, pool.clone(), work.clone(), metrics.clone(), stop.clone())
+                .instrument(tracing::info_span!("pauses")),
         );
         services.spawn(
             report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),
@@ -235,6 +243,7 @@ impl<H: Handler> Relay<H> {
             );
         }
         pool.pool.close();
+        metrics.set_running(false);
         report::summary(&metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
         tracing::info!("relay stopped");
         Ok(())
@@ -262,6 +271,7 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ("outbox_relay.relays", "INSERT"),
         ("outbox_relay.relays", "UPDATE"),
         ("outbox_relay.relays", "DELETE"),
+        ("outbox_relay.pauses", "SELECT"),
     ];
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);

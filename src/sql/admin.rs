@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use super::{Db, all, count, micros, one};
 use crate::error::Result;
-use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, QueueStats};
+use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, FoundEvent, Health, Pause, QueueStats};
 
 /// Milliseconds from `$t` to now (null when `$t` is), for any timestamp a row may hold: clamped,
 /// never an error.
@@ -108,10 +108,7 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
             id: r.get(0),
             topic: r.get(1),
             key: r.get(2),
-            payload: {
-                let text: String = r.get(3);
-                serde_json::from_str(&text).unwrap_or(Value::String(text))
-            },
+            payload: payload_of(r.get(3)),
             created_at: r.get(4),
             attempts: r.get(5),
             last_error: r.get(6),
@@ -142,4 +139,104 @@ delete from outbox_relay.dead_letters where failed_at < now() - $1::int8 * inter
 /// Deletes dead letters that failed more than `older_than` ago; returns how many.
 pub(crate) async fn purge_dead_letters(db: &impl Db, older_than: Duration) -> Result<u64> {
     count(db, DEAD_LETTER_PURGE, &[&micros(older_than)], "purging dead letters").await
+}
+
+const DEAD_LETTER_PURGE_IDS: &str = "delete from outbox_relay.dead_letters where id = any($1) returning id";
+
+/// Deletes the dead letters `ids`; returns the ids deleted.
+pub(crate) async fn purge_dead_letters_by_id(db: &impl Db, ids: &[i64]) -> Result<Vec<i64>> {
+    let rows = all(db, DEAD_LETTER_PURGE_IDS, &[&ids], "purging dead letters").await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+/// Pauses `topic` ('' for every topic); false when it was paused already.
+const PAUSE_INSERT: &str = "insert into outbox_relay.pauses (topic) values ($1) on conflict (topic) do nothing";
+
+/// Pauses `topic`, '' meaning every topic; true when it was not paused before.
+pub(crate) async fn pause(db: &impl Db, topic: &str) -> Result<bool> {
+    Ok(count(db, PAUSE_INSERT, &[&topic], "pausing delivery").await? == 1)
+}
+
+const PAUSE_DELETE: &str = "delete from outbox_relay.pauses where topic = $1";
+
+/// Lifts the pause of `topic` ('' for the pause of every topic); true when there was one.
+pub(crate) async fn resume(db: &impl Db, topic: &str) -> Result<bool> {
+    Ok(count(db, PAUSE_DELETE, &[&topic], "resuming delivery").await? == 1)
+}
+
+const PAUSE_LIST: &str = "select topic, paused_at, paused_by from outbox_relay.pauses order by topic";
+
+/// The pauses in place, the pause of every topic first.
+pub(crate) async fn pauses(db: &impl Db) -> Result<Vec<Pause>> {
+    let rows = all(db, PAUSE_LIST, &[], "reading the pauses").await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let topic: String = r.get(0);
+            Pause { topic: (!topic.is_empty()).then_some(topic), paused_at: r.get(1), paused_by: r.get(2) }
+        })
+        .collect())
+}
+
+/// What holds vacuum back and what it has left to do, and how full the notification queue is.
+/// Sessions of other roles show their transaction start and xmin only to superusers and members
+/// of pg_read_all_stats; for others they count as absent.
+const HEALTH: &str = "\
+select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000)::int8
+          from pg_stat_activity where xact_start is not null and pid <> pg_backend_pid()),
+       greatest((select max(age(backend_xmin)) from pg_stat_activity where pid <> pg_backend_pid()),
+                (select max(age(xmin)) from pg_replication_slots),
+                (select max(age(transaction)) from pg_prepared_xacts))::int8,
+       (select coalesce(n_dead_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass),
+       (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass),
+       pg_notification_queue_usage()";
+
+/// The database's health as the outbox feels it.
+pub(crate) async fn health(db: &impl Db) -> Result<Health> {
+    let row = one(db, HEALTH, &[], "reading the database's health").await?;
+    Ok(Health {
+        oldest_transaction_age_ms: row.get(0),
+        xmin_horizon_age: row.get(1),
+        outbox_dead_tuples: row.get::<_, Option<i64>>(2).unwrap_or(0),
+        outbox_live_tuples: row.get::<_, Option<i64>>(3).unwrap_or(0),
+        notification_queue_usage: row.get(4),
+    })
+}
+
+/// Events with this id or key, pending or processed in the outbox, or dead, newest first.
+const EVENT_LOOKUP: &str = "\
+(select id, topic, key, payload::text, created_at, attempts, last_error,
+        case when processed_at is not null then 'processed'
+             when available_at > now() and lease_token is not null then 'in flight'
+             when available_at > now() then 'delayed' else 'pending' end,
+        case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
+   from outbox_relay.outbox where id = $1 or key = $2 order by id desc limit $3)
+union all
+(select id, topic, key, payload::text, created_at, attempts, last_error, 'dead', failed_at
+   from outbox_relay.dead_letters where id = $1 or key = $2 order by id desc limit $3)
+order by 1 desc limit $3";
+
+/// Up to `limit` events whose id is `id` or whose key is `key`, wherever they are.
+pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {
+    let rows = all(db, EVENT_LOOKUP, &[&id, &key, &limit], "looking events up").await?;
+    Ok(rows
+        .iter()
+        .map(|r| FoundEvent {
+            id: r.get(0),
+            topic: r.get(1),
+            key: r.get(2),
+            payload: payload_of(r.get(3)),
+            created_at: r.get(4),
+            attempts: r.get(5),
+            last_error: r.get(6),
+            state: r.get(7),
+            since: r.get(8),
+        })
+        .collect())
+}
+
+/// A payload as the statements read it (text): JSON, or the text itself when serde_json cannot
+/// hold it (a number beyond f64).
+fn payload_of(text: String) -> Value {
+    serde_json::from_str(&text).unwrap_or(Value::String(text))
 }

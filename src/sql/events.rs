@@ -103,6 +103,8 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
 // the dead letters. The walk's end comes back in one marker row (`walked_to`, `walked`), so that
 // the next claim goes on from there and every key gets its turn.
 //
+// Events of the paused topics `$5` are not claimed; a key whose head is paused waits whole.
+//
 // A batch of `$1`: the keyed heads and the unkeyed events share it, whichever comes first taking
 // up to all of it (the relay alternates, so that neither kind starves the other).
 
@@ -125,7 +127,7 @@ keyed as (
     select ",
             $columns,
             " from outbox_relay.outbox o join walk w on o.id = w.id
-     where o.processed_at is null and o.available_at <= now()
+     where o.processed_at is null and o.available_at <= now() and o.topic <> all($5::text[])
        and not ($2 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))
      order by o.available_at, o.id
      limit ",
@@ -145,7 +147,7 @@ macro_rules! unkeyed_events {
     select ",
             $columns,
             " from outbox_relay.outbox o
-     where o.processed_at is null and o.key is null and o.available_at <= now()
+     where o.processed_at is null and o.key is null and o.available_at <= now() and o.topic <> all($5::text[])
      order by o.available_at, o.id
      limit ",
             $limit,
@@ -207,7 +209,7 @@ select null, null, null, null, null, null, null,
     };
 }
 
-/// The leased claim, a transaction of its own, under lease `$5` (microseconds) and token `$6`.
+/// The leased claim, a transaction of its own, under lease `$6` (microseconds) and token `$7`.
 /// The lease moves `available_at` forward, so an event whose worker died comes back when it
 /// ends; `attempts` counts claims, so an event that crashes its worker still runs out of
 /// attempts.
@@ -218,9 +220,9 @@ macro_rules! leased_claim {
             ",
 leased as (
     update outbox_relay.outbox o
-       set available_at = now() + $5::int8 * interval '1 microsecond',
+       set available_at = now() + $6::int8 * interval '1 microsecond',
            attempts = least(o.attempts, 2147483646) + 1,
-           lease_token = $6
+           lease_token = $7
       from (select id from keyed union all select id from unkeyed) c
      where o.id = c.id
     returning ",
@@ -284,6 +286,8 @@ pub(crate) struct Walk {
     pub(crate) keys: i32,
     /// The keyed heads take the batch first, or the unkeyed events do.
     pub(crate) keyed_first: bool,
+    /// Topics not to claim (paused). A paused head holds its key's later events back.
+    pub(crate) paused: std::sync::Arc<[String]>,
 }
 
 /// What a claim found.
@@ -308,13 +312,13 @@ pub(crate) async fn claim_events(
     let order = usize::from(walk.keyed_first);
     let rows = match hold {
         Hold::Lease(lease, token) => {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &micros(lease), &token];
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &&*walk.paused, &micros(lease), &token];
             all(db, EVENT_CLAIM_LEASED[order], &params, "claiming events").await?
         }
         Hold::Locks => {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&batch, &dead_letters_hold, &walk.after, &walk.keys];
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &&*walk.paused];
             all(db, EVENT_CLAIM_HELD[order], &params, "claiming events").await?
         }
     };

@@ -11,6 +11,7 @@ mod http_sink;
 mod migrations;
 mod orders;
 mod orders_service;
+mod pauses;
 mod privileges;
 mod relay;
 mod sql_publish;

@@ -5,6 +5,7 @@ use outbox_relay_testkit::{harness, support as relay_support};
 
 mod binary;
 mod cli;
+mod http;
 mod killed;
 mod operator;
 mod secrets;

@@ -1,0 +1,306 @@
+//! The console's page: plain server-rendered HTML, a little JavaScript (`console.js`) that
+//! refreshes the figures and draws the latency chart, no build step.
+
+use std::fmt::Write;
+use std::time::Duration;
+
+use outbox_relay::{DeadLetter, FoundEvent, Health, Pause, QueueStats};
+use serde::Serialize;
+
+use crate::http::Console;
+
+/// Dead letters the page lists.
+const DEAD_LETTERS_SHOWN: i64 = 100;
+/// Events a look-up shows.
+const LOOKUP_SHOWN: i64 = 50;
+
+/// What `/api/summary` returns and the page refreshes from.
+#[derive(Serialize)]
+pub(crate) struct Summary {
+    stats: QueueStats,
+    health: Health,
+    warnings: Vec<String>,
+    pauses: Vec<Pause>,
+    relay: Option<RelaySummary>,
+    history: Vec<crate::http::Sample>,
+}
+
+#[derive(Serialize)]
+struct RelaySummary {
+    delivered: u64,
+    retried: u64,
+    dead_lettered: u64,
+    breaker_open: bool,
+    listening: bool,
+    latency_p50_ms: Option<f64>,
+    latency_p99_ms: Option<f64>,
+}
+
+pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> {
+    let outbox = &console.outbox;
+    let stats = outbox.queue_stats().await?;
+    let health = outbox.health().await?;
+    let pauses = outbox.pauses().await?;
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
+    let relay = console.relay.as_ref().map(|m| {
+        let s = m.snapshot();
+        RelaySummary {
+            delivered: s.delivered,
+            retried: s.retried,
+            dead_lettered: s.dead_lettered,
+            breaker_open: s.breaker_open,
+            listening: s.listening,
+            latency_p50_ms: ms(s.latency_p50),
+            latency_p99_ms: ms(s.latency_p99),
+        }
+    });
+    let history = console.history.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
+    Ok(Summary { warnings: health.warnings(), stats, health, pauses, relay, history })
+}
+
+/// The page, with the look-up's results when one was asked for and the last action's message.
+pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&str>) -> String {
+    let mut html = String::with_capacity(16 * 1024);
+    html.push_str(HEAD);
+    let _ = write!(
+        html,
+        "<body data-relay=\"{}\"><header><h1>outbox-relay</h1><span>{}</span></header>\n<main>\n",
+        console.relay.is_some(),
+        escape(&console.outbox.url().to_string())
+    );
+    if let Some(done) = done {
+        let _ = writeln!(html, "<p class=\"done\" role=\"status\">{}</p>", escape(done));
+    }
+    if console.token_required {
+        html.push_str(
+            "<p class=\"token\"><label>Access token for actions <input type=\"password\" id=\"token\" autocomplete=\"off\"></label> (kept in this tab only)</p>\n",
+        );
+    } else if !console.actions_allowed {
+        html.push_str(
+            "<p class=\"warn\">Read-only: actions on a non-loopback address need <code>--http-token</code>.</p>\n",
+        );
+    }
+    match summary(console).await {
+        Ok(summary) => render_summary(&mut html, console, &summary),
+        Err(e) => {
+            let _ = writeln!(
+                html,
+                "<p class=\"warn\" id=\"db-error\">The database does not answer: {}</p>",
+                escape(&e.to_string())
+            );
+        }
+    }
+    html.push_str("<section><h2>Commit to delivery</h2><canvas id=\"latency\" width=\"720\" height=\"160\" aria-label=\"latency chart\"></canvas><p class=\"legend\"><span class=\"p50\">p50</span> and <span class=\"p99\">p99</span> of recent deliveries (ms) over the last ten minutes, sampled every 2 s; <span id=\"rate\">-</span> events/s now</p></section>\n");
+    render_lookup(&mut html, console, lookup).await;
+    match console.outbox.dead_letters(DEAD_LETTERS_SHOWN).await {
+        Ok(letters) => render_dead_letters(&mut html, console, &letters),
+        Err(e) => {
+            let _ = writeln!(html, "<p class=\"warn\">Cannot list the dead letters: {}</p>", escape(&e.to_string()));
+        }
+    }
+    html.push_str("</main>\n<script>");
+    html.push_str(include_str!("console.js"));
+    html.push_str("</script>\n</body></html>\n");
+    html
+}
+
+fn render_summary(html: &mut String, console: &Console, s: &Summary) {
+    let age = |ms: Option<i64>| {
+        ms.map_or_else(
+            || "-".to_string(),
+            |ms| humantime::format_duration(Duration::from_millis(ms.max(0) as u64)).to_string(),
+        )
+    };
+    let breaker = match &s.relay {
+        None => "no relay in this process".to_string(),
+        Some(r) if r.breaker_open => "OPEN: destination down, probing".to_string(),
+        Some(_) => "closed".to_string(),
+    };
+    let paused = if s.pauses.is_empty() {
+        "none".to_string()
+    } else {
+        s.pauses.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect::<Vec<_>>().join(", ")
+    };
+    html.push_str("<section><h2>The queue</h2><dl class=\"stats\">\n");
+    for (id, label, value) in [
+        ("pending", "pending (ready)", s.stats.pending.to_string()),
+        ("delayed", "delayed", s.stats.delayed.to_string()),
+        ("in_flight", "in flight", s.stats.in_flight.to_string()),
+        ("dead_letters", "dead letters", s.stats.dead_letters.to_string()),
+        ("oldest_pending", "oldest pending", age(s.stats.oldest_pending_age_ms)),
+        ("breaker", "breaker", breaker),
+        ("paused", "paused", paused),
+    ] {
+        let _ = writeln!(html, "<div><dt>{label}</dt><dd id=\"{id}\">{}</dd></div>", escape(&value));
+    }
+    html.push_str("</dl>\n");
+    let _ = writeln!(
+        html,
+        "<p class=\"health\">oldest open transaction {} · xmin horizon age {} · outbox dead tuples {} · notification queue {:.2}%</p>",
+        age(s.health.oldest_transaction_age_ms),
+        s.health.xmin_horizon_age.map_or("-".into(), |a| a.to_string()),
+        s.health.outbox_dead_tuples,
+        s.health.notification_queue_usage * 100.0
+    );
+    html.push_str("<ul id=\"warnings\">");
+    for warning in &s.warnings {
+        let _ = write!(html, "<li class=\"warn\">{}</li>", escape(warning));
+    }
+    html.push_str("</ul>\n");
+    // Pause and resume: every topic, or one.
+    html.push_str("<div class=\"actions\">");
+    for (action, label) in [("pause", "Pause"), ("resume", "Resume")] {
+        form(html, console, action, &[], &format!("{label} every topic"));
+    }
+    html.push_str("</div><div class=\"actions\">");
+    let _ = write!(
+        html,
+        "<form method=\"post\" action=\"/actions/pause\">{}<input name=\"topic\" placeholder=\"topic\" required pattern=\"[A-Za-z0-9._:/-]+\"> <button{}>Pause topic</button> <button formaction=\"/actions/resume\"{}>Resume topic</button></form>",
+        hidden(console),
+        disabled(console),
+        disabled(console)
+    );
+    html.push_str("</div></section>\n");
+}
+
+async fn render_lookup(html: &mut String, console: &Console, lookup: Option<&str>) {
+    let shown = lookup.unwrap_or("");
+    let _ = writeln!(
+        html,
+        "<section><h2>Look up an event</h2><form method=\"get\" action=\"/\"><input name=\"lookup\" placeholder=\"event id or key\" value=\"{}\"> <button>Look up</button></form>",
+        escape(shown)
+    );
+    let Some(lookup) = lookup.map(str::trim).filter(|l| !l.is_empty()) else {
+        html.push_str("</section>\n");
+        return;
+    };
+    let id = lookup.parse::<i64>().ok();
+    match console.outbox.look_up(id, Some(lookup), LOOKUP_SHOWN).await {
+        Ok(found) if found.is_empty() => {
+            let _ = writeln!(html, "<p id=\"lookup-result\">No event has the id or key {}.</p>", escape(lookup));
+        }
+        Ok(found) => render_found(html, &found),
+        Err(e) => {
+            let _ = writeln!(html, "<p class=\"warn\">The look-up failed: {}</p>", escape(&e.to_string()));
+        }
+    }
+    html.push_str("</section>\n");
+}
+
+fn render_found(html: &mut String, found: &[FoundEvent]) {
+    html.push_str("<table id=\"lookup-result\"><tr><th>id</th><th>state</th><th>topic</th><th>key</th><th>attempts</th><th>created</th><th>last error</th><th>payload</th></tr>\n");
+    for e in found {
+        let _ = writeln!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><details><summary>show</summary><pre>{}</pre></details></td></tr>",
+            e.id,
+            escape(&e.state),
+            escape(&e.topic),
+            escape(e.key.as_deref().unwrap_or("")),
+            e.attempts,
+            outbox_relay::rfc3339(e.created_at),
+            escape(e.last_error.as_deref().unwrap_or("")),
+            escape(&serde_json::to_string_pretty(&e.payload).unwrap_or_default())
+        );
+    }
+    html.push_str("</table>\n");
+}
+
+fn render_dead_letters(html: &mut String, console: &Console, letters: &[DeadLetter]) {
+    html.push_str("<section><h2>Dead letters</h2>\n");
+    if letters.is_empty() {
+        html.push_str("<p id=\"no-dead-letters\">No dead letters.</p></section>\n");
+        return;
+    }
+    html.push_str("<div class=\"actions\">");
+    form(html, console, "retry", &[], "Retry all");
+    form(html, console, "purge", &[], "Purge all");
+    html.push_str("</div>\n<table id=\"dead-letters\"><tr><th>id</th><th>topic</th><th>key</th><th>attempts</th><th>failed</th><th>last error</th><th>payload</th><th></th></tr>\n");
+    for d in letters {
+        let id = d.id.to_string();
+        let _ = write!(
+            html,
+            "<tr id=\"dead-{id}\"><td>{id}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"error\">{}</td><td><details data-event=\"{id}\"><summary>show</summary><pre></pre></details></td><td>",
+            escape(&d.topic),
+            escape(d.key.as_deref().unwrap_or("")),
+            d.attempts,
+            outbox_relay::rfc3339(d.failed_at),
+            escape(&d.last_error.chars().take(500).collect::<String>()),
+        );
+        form(html, console, "retry", &[("id", &id)], "Retry");
+        form(html, console, "purge", &[("id", &id)], "Purge");
+        html.push_str("</td></tr>\n");
+    }
+    html.push_str("</table></section>\n");
+}
+
+/// A one-button form that POSTs `action` with the CSRF token and these fields.
+fn form(html: &mut String, console: &Console, action: &str, fields: &[(&str, &str)], label: &str) {
+    let _ = write!(html, "<form method=\"post\" action=\"/actions/{action}\">{}", hidden(console));
+    for (name, value) in fields {
+        let _ = write!(html, "<input type=\"hidden\" name=\"{name}\" value=\"{}\">", escape(value));
+    }
+    let confirm = if action == "purge" { " data-confirm=\"Delete for good?\"" } else { "" };
+    let _ = write!(
+        html,
+        "<button name=\"do\" value=\"{action}\"{confirm}{}>{}</button></form>",
+        disabled(console),
+        escape(label)
+    );
+}
+
+fn hidden(console: &Console) -> String {
+    let token =
+        if console.token_required { "<input type=\"hidden\" name=\"token\" class=\"token-field\">" } else { "" };
+    format!("<input type=\"hidden\" name=\"csrf\" value=\"{}\">{token}", console.csrf)
+}
+
+fn disabled(console: &Console) -> &'static str {
+    if console.actions_allowed { "" } else { " disabled" }
+}
+
+/// Text for HTML, in elements and in quoted attributes.
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+const HEAD: &str = r#"<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>outbox-relay console</title>
+<style>
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d232a; background: #f6f7f9; }
+header { background: #1d232a; color: #fff; padding: .6em 1.2em; display: flex; gap: 1em; align-items: baseline; }
+header h1 { font-size: 1.2em; margin: 0; } header span { opacity: .7; font-family: monospace; }
+main { padding: 0 1.2em 2em; max-width: 1100px; }
+section { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: .4em 1em 1em; margin-top: 1em; }
+h2 { font-size: 1.05em; }
+dl.stats { display: flex; flex-wrap: wrap; gap: .6em 2em; margin: 0; }
+dl.stats dt { color: #5b6570; font-size: .85em; } dl.stats dd { margin: 0; font-size: 1.3em; font-weight: 600; }
+table { border-collapse: collapse; width: 100%; } th, td { text-align: left; padding: .3em .5em; border-bottom: 1px solid #eceff2; vertical-align: top; }
+td.error { max-width: 28em; overflow-wrap: anywhere; } pre { white-space: pre-wrap; max-width: 30em; margin: .3em 0; }
+form { display: inline; } .actions { margin: .6em 0; display: flex; gap: .5em; flex-wrap: wrap; }
+button { cursor: pointer; } .warn { color: #a4161a; } .done { background: #e6f4ea; padding: .5em 1em; border-radius: 4px; }
+.health { color: #5b6570; } .legend .p50 { color: #1a73e8; } .legend .p99 { color: #d93025; }
+</style></head>
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::escape;
+
+    #[test]
+    fn escapes_what_html_would_read() {
+        assert_eq!(escape(r#"<a href="x">'&'</a>"#), "&lt;a href=&quot;x&quot;&gt;&#39;&amp;&#39;&lt;/a&gt;");
+    }
+}

@@ -1,0 +1,447 @@
+//! `run --http` and `console`: metrics read by the Prometheus project's own parser, readiness
+//! through a real database outage, pauses across restarts, the console's guards, and the
+//! console driven in a real (headless) Chromium.
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres, StopMode};
+use serde_json::{Value, json};
+use tokio::process::{Child, Command};
+
+use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+/// A port nothing listens on right now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn http() -> reqwest::Client {
+    // (reqwest is built without a crypto provider of its own; the library uses ring)
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
+}
+
+/// The status and body of a GET, or `None` while nothing answers.
+async fn get(url: &str) -> Option<(u16, String)> {
+    let response = http().get(url).send().await.ok()?;
+    Some((response.status().as_u16(), response.text().await.ok()?))
+}
+
+/// Polls `check` until it gives a value; fails the test after [`PATIENCE`].
+async fn until<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "timed out after {PATIENCE:?} waiting for: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `url` answers with `status`; returns the body.
+async fn until_status(url: &str, status: u16) -> String {
+    until(&format!("{url} answers {status}"), || async {
+        get(url).await.filter(|(s, _)| *s == status).map(|(_, body)| body)
+    })
+    .await
+}
+
+/// Families as `prometheus_client.openmetrics.parser` (the Prometheus project's Python client)
+/// reads the text: name -> (type, sample name -> value, for samples without labels).
+fn parse_openmetrics(text: &str) -> HashMap<String, (String, HashMap<String, f64>)> {
+    const SCRIPT: &str = r#"
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = {}
+for family in text_string_to_metric_families(sys.stdin.read()):
+    out[family.name] = [family.type, {s.name: s.value for s in family.samples if not s.labels}]
+print(json.dumps(out))
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", SCRIPT])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 is needed to parse the metrics");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "the OpenMetrics parser refused the text (is prometheus-client installed? pip install prometheus-client): {}\n{text}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let parsed: HashMap<String, (String, HashMap<String, f64>)> = serde_json::from_slice(&output.stdout).unwrap();
+    parsed
+}
+
+/// One sample's value in the raw text (for polling before the parser is run).
+fn sample(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test]
+async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
+    let db = TestDb::new().await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let relay = spawn_run(&db.url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
+    until_status(&format!("{base}/readyz"), 200).await;
+    let (status, before) = get(&format!("{base}/metrics")).await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(sample(&before, "outbox_relay_events_delivered_total"), Some(0.0));
+
+    for n in 0..3 {
+        publish(&db, "order.placed", json!({"n": n})).await;
+    }
+    let url = format!("{base}/metrics");
+    let text = until("the delivered counter reaches 3", || async {
+        let (_, text) = get(&url).await?;
+        (sample(&text, "outbox_relay_events_delivered_total") == Some(3.0)).then_some(text)
+    })
+    .await;
+    let families = parse_openmetrics(&text);
+    let expected = [
+        ("outbox_relay_events_delivered", "counter"),
+        ("outbox_relay_events_retried", "counter"),
+        ("outbox_relay_events_dead_lettered", "counter"),
+        ("outbox_relay_delivery_latency_seconds", "histogram"),
+        ("outbox_relay_pending_events", "gauge"),
+        ("outbox_relay_oldest_pending_age_seconds", "gauge"),
+        ("outbox_relay_dead_letters", "gauge"),
+        ("outbox_relay_breaker_open", "gauge"),
+        ("outbox_relay_notification_queue_usage_ratio", "gauge"),
+        ("outbox_relay_claims", "counter"),
+        ("outbox_relay_claim_duration_seconds", "histogram"),
+        ("outbox_relay_oldest_transaction_age_seconds", "gauge"),
+        ("outbox_relay_xmin_horizon_age_transactions", "gauge"),
+        ("outbox_relay_outbox_dead_tuples", "gauge"),
+        ("outbox_relay_database_up", "gauge"),
+        ("outbox_relay_listening", "gauge"),
+        ("outbox_relay_paused", "gauge"),
+    ];
+    for (name, kind) in expected {
+        let (found, _) = families.get(name).unwrap_or_else(|| panic!("no family {name} in\n{text}"));
+        assert_eq!(found, kind, "{name}");
+    }
+    let value = |family: &str, sample: &str| families[family].1[sample];
+    assert_eq!(value("outbox_relay_events_delivered", "outbox_relay_events_delivered_total"), 3.0);
+    assert_eq!(value("outbox_relay_events_retried", "outbox_relay_events_retried_total"), 0.0);
+    assert_eq!(value("outbox_relay_delivery_latency_seconds", "outbox_relay_delivery_latency_seconds_count"), 3.0);
+    assert!(value("outbox_relay_claims", "outbox_relay_claims_total") >= 1.0);
+    assert_eq!(value("outbox_relay_database_up", "outbox_relay_database_up"), 1.0);
+    assert_eq!(value("outbox_relay_listening", "outbox_relay_listening"), 1.0);
+    assert_eq!(value("outbox_relay_pending_events", "outbox_relay_pending_events"), 0.0);
+    assert_eq!(until_status(&format!("{base}/healthz"), 200).await, r#"{"status":"ok"}"#);
+    assert_eq!(terminate(relay).await, Some(0));
+}
+
+#[tokio::test]
+async fn readyz_follows_a_database_outage_both_ways() {
+    let mut pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot start a private PostgreSQL: {e}"));
+    let url = pg.url();
+    let migrated = cli(&url, &["migrate"]).await;
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let relay = spawn_run(&url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
+    assert_eq!(until_status(&format!("{base}/readyz"), 200).await, r#"{"ready":true}"#);
+
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.stop(StopMode::Fast).unwrap();
+        pg
+    })
+    .await
+    .unwrap();
+    let body = until_status(&format!("{base}/readyz"), 503).await;
+    let body: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["ready"], false);
+    assert!(body["reason"].as_str().unwrap().contains("database"), "{body}");
+    // Alive all the same: an orchestrator should not restart a relay for its database's outage.
+    assert_eq!(get(&format!("{base}/healthz")).await.unwrap().0, 200);
+    let (_, metrics) = get(&format!("{base}/metrics")).await.unwrap();
+    assert_eq!(sample(&metrics, "outbox_relay_database_up"), Some(0.0), "{metrics}");
+
+    let mut pg = pg;
+    let pg = tokio::task::spawn_blocking(move || {
+        pg.start_again().unwrap();
+        pg
+    })
+    .await
+    .unwrap();
+    until_status(&format!("{base}/readyz"), 200).await;
+    assert_eq!(terminate(relay).await, Some(0));
+    drop(pg);
+}
+
+#[tokio::test]
+async fn a_pause_from_the_command_outlives_a_relay_restart() {
+    let db = TestDb::new().await;
+    let paused = cli(&db.url, &["pause", "--topic", "mail.send"]).await;
+    assert!(paused.status.success(), "{}", stderr(&paused));
+    assert!(stdout(&paused).contains("paused topic mail.send"), "{}", stdout(&paused));
+    let refused = cli(&db.url, &["pause", "--topic", "not a topic"]).await;
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains("topic \"not a topic\""), "{}", stderr(&refused));
+
+    let held = publish(&db, "mail.send", json!({})).await;
+    let relay = spawn_run(&db.url, &["--sink", "stdout"]);
+    let other = publish(&db, "erp.sync", json!({})).await;
+    let processed = |id: i64| {
+        let db = &db;
+        async move {
+            db.client()
+                .await
+                .query_one("select processed_at is not null from outbox_relay.outbox where id = $1", &[&id])
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    eventually("the other topic is delivered", || processed(other)).await;
+    assert!(!processed(held).await, "claims go in id order: the paused event was passed over");
+    assert_eq!(terminate(relay).await, Some(0));
+
+    let status = cli(&db.url, &["status"]).await;
+    assert!(stdout(&status).contains("paused                    mail.send"), "{}", stdout(&status));
+    let relay = spawn_run(&db.url, &["--sink", "stdout"]);
+    let other = publish(&db, "erp.sync", json!({})).await;
+    eventually("the restarted relay delivers the other topic", || processed(other)).await;
+    assert!(!processed(held).await, "still paused after the restart");
+    let resumed = cli(&db.url, &["resume", "--topic", "mail.send"]).await;
+    assert!(stdout(&resumed).contains("resumed topic mail.send"), "{}", stdout(&resumed));
+    eventually("the resumed event is delivered", || processed(held)).await;
+    let attempts: i32 = db
+        .client()
+        .await
+        .query_one("select attempts from outbox_relay.outbox where id = $1", &[&held])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(attempts, 1, "the pause cost it no attempt");
+    assert_eq!(terminate(relay).await, Some(0));
+}
+
+/// `outbox-relay console` with these arguments.
+fn spawn_console(url: &str, args: &[&str], token: Option<&str>) -> Child {
+    let mut command = Command::new(BIN);
+    command.arg("console").args(args).env("DATABASE_URL", url).env("RUST_LOG", "info");
+    if let Some(token) = token {
+        command.env("OUTBOX_RELAY_HTTP_TOKEN", token);
+    }
+    command.stdout(Stdio::piped()).stderr(Stdio::piped()).kill_on_drop(true).spawn().unwrap()
+}
+
+fn csrf_of(page: &str) -> String {
+    let at = page.find("name=\"csrf\" value=\"").expect("a form with the CSRF token") + 19;
+    page[at..at + 32].to_string()
+}
+
+async fn post(url: &str, form: &[(&str, &str)]) -> (u16, String) {
+    let response = http().post(url).form(form).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn console_actions_need_the_csrf_token_and_the_access_token() {
+    let db = TestDb::new().await;
+    let token = "s3cret-token-0123456789";
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let console = spawn_console(&db.url, &["--listen", &format!("127.0.0.1:{port}")], Some(token));
+    let page = until_status(&format!("{base}/"), 200).await;
+    let csrf = csrf_of(&page);
+    let pause = format!("{base}/actions/pause");
+    assert_eq!(post(&pause, &[("topic", "a.b")]).await.0, 403, "no CSRF token");
+    assert_eq!(post(&pause, &[("csrf", "0".repeat(32).as_str()), ("token", token)]).await.0, 403, "a wrong one");
+    assert_eq!(post(&pause, &[("csrf", &csrf)]).await.0, 401, "no access token");
+    assert_eq!(post(&pause, &[("csrf", &csrf), ("token", "s3cret-token-0123456780")]).await.0, 401);
+    assert!(db.outbox.pauses().await.unwrap().is_empty(), "nothing was paused by a refused request");
+    let (status, _) = post(&pause, &[("csrf", &csrf), ("token", token), ("topic", "a.b")]).await;
+    assert_eq!(status, 303);
+    assert_eq!(db.outbox.pauses().await.unwrap()[0].topic.as_deref(), Some("a.b"));
+    let (status, body) = post(&pause, &[("csrf", &csrf), ("token", token), ("topic", "<script>")]).await;
+    assert_eq!(status, 400, "{body}");
+    // A page elsewhere cannot reach the loopback console by a name of its own (DNS rebinding).
+    let rebound = http().get(format!("{base}/")).header("Host", "evil.example:80").send().await.unwrap();
+    assert_eq!(rebound.status().as_u16(), 421);
+
+    let child = console;
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(!logs.contains(token), "the token is never logged:\n{logs}");
+    assert!(logs.contains("paused topic a.b (console)"), "{logs}");
+}
+
+#[tokio::test]
+async fn a_console_on_a_public_address_without_a_token_is_read_only() {
+    let db = TestDb::new().await;
+    let port = free_port();
+    let console = spawn_console(&db.url, &["--listen", &format!("0.0.0.0:{port}")], None);
+    let base = format!("http://127.0.0.1:{port}");
+    let page = until_status(&format!("{base}/"), 200).await;
+    assert!(page.contains("Read-only"), "{page}");
+    let (status, body) = post(&format!("{base}/actions/pause"), &[("csrf", &csrf_of(&page))]).await;
+    assert_eq!(status, 403);
+    assert!(body.contains("--http-token"), "{body}");
+    assert!(db.outbox.pauses().await.unwrap().is_empty());
+    // The metrics and probes need no token.
+    assert_eq!(get(&format!("{base}/metrics")).await.unwrap().0, 200);
+    assert_eq!(get(&format!("{base}/readyz")).await.unwrap().0, 200);
+    drop(console);
+}
+
+/// A receiver that refuses every event (422, for good) until it is told to take them.
+async fn receiver() -> (String, Arc<AtomicBool>, tokio::sync::mpsc::UnboundedReceiver<Value>) {
+    use axum::routing::post;
+    let accept = Arc::new(AtomicBool::new(false));
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let state = (accept.clone(), tx);
+    let app = axum::Router::new()
+        .route(
+            "/hook",
+            post(
+                |axum::extract::State((accept, tx)): axum::extract::State<(
+                    Arc<AtomicBool>,
+                    tokio::sync::mpsc::UnboundedSender<Value>,
+                )>,
+                 axum::Json(body): axum::Json<Value>| async move {
+                    if accept.load(Ordering::SeqCst) {
+                        tx.send(body).ok();
+                        axum::http::StatusCode::OK
+                    } else {
+                        axum::http::StatusCode::UNPROCESSABLE_ENTITY
+                    }
+                },
+            ),
+        )
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/hook"), accept, rx)
+}
+
+/// Debian's chromedriver and Chromium, headless; `.ci/run` installs them.
+struct Browser {
+    driver: std::process::Child,
+    client: fantoccini::Client,
+    _profile: tempfile::TempDir,
+}
+
+impl Browser {
+    async fn start() -> Browser {
+        let port = free_port();
+        let driver = std::process::Command::new("chromedriver")
+            .arg(format!("--port={port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("chromedriver is needed for the console's browser test (apt-get install chromium chromium-driver)");
+        let profile = tempfile::tempdir().unwrap();
+        let mut chrome = serde_json::Map::new();
+        chrome.insert(
+            "args".into(),
+            json!([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                format!("--user-data-dir={}", profile.path().display()),
+            ]),
+        );
+        if std::path::Path::new("/usr/bin/chromium").exists() {
+            chrome.insert("binary".into(), json!("/usr/bin/chromium"));
+        }
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert("goog:chromeOptions".into(), Value::Object(chrome));
+        let client = until("chromedriver starts a headless Chromium", || async {
+            let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+            fantoccini::ClientBuilder::new(connector)
+                .capabilities(capabilities.clone())
+                .connect(&format!("http://127.0.0.1:{port}"))
+                .await
+                .ok()
+        })
+        .await;
+        Browser { driver, client, _profile: profile }
+    }
+}
+
+impl Drop for Browser {
+    fn drop(&mut self) {
+        let _ = self.driver.kill();
+        let _ = self.driver.wait();
+    }
+}
+
+#[tokio::test]
+async fn in_a_browser_a_dead_letter_is_shown_and_a_click_on_retry_delivers_it() {
+    let db = TestDb::new().await;
+    let (hook, accept, mut received) = receiver().await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let relay = spawn_run(&db.url, &["--sink", &hook, "--http", &format!("127.0.0.1:{port}")]);
+    until_status(&format!("{base}/readyz"), 200).await;
+    let id = publish(&db, "invoice.issue", json!({"invoice": "F-7"})).await;
+    eventually("the refused event is in the dead letters", || async {
+        db.client()
+            .await
+            .query_one("select count(*) from outbox_relay.dead_letters where id = $1", &[&id])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    accept.store(true, Ordering::SeqCst);
+
+    let browser = Browser::start().await;
+    let page = &browser.client;
+    page.goto(&format!("{base}/")).await.unwrap();
+    let row = page.find(fantoccini::Locator::Css(&format!("#dead-{id}"))).await.expect("the dead letter's row");
+    let text = row.text().await.unwrap();
+    assert!(text.contains("invoice.issue") && text.contains("422"), "{text}");
+    // The payload, on demand.
+    row.find(fantoccini::Locator::Css("summary")).await.unwrap().click().await.unwrap();
+    until("the payload shows", || async {
+        let shown = row.find(fantoccini::Locator::Css("pre")).await.ok()?.text().await.ok()?;
+        shown.contains("F-7").then_some(())
+    })
+    .await;
+
+    row.find(fantoccini::Locator::Css("form[action='/actions/retry'] button")).await.unwrap().click().await.unwrap();
+    let delivered = tokio::time::timeout(PATIENCE, received.recv()).await.expect("delivered after the retry").unwrap();
+    assert_eq!(delivered["id"], json!(id), "{delivered}");
+    let done = page.find(fantoccini::Locator::Css(".done")).await.expect("the console says what it did");
+    assert_eq!(done.text().await.unwrap(), format!("retried dead letter {id}"));
+    page.goto(&format!("{base}/?lookup={id}")).await.unwrap();
+    let found = page.find(fantoccini::Locator::Id("lookup-result")).await.unwrap().text().await.unwrap();
+    assert!(found.contains("processed"), "{found}");
+
+    browser.client.clone().close().await.unwrap();
+    drop(browser);
+    assert_eq!(terminate(relay).await, Some(0));
+}

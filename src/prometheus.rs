@@ -1,0 +1,223 @@
+//! Prometheus metrics (feature `prometheus`): the queue as the database holds it, the health
+//! signals, and a relay's own counters, in the OpenMetrics text format, for any HTTP server to
+//! serve.
+//!
+//! ```no_run
+//! # #[cfg(feature = "prometheus")]
+//! # async fn f(outbox: outbox_relay::Outbox, relay_metrics: std::sync::Arc<outbox_relay::RelayMetrics>) {
+//! use std::sync::Arc;
+//! use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
+//! use outbox_relay::prometheus::{CONTENT_TYPE, Exporter};
+//!
+//! let exporter = Arc::new(Exporter::new(&outbox).with_relay(relay_metrics));
+//! let app: Router = Router::new()
+//!     .route("/metrics", get(|State(e): State<Arc<Exporter>>| async move {
+//!         ([(header::CONTENT_TYPE, CONTENT_TYPE)], e.encode().await)
+//!     }))
+//!     .with_state(exporter);
+//! # }
+//! ```
+//!
+//! Every family, its type and meaning, is listed in the README ("Running it in production").
+//! No family has labels: nothing in them grows with topics, keys or events.
+
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::outbox::Outbox;
+use crate::queue::{Health, QueueStats};
+use crate::relay::{HistogramSnapshot, MetricsSnapshot, RelayMetrics};
+
+/// The `Content-Type` of [`Exporter::encode`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Reads the metrics of an outbox and, when given, of the relay running on it.
+#[derive(Debug, Clone)]
+pub struct Exporter {
+    outbox: Outbox,
+    relay: Option<Arc<RelayMetrics>>,
+}
+
+impl Exporter {
+    /// The metrics of the queue in `outbox`'s database.
+    pub fn new(outbox: &Outbox) -> Self {
+        Exporter { outbox: outbox.clone(), relay: None }
+    }
+
+    /// Adds the counters of a relay ([`crate::Relay::metrics`]).
+    pub fn with_relay(mut self, metrics: Arc<RelayMetrics>) -> Self {
+        self.relay = Some(metrics);
+        self
+    }
+
+    /// The metrics now, as OpenMetrics text. The queue's gauges come from the database (one
+    /// statement that counts the outbox, one that reads the health signals); when it does not
+    /// answer, `outbox_relay_database_up` is 0, those gauges are left out and the relay's
+    /// counters are still there: a scrape never fails for an outage.
+    pub async fn encode(&self) -> String {
+        let read = async {
+            let stats = self.outbox.queue_stats().await?;
+            let health = self.outbox.health().await?;
+            let pauses = self.outbox.pauses().await?;
+            Ok::<_, crate::Error>((stats, health, pauses.len()))
+        };
+        let database = match tokio::time::timeout(std::time::Duration::from_secs(5), read).await {
+            Ok(Ok(read)) => Some(read),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "metrics: the database did not answer");
+                None
+            }
+            Err(_) => None,
+        };
+        let relay = self.relay.as_ref().map(|m| m.snapshot());
+        let mut registry = Registry::default();
+        register(&mut registry, database.as_ref(), relay.as_ref());
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
+        text
+    }
+}
+
+fn gauge(registry: &mut Registry, name: &str, help: &str, value: f64) {
+    registry.register(name, help, ConstGauge::new(value));
+}
+
+fn gauge_in(registry: &mut Registry, name: &str, help: &str, unit: Unit, value: f64) {
+    registry.register_with_unit(name, help, unit, ConstGauge::new(value));
+}
+
+fn counter(registry: &mut Registry, name: &str, help: &str, value: u64) {
+    registry.register(name, help, ConstCounter::new(value));
+}
+
+fn register(registry: &mut Registry, database: Option<&(QueueStats, Health, usize)>, relay: Option<&MetricsSnapshot>) {
+    gauge(
+        registry,
+        "outbox_relay_database_up",
+        "1 when the database answered this scrape, else 0",
+        f64::from(u8::from(database.is_some())),
+    );
+    if let Some((stats, health, pauses)) = database {
+        let seconds = |ms: Option<i64>| ms.map_or(0.0, |ms| ms.max(0) as f64 / 1000.0);
+        gauge(
+            registry,
+            "outbox_relay_pending_events",
+            "Events not yet delivered: ready, delayed (a delay or a retry backoff) and in flight",
+            (stats.pending + stats.delayed + stats.in_flight) as f64,
+        );
+        gauge(registry, "outbox_relay_ready_events", "Pending events deliverable now", stats.pending as f64);
+        gauge(registry, "outbox_relay_delayed_events", "Pending events waiting for their time", stats.delayed as f64);
+        gauge(registry, "outbox_relay_in_flight_events", "Events claimed under a lease", stats.in_flight as f64);
+        gauge_in(
+            registry,
+            "outbox_relay_oldest_pending_age",
+            "Age of the oldest undelivered event (0 when there is none)",
+            Unit::Seconds,
+            seconds(stats.oldest_pending_age_ms),
+        );
+        gauge_in(
+            registry,
+            "outbox_relay_oldest_ready_age",
+            "How long the longest-waiting deliverable event has been due: the relay's lag",
+            Unit::Seconds,
+            seconds(stats.oldest_ready_age_ms),
+        );
+        gauge(registry, "outbox_relay_dead_letters", "Events in the dead letters", stats.dead_letters as f64);
+        gauge(
+            registry,
+            "outbox_relay_notification_queue_usage_ratio",
+            "Share of PostgreSQL's notification queue in use (NOTIFY fails at 1)",
+            health.notification_queue_usage,
+        );
+        gauge_in(
+            registry,
+            "outbox_relay_oldest_transaction_age",
+            "Age of the oldest open transaction on the server (holds vacuum back)",
+            Unit::Seconds,
+            seconds(health.oldest_transaction_age_ms),
+        );
+        gauge(
+            registry,
+            "outbox_relay_xmin_horizon_age_transactions",
+            "Age in transactions of the oldest snapshot held (sessions, replication slots, prepared transactions)",
+            health.xmin_horizon_age.unwrap_or(0) as f64,
+        );
+        gauge(
+            registry,
+            "outbox_relay_outbox_dead_tuples",
+            "Dead tuples in the outbox table, by PostgreSQL's statistics",
+            health.outbox_dead_tuples as f64,
+        );
+        gauge(registry, "outbox_relay_pauses", "Pauses in place (the pause of every topic counts one)", *pauses as f64);
+    }
+    let Some(relay) = relay else { return };
+    counter(registry, "outbox_relay_events_delivered", "Events delivered (the handler succeeded)", relay.delivered);
+    counter(registry, "outbox_relay_events_retried", "Failed deliveries rescheduled for a retry", relay.retried);
+    counter(registry, "outbox_relay_events_dead_lettered", "Events moved to the dead letters", relay.dead_lettered);
+    registry.register_with_unit(
+        "outbox_relay_delivery_latency",
+        "From an event's commit (its created_at) to its successful delivery",
+        Unit::Seconds,
+        Histogram(relay.latency_seconds.clone()),
+    );
+    counter(registry, "outbox_relay_claims", "Claim statements run", relay.claims);
+    counter(registry, "outbox_relay_events_claimed", "Events claimed", relay.claimed_events);
+    registry.register_with_unit(
+        "outbox_relay_claim_duration",
+        "How long a claim statement took",
+        Unit::Seconds,
+        Histogram(relay.claim_seconds.clone()),
+    );
+    counter(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay.wakeups);
+    counter(
+        registry,
+        "outbox_relay_listener_reconnects",
+        "Times the listener connection was re-established",
+        relay.reconnects,
+    );
+    gauge(
+        registry,
+        "outbox_relay_breaker_open",
+        "1 while the outage breaker is open (the destination is taken to be down)",
+        f64::from(u8::from(relay.breaker_open)),
+    );
+    counter(registry, "outbox_relay_breaker_opens", "Times the outage breaker opened", relay.breaker_opens);
+    gauge(
+        registry,
+        "outbox_relay_listening",
+        "1 while the listener listens for notifications",
+        f64::from(u8::from(relay.listening)),
+    );
+    gauge(
+        registry,
+        "outbox_relay_paused",
+        "1 while every topic is paused, as the relay last read the pauses",
+        f64::from(u8::from(relay.paused_all)),
+    );
+    gauge(
+        registry,
+        "outbox_relay_paused_topics",
+        "Single topics paused, as the relay last read them",
+        relay.paused_topics as f64,
+    );
+}
+
+/// A histogram as read, in the exposition.
+#[derive(Debug)]
+struct Histogram(HistogramSnapshot);
+
+impl EncodeMetric for Histogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<NoLabelSet>(self.0.sum_seconds, self.0.count, &self.0.buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}

@@ -1,0 +1,113 @@
+//! Pauses: which topics no claim takes, as the `outbox_relay.pauses` table says, re-read every
+//! [`REFRESH`] so that a pause or resume from any process applies within about a second.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::RelayPool;
+use super::metrics::RelayMetrics;
+use crate::sql;
+
+/// How often the pauses are re-read.
+pub(crate) const REFRESH: Duration = Duration::from_millis(500);
+
+/// The pauses as last read: every topic, or these. Until they are first read nothing is
+/// claimed, so that a relay starting on a paused database delivers nothing it should not.
+#[derive(Debug, Default)]
+pub(crate) struct Pauses {
+    read: AtomicBool,
+    all: AtomicBool,
+    topics: RwLock<Arc<[String]>>,
+}
+
+impl Pauses {
+    /// Whether no claim may run: every topic is paused, or the pauses were never read yet.
+    pub(crate) fn all(&self) -> bool {
+        self.all.load(Ordering::Acquire) || !self.read.load(Ordering::Acquire)
+    }
+
+    /// The paused topics, for the claim.
+    pub(crate) fn topics(&self) -> Arc<[String]> {
+        self.topics.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Takes what the table holds now; true when claims may find more than before (the first
+    /// read, or something resumed).
+    fn update(&self, all: bool, topics: Vec<String>) -> bool {
+        let mut current = self.topics.write().unwrap_or_else(|e| e.into_inner());
+        let resumed = current.iter().any(|t| !topics.contains(t));
+        if **current != *topics {
+            *current = topics.into();
+        }
+        drop(current);
+        let was_all = self.all.swap(all, Ordering::AcqRel);
+        let first = !self.read.swap(true, Ordering::AcqRel);
+        (!all && (first || was_all)) || resumed
+    }
+}
+
+/// Re-reads the pauses every [`REFRESH`] until `stop`, logs each change and wakes the workers
+/// when something is resumed. While the database does not answer the last pauses read stay.
+pub(crate) async fn run(
+    pauses: Arc<Pauses>,
+    pool: RelayPool,
+    work: Arc<Notify>,
+    metrics: Arc<RelayMetrics>,
+    stop: CancellationToken,
+) {
+    let mut shown: Option<(bool, Vec<String>)> = None;
+    loop {
+        let read = async { sql::pauses(&*pool.client().await?).await };
+        match read.await {
+            Ok(rows) => {
+                let all = rows.iter().any(|p| p.topic.is_none());
+                let topics: Vec<String> = rows.into_iter().filter_map(|p| p.topic).collect();
+                metrics.set_paused(all, topics.len());
+                if shown.as_ref().is_none_or(|(a, t)| *a != all || *t != topics) {
+                    if all {
+                        tracing::warn!("delivery is paused for every topic (outbox-relay resume lifts it)");
+                    } else if !topics.is_empty() {
+                        tracing::warn!(topics = %topics.join(", "), "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)");
+                    } else if shown.is_some() {
+                        tracing::info!("delivery resumed: no topic is paused");
+                    }
+                    shown = Some((all, topics.clone()));
+                }
+                if pauses.update(all, topics) {
+                    work.notify_waiters();
+                    work.notify_one();
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "could not read the pauses; the last ones read stay"),
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(REFRESH) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resume_is_told_apart_from_a_pause() {
+        let pauses = Pauses::default();
+        assert!(pauses.all(), "nothing is claimed before the pauses are read");
+        assert!(pauses.update(false, vec!["a".into()]), "the first read lets claims run");
+        assert!(!pauses.all());
+        assert!(!pauses.update(false, vec!["a".into(), "b".into()]), "a new pause resumes nothing");
+        assert!(pauses.update(false, vec!["a".into()]));
+        assert_eq!(&*pauses.topics(), ["a".to_string()]);
+        assert!(!pauses.update(true, vec!["a".into()]));
+        assert!(pauses.all());
+        assert!(pauses.update(false, vec!["a".into()]), "lifting the pause of every topic");
+        assert!(pauses.update(false, vec![]), "lifting the pause of one topic");
+        assert!(!pauses.update(false, vec![]));
+    }
+}
