@@ -17,6 +17,8 @@ mod queue;
 mod relay;
 pub mod sink;
 mod sql;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 mod timestamp;
 mod tls;
 mod wake;

@@ -1,9 +1,9 @@
 //! The body of each command.
 
-use outbox_relay::sink::{Sink, SinkOptions};
+use outbox_relay::sink::{Secret, Sink, SinkOptions};
 use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
-use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, RunArgs, UsageError};
+use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, FormatArg, RunArgs, UsageError};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
@@ -139,8 +139,29 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
         ..RelayConfig::default()
     };
     config.validate()?;
-    let options =
-        SinkOptions { timeout: args.timeout, subject_prefix: args.subject_prefix, create_stream: args.create_stream };
+    let mut headers = Vec::with_capacity(args.headers.len());
+    for header in &args.headers {
+        // Split here, not in clap: its errors would show the value (a token, say).
+        let Some((name, value)) = header.expose().split_once(':') else {
+            return Err(UsageError("a --header must look like 'Name: value' (one had no colon)".into()).into());
+        };
+        headers.push((name.trim().to_string(), Secret::new(value.trim())));
+    }
+    let options = SinkOptions {
+        timeout: args.timeout,
+        subject_prefix: args.subject_prefix,
+        create_stream: args.create_stream,
+        exchange: args.exchange,
+        signing_secrets: args.signing_secrets,
+        http_format: match args.format {
+            FormatArg::Raw => "raw",
+            FormatArg::Cloudevents => "cloudevents",
+            FormatArg::CloudeventsStructured => "cloudevents-structured",
+        }
+        .to_string(),
+        cloudevents_source: args.cloudevents_source,
+        headers,
+    };
     // The sink first: a bad spec is refused before anything touches the database.
     let sink = Sink::connect(&args.sink, &options).await?;
     let outbox = if args.migrate {

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use outbox_relay::defaults;
+use outbox_relay::sink::Secret;
 
 /// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
 #[derive(Debug, Parser)]
@@ -66,8 +67,8 @@ enum Command {
         listen: std::net::SocketAddr,
         /// Token that actions (retry, purge, pause, resume) need; required for actions on a
         /// non-loopback address. At least 16 characters; never logged.
-        #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN")]
-        http_token: Option<http::Secret>,
+        #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
+        http_token: Option<Secret>,
     },
     /// Run one pass of the janitor and print what it removed.
     Cleanup {
@@ -114,7 +115,8 @@ enum DeadLetterCommand {
 /// What `run` delivers to, and how.
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
-    /// Where events go: stdout, http://host[:port]/path, https://..., or nats://host:port.
+    /// Where events go: stdout, http://host[:port]/path, https://..., nats://host:port, or
+    /// amqp://user:pass@host:5672/vhost (RabbitMQ).
     #[arg(long, value_name = "SINK")]
     sink: String,
     /// Concurrent claimers (each claims its own batches).
@@ -183,6 +185,25 @@ pub(crate) struct RunArgs {
     /// Create (or reuse) a JetStream stream of this name capturing <PREFIX>.>.
     #[arg(long, value_name = "NAME")]
     create_stream: Option<String>,
+    /// RabbitMQ sink: the exchange to publish to (declared as a durable topic exchange when
+    /// missing); the routing key is the topic.
+    #[arg(long, value_name = "NAME", default_value = outbox_relay::sink::DEFAULT_EXCHANGE)]
+    exchange: String,
+    /// HTTP sink: a Standard Webhooks signing secret (whsec_...); give it again (or several,
+    /// comma-separated, in the environment variable) to rotate: every secret signs. Never shown.
+    #[arg(long = "signing-secret", env = "OUTBOX_RELAY_SIGNING_SECRETS", hide_env_values = true, value_delimiter = ',', value_name = "SECRET", value_parser = secret)]
+    signing_secrets: Vec<Secret>,
+    /// HTTP sink: the event's JSON (raw), a CloudEvent in binary mode (cloudevents) or in
+    /// structured mode (cloudevents-structured).
+    #[arg(long, value_enum, default_value_t = FormatArg::Raw)]
+    format: FormatArg,
+    /// HTTP sink: the CloudEvents source attribute (default urn:outbox-relay).
+    #[arg(long, value_name = "URI")]
+    cloudevents_source: Option<String>,
+    /// HTTP sink: a header sent with every request, 'Name: value' (repeatable). Its value is
+    /// never shown.
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = secret)]
+    headers: Vec<Secret>,
     /// Apply pending migrations before starting.
     #[arg(long)]
     migrate: bool,
@@ -191,8 +212,23 @@ pub(crate) struct RunArgs {
     http: Option<std::net::SocketAddr>,
     /// Token that the console's actions need; required for actions when --http is not a
     /// loopback address. At least 16 characters; never logged.
-    #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN")]
-    http_token: Option<http::Secret>,
+    #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
+    http_token: Option<Secret>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FormatArg {
+    /// The event's JSON object.
+    Raw,
+    /// CloudEvents binary mode: ce-* headers, the payload as the body.
+    Cloudevents,
+    /// CloudEvents structured mode: one application/cloudevents+json object.
+    CloudeventsStructured,
+}
+
+/// A flag's value kept as a secret: clap never shows it in an error.
+fn secret(text: &str) -> Result<Secret, String> {
+    Ok(Secret::new(text))
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

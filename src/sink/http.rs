@@ -1,11 +1,15 @@
-//! HTTP: a POST of the event's JSON per event.
+//! HTTP: a POST per event, as the event's JSON or as a CloudEvent, optionally signed.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use reqwest::StatusCode;
-use reqwest::header::{HeaderMap, LOCATION, RETRY_AFTER};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 
-use super::event_json;
+use super::Secret;
+use super::conventions::{
+    DEFAULT_CLOUDEVENTS_SOURCE, HttpFormat, RequestParts, SigningSecret, check_source, request_parts, signatures,
+};
 use super::url::redact as redact_url;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -24,70 +28,187 @@ const ERROR_BODY_LIMIT: usize = 4096;
 /// How many characters of it the error message shows.
 const ERROR_SNIPPET_CHARS: usize = 200;
 
-/// POSTs each event as JSON to one URL.
+/// POSTs each event to one URL: as its JSON object, or as a CloudEvent; signed the Standard
+/// Webhooks way when given secrets.
 ///
 /// A 2xx answer is a delivery. 408, 429, 5xx, timeouts and connection errors are transient
 /// (retried with backoff, or after the answer's `Retry-After` when it gives one); any other 4xx is
 /// permanent (dead-lettered): the receiver refused this event and would refuse it again.
 /// Redirects are never followed (a 3xx is a transient failure naming the `Location`): following
 /// one would send a 301/302/303's event as a GET without its body, or a 307/308's to wherever the
-/// receiver points. The URL's password and query values never appear in logs or errors.
+/// receiver points. The URL's password and query values, the secrets and the fixed headers'
+/// values never appear in logs or errors.
 #[derive(Debug, Clone)]
 pub struct HttpSink {
     client: reqwest::Client,
     url: reqwest::Url,
     /// `url` as it may be shown.
     pub(super) shown: String,
+    format: HttpFormat,
+    source: String,
+    secrets: Arc<[SigningSecret]>,
+    /// Fixed headers; their values are not shown (`Debug` of a sensitive value hides it).
+    headers: HeaderMap,
 }
 
-impl HttpSink {
-    /// A sink POSTing to `url`, each request bounded by `timeout`.
-    pub fn new(url: &str, timeout: Duration) -> Result<Self> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| {
+/// Builds an [`HttpSink`]: `HttpSink::builder(url).signing_secret(secret).format(..).build()`.
+#[derive(Debug, Clone)]
+pub struct HttpSinkBuilder {
+    url: String,
+    timeout: Duration,
+    format: HttpFormat,
+    source: String,
+    secrets: Vec<SigningSecret>,
+    headers: Vec<(String, Secret)>,
+}
+
+/// Headers the sink sets itself, which `--header` may not replace.
+const RESERVED_HEADERS: [&str; 8] = [
+    "content-type",
+    "content-length",
+    "host",
+    "transfer-encoding",
+    "connection",
+    "webhook-id",
+    "webhook-timestamp",
+    "webhook-signature",
+];
+
+impl HttpSinkBuilder {
+    /// Each request bounded by this (1 ms to [`super::MAX_TIMEOUT`]; default
+    /// [`super::DEFAULT_HTTP_TIMEOUT`]).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How the event goes into the request (default [`HttpFormat::Raw`]).
+    pub fn format(mut self, format: HttpFormat) -> Self {
+        self.format = format;
+        self
+    }
+
+    /// The CloudEvents `source` (default [`DEFAULT_CLOUDEVENTS_SOURCE`]): name the service or
+    /// database, since `source` and `id` together identify an event.
+    pub fn cloudevents_source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
+        self
+    }
+
+    /// Signs every request with this secret too (Standard Webhooks: `webhook-id` = the event id,
+    /// `webhook-timestamp` = the attempt's time, `webhook-signature` = one `v1,` signature per
+    /// secret).
+    pub fn signing_secret(mut self, secret: SigningSecret) -> Self {
+        self.secrets.push(secret);
+        self
+    }
+
+    /// Sends this header with every request (an `Authorization` token, say). Its value is never
+    /// shown. The headers the sink sets itself (`Content-Type`, `Host`, `webhook-*`, `ce-*`,
+    /// `Outbox-*`) are refused.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), Secret::new(value.into())));
+        self
+    }
+
+    /// The sink, or an error naming what is wrong (never a secret or a header's value).
+    pub fn build(self) -> Result<HttpSink> {
+        let parsed = reqwest::Url::parse(&self.url).map_err(|e| {
             Error::config(format!(
                 "invalid sink URL {}: {e} (expected http://host[:port]/path)",
-                super::describe_spec(url)
+                super::describe_spec(&self.url)
             ))
         })?;
         let shown = redact_url(&parsed);
         if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none_or(str::is_empty) {
             return Err(Error::config(format!("invalid sink URL {shown}: expected http(s)://host[:port]/path")));
         }
-        super::check_timeout(timeout)?;
+        super::check_timeout(self.timeout)?;
+        check_source(&self.source)?;
+        let mut headers = HeaderMap::new();
+        for (name, value) in &self.headers {
+            let header = HeaderName::from_bytes(name.trim().as_bytes())
+                .map_err(|_| Error::config(format!("{name:?} is no HTTP header name")))?;
+            let lower = header.as_str();
+            if RESERVED_HEADERS.contains(&lower) || lower.starts_with("ce-") || lower.starts_with("outbox-") {
+                return Err(Error::config(format!(
+                    "the header {header} is set by the sink itself and cannot be given"
+                )));
+            }
+            let mut value = HeaderValue::from_str(value.expose().trim()).map_err(|_| {
+                Error::config(format!("the value of the header {header} holds characters a header cannot (control characters, a line break)"))
+            })?;
+            value.set_sensitive(true);
+            headers.append(header, value);
+        }
         let client = reqwest::Client::builder()
             .tls_backend_preconfigured(crate::tls::https_client_config()?)
-            .timeout(timeout)
-            .connect_timeout(timeout)
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout)
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| Error::config(format!("cannot build the HTTP client: {e}")))?;
-        Ok(HttpSink { client, url: parsed, shown })
+        Ok(HttpSink {
+            client,
+            url: parsed,
+            shown,
+            format: self.format,
+            source: self.source,
+            secrets: self.secrets.into(),
+            headers,
+        })
+    }
+}
+
+impl HttpSink {
+    /// A sink POSTing each event's JSON to `url`, each request bounded by `timeout`.
+    pub fn new(url: &str, timeout: Duration) -> Result<Self> {
+        HttpSink::builder(url).timeout(timeout).build()
+    }
+
+    /// A builder for a sink POSTing to `url`, with signing, formats and headers.
+    pub fn builder(url: &str) -> HttpSinkBuilder {
+        HttpSinkBuilder {
+            url: url.to_string(),
+            timeout: super::DEFAULT_HTTP_TIMEOUT,
+            format: HttpFormat::Raw,
+            source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
+            secrets: Vec::new(),
+            headers: Vec::new(),
+        }
     }
 }
 
 impl Handler for HttpSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        let body = event_json(event)?;
-        let response = self
+        let RequestParts { body, content_type, headers: ce_headers } = request_parts(event, self.format, &self.source)
+            .map_err(|e| DeliveryError::permanent(format!("cannot serialize event {}: {e}", event.id)))?;
+        let mut request = self
             .client
             .post(self.url.clone())
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .headers(self.headers.clone())
+            .header(reqwest::header::CONTENT_TYPE, content_type)
             .header(EVENT_ID_HEADER, event.id.to_string())
             .header(TOPIC_HEADER, &event.topic)
-            .header(ATTEMPT_HEADER, event.attempts.to_string())
-            .body(body)
-            .send()
-            .await
-            .map_err(|e| {
-                let what = if e.is_timeout() { "timed out" } else { "failed" };
-                // reqwest's message names the URL in full: say it ourselves, redacted.
-                DeliveryError::transient(format!(
-                    "POST {} {what}: {}",
-                    self.shown,
-                    crate::error::chain(&e.without_url())
-                ))
-            })?;
+            .header(ATTEMPT_HEADER, event.attempts.to_string());
+        for (name, value) in ce_headers {
+            request = request.header(name, value);
+        }
+        if !self.secrets.is_empty() {
+            // A fresh timestamp per attempt: receivers refuse old ones (replays).
+            let timestamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            let id = event.id.to_string();
+            request = request
+                .header("webhook-signature", signatures(&self.secrets, &id, timestamp, &body))
+                .header("webhook-id", id)
+                .header("webhook-timestamp", timestamp.to_string());
+        }
+        let response = request.body(body).send().await.map_err(|e| {
+            let what = if e.is_timeout() { "timed out" } else { "failed" };
+            // reqwest's message names the URL in full: say it ourselves, redacted.
+            DeliveryError::transient(format!("POST {} {what}: {}", self.shown, crate::error::chain(&e.without_url())))
+        })?;
         let status = response.status();
         if status.is_success() {
             return Ok(());

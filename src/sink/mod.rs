@@ -1,23 +1,31 @@
 //! Ready-made destinations for the relay: standard output, and behind cargo features an HTTP
-//! endpoint (`http`) and NATS JetStream (`nats`).
+//! endpoint (`http`), NATS JetStream (`nats`) and RabbitMQ (`amqp`).
 //!
 //! Every sink sends the same JSON object per event, the [`Event`] serialized:
 //! `{"id", "topic", "key", "payload", "created_at", "attempts"}`. The `id` is stable across
 //! redeliveries: receivers use it to drop duplicates (the HTTP sink sends it in the
 //! `Outbox-Event-Id` header, the NATS sink as `Nats-Msg-Id`, which JetStream deduplicates on).
 
+#[cfg(feature = "amqp")]
+mod amqp;
+#[cfg(feature = "http")]
+mod conventions;
 #[cfg(feature = "http")]
 mod http;
 #[cfg(feature = "nats")]
 mod nats;
 mod stdout;
-#[cfg(any(feature = "http", feature = "nats"))]
+#[cfg(any(feature = "http", feature = "nats", feature = "amqp"))]
 mod url;
 
 use std::time::Duration;
 
+#[cfg(feature = "amqp")]
+pub use self::amqp::{AmqpSink, DEFAULT_EXCHANGE};
 #[cfg(feature = "http")]
-pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, HttpSink, TOPIC_HEADER};
+pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, HttpFormat, SigningSecret};
+#[cfg(feature = "http")]
+pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
 #[cfg(feature = "nats")]
 pub use self::nats::NatsSink;
 pub use self::stdout::StdoutSink;
@@ -43,6 +51,17 @@ pub struct SinkOptions {
     /// Create (or reuse) a JetStream stream of this name capturing `<prefix>.>`. Streams are
     /// normally the operator's to create. Defaults to none.
     pub create_stream: Option<String>,
+    /// RabbitMQ: the exchange events are published to (declared as a durable topic exchange
+    /// when missing). Defaults to `outbox`.
+    pub exchange: String,
+    /// HTTP: Standard Webhooks signing secrets (`whsec_…`); every one signs each request.
+    pub signing_secrets: Vec<Secret>,
+    /// HTTP: `raw`, `cloudevents` (binary mode) or `cloudevents-structured`. Defaults to `raw`.
+    pub http_format: String,
+    /// HTTP: the CloudEvents `source`; defaults to `urn:outbox-relay`.
+    pub cloudevents_source: Option<String>,
+    /// HTTP: fixed headers sent with every request, as `(name, value)`.
+    pub headers: Vec<(String, Secret)>,
 }
 
 impl Default for SinkOptions {
@@ -51,7 +70,44 @@ impl Default for SinkOptions {
             timeout: DEFAULT_HTTP_TIMEOUT,
             subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
             create_stream: None,
+            exchange: "outbox".into(),
+            signing_secrets: Vec::new(),
+            http_format: "raw".into(),
+            cloudevents_source: None,
+            headers: Vec::new(),
         }
+    }
+}
+
+impl SinkOptions {
+    /// Whether any HTTP-only option differs from its default (the other sinks refuse them).
+    fn has_http_options(&self) -> bool {
+        !self.signing_secrets.is_empty()
+            || self.http_format != "raw"
+            || self.cloudevents_source.is_some()
+            || !self.headers.is_empty()
+    }
+}
+
+/// A secret (a signing secret, a header's value): `Debug` shows nothing of it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps `text`.
+    pub fn new(text: impl Into<String>) -> Self {
+        Secret(text.into())
+    }
+
+    /// The text itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
     }
 }
 
@@ -68,18 +124,27 @@ pub enum Sink {
     /// A JetStream publish per event, acknowledged.
     #[cfg(feature = "nats")]
     Nats(NatsSink),
+    /// A RabbitMQ publish per event, confirmed.
+    #[cfg(feature = "amqp")]
+    Amqp(AmqpSink),
 }
 
 impl Sink {
     /// Builds the sink a spec names; connects where the sink needs a connection, so an
     /// unreachable destination is reported here, not at the first event.
     pub async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink> {
+        let http = spec.starts_with("http://") || spec.starts_with("https://");
+        if !http && options.has_http_options() {
+            return Err(Error::config(
+                "signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only",
+            ));
+        }
         if spec == "stdout" || spec == "-" {
             return Ok(Sink::Stdout(StdoutSink::new()));
         }
-        if spec.starts_with("http://") || spec.starts_with("https://") {
+        if http {
             #[cfg(feature = "http")]
-            return Ok(Sink::Http(HttpSink::new(spec, options.timeout)?));
+            return Ok(Sink::Http(http_sink(spec, options)?));
             #[cfg(not(feature = "http"))]
             return Err(Error::config("this build has no HTTP sink: enable outbox-relay's `http` feature"));
         }
@@ -89,9 +154,15 @@ impl Sink {
             #[cfg(not(feature = "nats"))]
             return Err(Error::config("this build has no NATS sink: enable outbox-relay's `nats` feature"));
         }
+        if spec.starts_with("amqp://") || spec.starts_with("amqps://") {
+            #[cfg(feature = "amqp")]
+            return Ok(Sink::Amqp(AmqpSink::connect(spec, options).await?));
+            #[cfg(not(feature = "amqp"))]
+            return Err(Error::config("this build has no RabbitMQ sink: enable outbox-relay's `amqp` feature"));
+        }
         let _ = options;
         Err(Error::config(format!(
-            "unknown sink {}: expected stdout, http://host[:port]/path, https://..., or nats://host:port",
+            "unknown sink {}: expected stdout, http://host[:port]/path, https://..., nats://host:port or amqp://user:pass@host:5672/vhost",
             describe_spec(spec)
         )))
     }
@@ -104,6 +175,8 @@ impl Sink {
             Sink::Http(s) => s.shown.clone(),
             #[cfg(feature = "nats")]
             Sink::Nats(s) => s.shown.clone(),
+            #[cfg(feature = "amqp")]
+            Sink::Amqp(s) => s.shown.clone(),
         }
     }
 }
@@ -116,6 +189,8 @@ impl Handler for Sink {
             Sink::Http(s) => s.handle(event).await,
             #[cfg(feature = "nats")]
             Sink::Nats(s) => s.handle(event).await,
+            #[cfg(feature = "amqp")]
+            Sink::Amqp(s) => s.handle(event).await,
         }
     }
 
@@ -126,14 +201,32 @@ impl Handler for Sink {
             Sink::Http(s) => s.handle_batch(events, slots).await,
             #[cfg(feature = "nats")]
             Sink::Nats(s) => s.handle_batch(events, slots).await,
+            #[cfg(feature = "amqp")]
+            Sink::Amqp(s) => s.handle_batch(events, slots).await,
         }
     }
+}
+
+/// The HTTP sink `options` describe.
+#[cfg(feature = "http")]
+fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink> {
+    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format.parse()?);
+    if let Some(source) = &options.cloudevents_source {
+        builder = builder.cloudevents_source(source.clone());
+    }
+    for secret in &options.signing_secrets {
+        builder = builder.signing_secret(SigningSecret::parse(secret.expose())?);
+    }
+    for (name, value) in &options.headers {
+        builder = builder.header(name.clone(), value.expose());
+    }
+    builder.build()
 }
 
 /// A sink spec as it may be shown: redacted when it is a URL; a spec that does not parse as one
 /// is shown only when it cannot hold credentials (no `@`).
 fn describe_spec(spec: &str) -> String {
-    #[cfg(any(feature = "http", feature = "nats"))]
+    #[cfg(any(feature = "http", feature = "nats", feature = "amqp"))]
     if let Ok(url) = ::url::Url::parse(spec) {
         return format!("{:?}", url::redact(&url));
     }
@@ -145,7 +238,7 @@ fn describe_spec(spec: &str) -> String {
 }
 
 /// Checks a sink timeout: more than zero, at most [`MAX_TIMEOUT`].
-#[cfg(any(feature = "http", feature = "nats"))]
+#[cfg(any(feature = "http", feature = "nats", feature = "amqp"))]
 fn check_timeout(timeout: Duration) -> Result<()> {
     crate::relay::config::check_range(timeout, Duration::from_millis(1), MAX_TIMEOUT)
         .map_err(|why| Error::config(format!("the sink timeout {why}")))

@@ -13,7 +13,7 @@ use crate::publish::AuditEntry;
 /// see migration 0004.
 pub(crate) const KEY_LOCK_CLASS: i32 = 0x6f75_7462;
 
-const EVENT_INSERT: &str = "\
+pub(crate) const EVENT_INSERT: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
 values ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')
 returning id";
@@ -21,7 +21,7 @@ returning id";
 /// A keyed event: the key's advisory lock is taken before the insert draws its id, so writers of
 /// one key serialize and its events commit in id order (the lock's function scan runs first;
 /// the id default is computed as each row is inserted).
-const EVENT_INSERT_KEYED: &str = "\
+pub(crate) const EVENT_INSERT_KEYED: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
 select $1, $2, $3, now() + $4::int8 * interval '1 microsecond'
   from pg_advisory_xact_lock($5, hashtext($2))
@@ -43,13 +43,13 @@ pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent) -> Result<i64> 
 
 /// Takes the advisory locks of the given keys, in one fixed order (so that two writers of the
 /// same keys cannot deadlock), before a multi-row insert draws its ids.
-const KEYS_LOCK: &str = "\
+pub(crate) const KEYS_LOCK: &str = "\
 select count(*) from (
     select pg_advisory_xact_lock($1, h)::text from (select distinct hashtext(k) as h from unnest($2::text[]) as k) s
      order by h
 ) locked";
 
-const EVENT_INSERT_MANY: &str = "\
+pub(crate) const EVENT_INSERT_MANY: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
 select topic, key, payload, now() + delay * interval '1 microsecond'
   from unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[]) with ordinality as e(topic, key, payload, delay, n)
@@ -73,7 +73,7 @@ pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent]) -> Result<V
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-const AUDIT_INSERT: &str = "\
+pub(crate) const AUDIT_INSERT: &str = "\
 insert into outbox_relay.audit (entity, entity_id, action, data, idempotency_key)
 values ($1, $2, $3, $4, $5)
 returning id";

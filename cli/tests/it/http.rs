@@ -291,6 +291,17 @@ async fn console_actions_need_the_csrf_token_and_the_access_token() {
 }
 
 #[tokio::test]
+async fn a_weak_token_is_refused_without_being_shown() {
+    let db = TestDb::new().await;
+    for token in ["short-tok-91", "has a space in it, 24 chars"] {
+        let output = cli(&db.url, &["console", "--listen", "127.0.0.1:0", "--http-token", token]).await;
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(stderr(&output).contains("--http-token"), "{}", stderr(&output));
+        assert!(!stderr(&output).contains(token), "{}", stderr(&output));
+    }
+}
+
+#[tokio::test]
 async fn a_console_on_a_public_address_without_a_token_is_read_only() {
     let db = TestDb::new().await;
     let port = free_port();

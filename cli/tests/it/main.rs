@@ -3,9 +3,11 @@
 
 use outbox_relay_testkit::{harness, support as relay_support};
 
+mod amqp;
 mod binary;
 mod cli;
 mod http;
 mod killed;
 mod operator;
 mod secrets;
+mod webhooks;

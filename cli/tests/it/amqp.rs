@@ -1,0 +1,218 @@
+//! `run --sink amqp://…` against the machine's RabbitMQ (`AMQP_URL`, default
+//! amqp://guest:guest@127.0.0.1:5672/%2f; `.ci/run` starts one when none listens), consumed with
+//! lapin: persistent messages with the event id as `message_id`, confirmed; an unroutable event
+//! waits with an error that says so; a connection closed by the broker is re-opened.
+
+use std::collections::HashSet;
+
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use serde_json::{Value, json};
+
+use crate::binary::{cli, publish, spawn_run, stderr, terminate};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A name of its own for each test run, so that tests never share an exchange or a queue.
+fn unique(prefix: &str) -> String {
+    format!("{prefix}-{:016x}", rand::random::<u64>())
+}
+
+/// A consumer on a new queue bound to `exchange` for every routing key.
+async fn bound_queue(exchange: &str) -> (Connection, lapin::Consumer) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ on AMQP_URL (default 127.0.0.1:5672, guest/guest)");
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions { durable: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let queue = unique("outbox-relay-test");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions { auto_delete: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            exchange.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let consumer = channel
+        .basic_consume(queue.as_str().into(), "test".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .unwrap();
+    (connection, consumer)
+}
+
+async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
+    let delivery = tokio::time::timeout(PATIENCE, consumer.next()).await.expect("a message within the patience limit");
+    let delivery = delivery.expect("the consumer ended").expect("a delivery");
+    delivery.ack(BasicAckOptions::default()).await.unwrap();
+    delivery
+}
+
+async fn delete_exchange(exchange: &str) {
+    let connection = Connection::connect(&amqp_url(), ConnectionProperties::default()).await.unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let _ = channel.exchange_delete(exchange.into(), Default::default()).await;
+}
+
+#[tokio::test]
+async fn a_hundred_events_reach_a_queue_persistent_with_their_ids_and_keys() {
+    let db = TestDb::new().await;
+    let exchange = unique("outbox-test");
+    let (_connection, mut consumer) = bound_queue(&exchange).await;
+    let relay = spawn_run(&db.url, &["--sink", &amqp_url(), "--exchange", &exchange]);
+    let mut ids = HashSet::new();
+    for n in 0..100 {
+        let id: i64 = db
+            .client()
+            .await
+            .query_one("select outbox_relay.publish('order.placed', jsonb_build_object('n', $1::int), 'customer-' || ($1::int % 7))", &[&n])
+            .await
+            .unwrap()
+            .get(0);
+        ids.insert(id);
+    }
+    let mut seen = HashSet::new();
+    for _ in 0..100 {
+        let delivery = next(&mut consumer).await;
+        let properties = &delivery.properties;
+        let message_id: i64 = properties.message_id().as_ref().expect("message_id").as_str().parse().unwrap();
+        assert_eq!(*properties.delivery_mode(), Some(2), "persistent");
+        assert_eq!(properties.content_type().as_ref().map(|c| c.as_str()), Some("application/json"));
+        assert_eq!(delivery.routing_key.as_str(), "order.placed", "routing key = topic");
+        let body: Value = serde_json::from_slice(&delivery.data).unwrap();
+        assert_eq!(body["id"], json!(message_id), "the body is the event's JSON");
+        let headers = properties.headers().as_ref().expect("headers");
+        let key = match headers.inner().get("outbox-key") {
+            Some(AMQPValue::LongString(key)) => String::from_utf8(key.as_bytes().to_vec()).unwrap(),
+            other => panic!("outbox-key header: {other:?}"),
+        };
+        assert_eq!(json!(key), body["key"]);
+        // (an attempt may be a retry on a loaded machine: a held claim cut off, say)
+        let attempt = match headers.inner().get("outbox-attempt") {
+            Some(AMQPValue::LongLongInt(n)) => *n,
+            other => panic!("outbox-attempt header: {other:?}"),
+        };
+        assert_eq!(json!(attempt), body["attempts"], "the header is the event's attempt");
+        seen.insert(message_id);
+    }
+    assert_eq!(seen, ids, "each event once, by its id");
+    eventually("every event marked delivered", || async {
+        db.client()
+            .await
+            .query_one("select count(*) from outbox_relay.outbox where processed_at is null", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+    })
+    .await;
+    assert_eq!(terminate(relay).await, Some(0));
+    delete_exchange(&exchange).await;
+}
+
+#[tokio::test]
+async fn an_unroutable_event_waits_saying_so_until_a_queue_is_bound() {
+    let db = TestDb::new().await;
+    let exchange = unique("outbox-test");
+    let relay = spawn_run(
+        &db.url,
+        &["--sink", &amqp_url(), "--exchange", &exchange, "--backoff-base", "50ms", "--backoff-max", "200ms"],
+    );
+    let id = publish(&db, "mail.send", json!({"to": "ana"})).await;
+    let last_error = || async {
+        db.client()
+            .await
+            .query_one("select last_error from outbox_relay.outbox where id = $1", &[&id])
+            .await
+            .unwrap()
+            .get::<_, Option<String>>(0)
+    };
+    eventually("the event fails as unroutable", || async {
+        last_error().await.is_some_and(|e| e.contains("unroutable") && e.contains("mail.send"))
+    })
+    .await;
+    let (_connection, mut consumer) = bound_queue(&exchange).await;
+    let delivery = next(&mut consumer).await;
+    assert_eq!(delivery.properties.message_id().as_ref().unwrap().as_str(), id.to_string());
+    assert_eq!(terminate(relay).await, Some(0));
+    delete_exchange(&exchange).await;
+}
+
+#[tokio::test]
+async fn a_connection_closed_by_the_broker_is_opened_again() {
+    if std::process::Command::new("rabbitmqctl").arg("--help").output().is_err() {
+        panic!("rabbitmqctl is needed to close the relay's connection from the broker's side");
+    }
+    let db = TestDb::new().await;
+    let exchange = unique("outbox-test");
+    let (_connection, mut consumer) = bound_queue(&exchange).await;
+    let relay = spawn_run(
+        &db.url,
+        &["--sink", &amqp_url(), "--exchange", &exchange, "--backoff-base", "50ms", "--backoff-max", "500ms"],
+    );
+    let first = publish(&db, "order.placed", json!({})).await;
+    assert_eq!(next(&mut consumer).await.properties.message_id().as_ref().unwrap().as_str(), first.to_string());
+    // The broker closes every connection named outbox-relay (the relay's), as on a restart.
+    let closed = tokio::process::Command::new("rabbitmqctl")
+        .args(["eval", "[rabbit_networking:close_connection(P, \"test\") || P <- rabbit_networking:connections(), proplists:get_value(client_properties, rabbit_networking:connection_info(P, [client_properties])) =/= undefined, lists:keyfind(<<\"connection_name\">>, 1, proplists:get_value(client_properties, rabbit_networking:connection_info(P, [client_properties]))) =:= {<<\"connection_name\">>, longstr, <<\"outbox-relay\">>}]."])
+        .output()
+        .await
+        .unwrap();
+    assert!(closed.status.success(), "{}", String::from_utf8_lossy(&closed.stderr));
+    let second = publish(&db, "order.placed", json!({})).await;
+    let mut got = Vec::new();
+    while !got.contains(&second.to_string()) {
+        got.push(next(&mut consumer).await.properties.message_id().as_ref().unwrap().to_string());
+    }
+    let output = {
+        let pid = relay.id().unwrap().to_string();
+        std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        tokio::time::timeout(PATIENCE, relay.wait_with_output()).await.unwrap().unwrap()
+    };
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(logs.contains("connected to RabbitMQ"), "the reconnect is logged:\n{logs}");
+    assert!(!logs.contains("guest:guest"), "no password in the logs:\n{logs}");
+    delete_exchange(&exchange).await;
+}
+
+#[tokio::test]
+async fn a_broker_that_refuses_the_login_stops_the_start_without_showing_the_password() {
+    let db = TestDb::new().await;
+    let url = amqp_url().replace("guest:guest", "guest:wrong-pass-9f3");
+    let output = cli(&db.url, &["run", "--sink", &url]).await;
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    let text = stderr(&output);
+    assert!(text.contains("cannot connect to RabbitMQ"), "{text}");
+    assert!(!text.contains("wrong-pass-9f3"), "{text}");
+    let output = cli(&db.url, &["run", "--sink", "amqps://guest:guest@127.0.0.1:5671/%2f"]).await;
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("no TLS"), "{}", stderr(&output));
+    let output = cli(&db.url, &["run", "--sink", &amqp_url(), "--exchange", "amq.bad"]).await;
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+}

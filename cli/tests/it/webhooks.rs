@@ -1,0 +1,126 @@
+//! `run --sink http://…` with the receivers' conventions: signing secrets from flags and from
+//! the environment, CloudEvents, fixed headers; none of their values in the output.
+
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::http::HeaderMap;
+use axum::routing::post;
+use serde_json::json;
+use tokio::process::Command;
+
+use crate::binary::{BIN, cli, publish, stderr};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+const SECRET_A: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+const SECRET_B: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
+
+type Seen = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
+
+async fn receiver() -> (String, Seen) {
+    let seen: Seen = Arc::default();
+    let app = axum::Router::new().route(
+        "/hook",
+        post({
+            let seen = seen.clone();
+            move |headers: HeaderMap, body: Bytes| async move {
+                seen.lock().unwrap().push((headers, body));
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/hook"), seen)
+}
+
+/// Verifies one request with the official `standardwebhooks` package; "ok" or its error.
+fn verify(secret: &str, headers: &HeaderMap, body: &[u8]) -> String {
+    let headers: serde_json::Map<String, serde_json::Value> =
+        headers.iter().map(|(k, v)| (k.to_string(), json!(v.to_str().unwrap()))).collect();
+    let script = r#"
+import json, sys
+from standardwebhooks.webhooks import Webhook
+headers = json.loads(sys.argv[2])
+try:
+    Webhook(sys.argv[1]).verify(sys.stdin.buffer.read(), headers)
+    print("ok")
+except Exception as e:
+    print(type(e).__name__, e)
+"#;
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", script, secret, &serde_json::Value::Object(headers).to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 with standardwebhooks (pip install standardwebhooks)");
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(body).unwrap();
+    String::from_utf8(child.wait_with_output().unwrap().stdout).unwrap().trim().to_string()
+}
+
+#[tokio::test]
+async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_unshown() {
+    let db = TestDb::new().await;
+    let (url, seen) = receiver().await;
+    let child = Command::new(BIN)
+        .args([
+            "run",
+            "--sink",
+            &url,
+            "--format",
+            "cloudevents",
+            "--cloudevents-source",
+            "urn:shop:orders",
+            "--header",
+            "Authorization: Bearer tok-8b1d",
+        ])
+        .env("DATABASE_URL", &db.url)
+        .env("OUTBOX_RELAY_SIGNING_SECRETS", format!("{SECRET_A},{SECRET_B}"))
+        .env("RUST_LOG", "debug")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let id = publish(&db, "order.placed", json!({"n": 1})).await;
+    eventually("delivered", || async { !seen.lock().unwrap().is_empty() }).await;
+    let (headers, body) = seen.lock().unwrap()[0].clone();
+    assert_eq!(headers["ce-id"], id.to_string().as_str());
+    assert_eq!(headers["ce-source"], "urn:shop:orders");
+    assert_eq!(headers["authorization"], "Bearer tok-8b1d");
+    assert_eq!(headers["webhook-id"], id.to_string().as_str());
+    assert_eq!(verify(SECRET_A, &headers, &body), "ok");
+    assert_eq!(verify(SECRET_B, &headers, &body), "ok");
+    assert_eq!(&body[..], br#"{"n":1}"#, "binary mode: the body is the payload");
+
+    let pid = child.id().unwrap().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+    let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.unwrap().unwrap();
+    let logs = String::from_utf8_lossy(&output.stderr);
+    for secret in ["MfKQ9r8GKYqrTwjUPD8I", "C2FVsBQIhrscChlQ", "tok-8b1d"] {
+        assert!(!logs.contains(secret), "{secret} in the logs:\n{logs}");
+    }
+}
+
+#[tokio::test]
+async fn http_options_are_checked_without_showing_their_values() {
+    let db = TestDb::new().await;
+    let (url, _) = receiver().await;
+    for (args, says, hidden) in [
+        (vec!["--sink", "stdout", "--signing-secret", SECRET_A], "HTTP sink only", "MfKQ9r8"),
+        (vec!["--sink", &url, "--signing-secret", "whsec_c2VjcmV0LXNob3J0"], "at least 16", "c2VjcmV0"),
+        (vec!["--sink", &url, "--signing-secret", "s3cr3t-without-prefix"], "whsec_", "s3cr3t"),
+        (vec!["--sink", &url, "--header", "Bearer tok-77c"], "'Name: value'", "tok-77c"),
+        (vec!["--sink", &url, "--header", "Content-Type: text/plain"], "set by the sink", "text/plain"),
+        (vec!["--sink", &url, "--format", "xml"], "invalid value 'xml'", "(nothing secret)"),
+    ] {
+        let output = cli(&db.url, &[&["run"], args.as_slice()].concat()).await;
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(says), "{args:?}: {text}");
+        assert!(!text.contains(hidden), "{args:?} shows its value: {text}");
+    }
+}

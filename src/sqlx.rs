@@ -1,0 +1,92 @@
+//! Events and audit entries inside a [sqlx](https://docs.rs/sqlx/0.8) transaction (feature
+//! `sqlx`, sqlx 0.8): the same statements, validation and errors as [`crate::publish`], on the
+//! caller's `PgConnection`, so the events commit with the business change or vanish with its
+//! rollback.
+//!
+//! ```no_run
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use outbox_relay::NewEvent;
+//! let mut tx = pool.begin().await?;
+//! let order_id: i64 = sqlx::query_scalar("insert into orders (total) values (12.5) returning id")
+//!     .fetch_one(&mut *tx)
+//!     .await?;
+//! outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("order.placed", serde_json::json!({"order_id": order_id}))).await?;
+//! tx.commit().await?;
+//! # Ok(()) }
+//! ```
+
+use ::sqlx::PgConnection;
+use ::sqlx::types::Json;
+use serde_json::Value;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::event::NewEvent;
+use crate::publish::AuditEntry;
+use crate::sql;
+
+fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
+    move |e| Error::new(ErrorKind::Database, format!("{doing}: {e}")).with_source(e)
+}
+
+fn micros(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed
+/// event takes its key's lock first, so writers of one key commit in id order.
+pub async fn publish(conn: &mut PgConnection, event: &NewEvent) -> Result<i64> {
+    event.validate()?;
+    let delay = micros(event.delay);
+    let query = match &event.key {
+        None => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT),
+        Some(_) => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_KEYED),
+    };
+    let query = query.bind(&event.topic).bind(event.key.as_deref()).bind(Json(&event.payload)).bind(delay);
+    let query = if event.key.is_some() { query.bind(sql::KEY_LOCK_CLASS) } else { query };
+    query.fetch_one(conn).await.map_err(failed("adding an event"))
+}
+
+/// Adds many events in one statement and returns their ids in the same order.
+pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result<Vec<i64>> {
+    for event in events {
+        event.validate()?;
+    }
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keyed: Vec<&str> = events.iter().filter_map(|e| e.key.as_deref()).collect();
+    if !keyed.is_empty() {
+        ::sqlx::query(sql::KEYS_LOCK)
+            .bind(sql::KEY_LOCK_CLASS)
+            .bind(&keyed)
+            .execute(&mut *conn)
+            .await
+            .map_err(failed("locking the events' keys"))?;
+    }
+    let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
+    let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
+    let payloads: Vec<Json<&Value>> = events.iter().map(|e| Json(&e.payload)).collect();
+    let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
+    ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_MANY)
+        .bind(&topics)
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&delays)
+        .fetch_all(conn)
+        .await
+        .map_err(failed("adding events"))
+}
+
+/// Adds one audit entry inside the caller's transaction and returns its id.
+pub async fn audit(conn: &mut PgConnection, entry: &AuditEntry<'_>) -> Result<i64> {
+    entry.validate()?;
+    ::sqlx::query_scalar::<_, i64>(sql::AUDIT_INSERT)
+        .bind(entry.entity)
+        .bind(&entry.entity_id)
+        .bind(entry.action)
+        .bind(Json(&entry.data))
+        .bind(None::<&str>)
+        .fetch_one(conn)
+        .await
+        .map_err(failed("adding an audit entry"))
+}
