@@ -122,7 +122,18 @@ impl Outbox {
     /// Lifts the pause of `topic` (`None`: the pause of every topic; pauses of single topics
     /// stay). Returns false when there was none.
     pub async fn resume(&self, topic: Option<&str>) -> Result<bool> {
-        let topic = pause_topic(topic)?;
+        // Any row can be lifted, also one written by hand with a topic no event could have.
+        let topic = match topic {
+            Some("") => return Err(crate::error::Error::invalid_input("topic must not be empty")),
+            Some(t) if t.contains('\0') || t.chars().count() > crate::event::MAX_TOPIC_LEN => {
+                return Err(crate::error::Error::invalid_input(format!(
+                    "no pause can have that topic (a NUL, or longer than {} characters)",
+                    crate::event::MAX_TOPIC_LEN
+                )));
+            }
+            Some(t) => t,
+            None => "",
+        };
         let resumed = sql::resume(&*self.pooled().await?, topic).await?;
         if resumed {
             self.wakeup().wake();

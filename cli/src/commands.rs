@@ -18,7 +18,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             let what = topic.as_deref().map_or("every topic".to_string(), |t| format!("topic {t}"));
             if outbox.pause(topic.as_deref()).await? {
                 println!(
-                    "paused {what}: no relay on this database claims its events until `outbox-relay resume{}`",
+                    "paused {what}: the relays on this database stop claiming its events within moments (a batch already claimed is still delivered), until `outbox-relay resume{}`",
                     resume_flag(&topic)
                 );
             } else {
@@ -219,7 +219,8 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     let relays = outbox.connected_relays().await?;
     let pauses = outbox.pauses().await?;
     let health = outbox.health().await?;
-    let warnings = health.warnings();
+    let mut warnings = crate::console::queue_warnings(&stats, &pauses, &relays);
+    warnings.extend(health.warnings());
     if json {
         #[derive(serde::Serialize)]
         struct Status<'a> {
@@ -265,7 +266,8 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     if pauses.is_empty() {
         println!("paused                    nothing");
     } else {
-        let names: Vec<&str> = pauses.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect();
+        let names: Vec<String> =
+            pauses.iter().map(|p| p.topic.as_deref().map_or("every topic".to_string(), crate::one_line)).collect();
         println!("paused                    {}", names.join(", "));
     }
     println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
@@ -283,7 +285,7 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
         );
     }
     for warning in &warnings {
-        println!("warning: {warning}");
+        println!("warning: {}", crate::one_line(warning));
     }
     if !errors.is_empty() {
         println!("most common errors of pending events:");

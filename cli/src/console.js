@@ -1,20 +1,14 @@
 // The console's script: refreshes the figures every 2 s, draws the latency chart, shows a
-// payload on demand, and adds the access token (when one is needed) to every action.
+// payload on demand, and asks before a purge.
 "use strict";
 (() => {
   let samples = [];
   const keep = 300; // the server keeps ten minutes at one sample every 2 s
   const canvas = document.getElementById("latency");
-  const tokenInput = document.getElementById("token");
-  if (tokenInput) {
-    tokenInput.value = sessionStorage.getItem("outbox-relay-token") || "";
-    tokenInput.addEventListener("input", () => sessionStorage.setItem("outbox-relay-token", tokenInput.value));
-  }
   document.querySelectorAll("form[method=post]").forEach((form) => {
     form.addEventListener("submit", (e) => {
       const confirmText = e.submitter && e.submitter.dataset.confirm;
-      if (confirmText && !window.confirm(confirmText)) { e.preventDefault(); return; }
-      if (tokenInput) form.querySelectorAll(".token-field").forEach((f) => { f.value = tokenInput.value; });
+      if (confirmText && !window.confirm(confirmText)) e.preventDefault();
     });
   });
   document.querySelectorAll("details[data-event]").forEach((details) => {

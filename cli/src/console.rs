@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use outbox_relay::{DeadLetter, FoundEvent, Health, Pause, QueueStats};
+use outbox_relay::{ConnectedRelay, DeadLetter, FoundEvent, Health, Pause, QueueStats};
 use serde::Serialize;
 
 use crate::http::Console;
@@ -55,8 +55,44 @@ pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> 
         }
     });
     let history = console.history.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
-    Ok(Summary { warnings: health.warnings(), stats, health, pauses, relay, history })
+    let relays = outbox.connected_relays().await?;
+    let mut warnings = queue_warnings(&stats, &pauses, &relays);
+    warnings.extend(health.warnings());
+    Ok(Summary { warnings, stats, health, pauses, relay, history })
 }
+
+/// Lines for a state of the queue that needs an operator: every topic paused with events ready,
+/// events waiting and no relay connected, an open breaker, a relay far behind.
+pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[ConnectedRelay]) -> Vec<String> {
+    let mut warnings = Vec::new();
+    let all_paused = pauses.iter().any(|p| p.topic.is_none());
+    if all_paused && stats.pending > 0 {
+        warnings.push(format!(
+            "every topic is paused and {} events are ready: nothing is delivered until `outbox-relay resume`",
+            stats.pending
+        ));
+    }
+    let waiting = stats.pending + stats.delayed;
+    if relays.is_empty() && waiting > 0 {
+        warnings.push(format!("{waiting} events wait and no relay is connected to this database"));
+    }
+    let open = relays.iter().filter(|r| r.breaker_open).count();
+    if open > 0 {
+        warnings.push(format!(
+            "{open} relay(s) found the destination down (breaker open): they probe, and claim nothing else"
+        ));
+    }
+    if let Some(ms) = stats.oldest_ready_age_ms.filter(|ms| *ms >= LAG_WARNING.as_millis() as i64 && !all_paused) {
+        warnings.push(format!(
+            "the oldest ready event has waited {}: the relays are behind, its topic is paused, or they are down",
+            humantime::format_duration(Duration::from_secs(ms.max(0) as u64 / 1000))
+        ));
+    }
+    warnings
+}
+
+/// A ready event waiting this long makes a warning.
+const LAG_WARNING: Duration = Duration::from_secs(60);
 
 /// The page, with the look-up's results when one was asked for and the last action's message.
 pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&str>) -> String {
@@ -71,15 +107,6 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
     if let Some(done) = done {
         let _ = writeln!(html, "<p class=\"done\" role=\"status\">{}</p>", escape(done));
     }
-    if console.token_required {
-        html.push_str(
-            "<p class=\"token\"><label>Access token for actions <input type=\"password\" id=\"token\" autocomplete=\"off\"></label> (kept in this tab only)</p>\n",
-        );
-    } else if !console.actions_allowed {
-        html.push_str(
-            "<p class=\"warn\">Read-only: actions on a non-loopback address need <code>--http-token</code>.</p>\n",
-        );
-    }
     match summary(console).await {
         Ok(summary) => render_summary(&mut html, console, &summary),
         Err(e) => {
@@ -90,10 +117,15 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
             );
         }
     }
-    html.push_str("<section><h2>Commit to delivery</h2><canvas id=\"latency\" width=\"720\" height=\"160\" aria-label=\"latency chart\"></canvas><p class=\"legend\"><span class=\"p50\">p50</span> and <span class=\"p99\">p99</span> of recent deliveries (ms) over the last ten minutes, sampled every 2 s; <span id=\"rate\">-</span> events/s now</p></section>\n");
+    if console.relay.is_some() {
+        html.push_str("<section><h2>Commit to delivery</h2><canvas id=\"latency\" width=\"720\" height=\"160\" aria-label=\"latency chart\"></canvas><p class=\"legend\"><span class=\"p50\">p50</span> and <span class=\"p99\">p99</span> of recent deliveries (ms) over the last ten minutes, sampled every 2 s; <span id=\"rate\">-</span> events/s now</p></section>\n");
+    }
     render_lookup(&mut html, console, lookup).await;
     match console.outbox.dead_letters(DEAD_LETTERS_SHOWN).await {
-        Ok(letters) => render_dead_letters(&mut html, console, &letters),
+        Ok(letters) => {
+            let total = console.outbox.queue_stats().await.map_or(letters.len() as i64, |s| s.dead_letters);
+            render_dead_letters(&mut html, console, &letters, total)
+        }
         Err(e) => {
             let _ = writeln!(html, "<p class=\"warn\">Cannot list the dead letters: {}</p>", escape(&e.to_string()));
         }
@@ -149,16 +181,13 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
     html.push_str("</ul>\n");
     // Pause and resume: every topic, or one.
     html.push_str("<div class=\"actions\">");
-    for (action, label) in [("pause", "Pause"), ("resume", "Resume")] {
-        form(html, console, action, &[], &format!("{label} every topic"));
-    }
+    form(html, console, "pause", &[("all", "1")], "Pause every topic");
+    form(html, console, "resume", &[("all", "1")], "Lift the pause of every topic");
     html.push_str("</div><div class=\"actions\">");
     let _ = write!(
         html,
-        "<form method=\"post\" action=\"/actions/pause\">{}<input name=\"topic\" placeholder=\"topic\" required pattern=\"[A-Za-z0-9._:/-]+\"> <button{}>Pause topic</button> <button formaction=\"/actions/resume\"{}>Resume topic</button></form>",
-        hidden(console),
-        disabled(console),
-        disabled(console)
+        "<form method=\"post\" action=\"/actions/pause\">{}<input name=\"topic\" placeholder=\"topic\" required maxlength=\"255\"> <button>Pause topic</button> <button formaction=\"/actions/resume\">Resume topic</button></form>",
+        hidden(console)
     );
     html.push_str("</div></section>\n");
 }
@@ -170,16 +199,26 @@ async fn render_lookup(html: &mut String, console: &Console, lookup: Option<&str
         "<section><h2>Look up an event</h2><form method=\"get\" action=\"/\"><input name=\"lookup\" placeholder=\"event id or key\" value=\"{}\"> <button>Look up</button></form>",
         escape(shown)
     );
-    let Some(lookup) = lookup.map(str::trim).filter(|l| !l.is_empty()) else {
+    let Some(lookup) = lookup.filter(|l| !l.is_empty()) else {
         html.push_str("</section>\n");
         return;
     };
-    let id = lookup.parse::<i64>().ok();
+    // A number is an id (and maybe a key too); the key is taken as typed, spaces and all.
+    let id = lookup.trim().parse::<i64>().ok();
     match console.outbox.look_up(id, Some(lookup), LOOKUP_SHOWN).await {
         Ok(found) if found.is_empty() => {
-            let _ = writeln!(html, "<p id=\"lookup-result\">No event has the id or key {}.</p>", escape(lookup));
+            let shown = escape(&format!("{lookup:?}"));
+            let _ = writeln!(html, "<p id=\"lookup-result\">No event has the id or key {shown}.</p>");
         }
-        Ok(found) => render_found(html, &found),
+        Ok(found) => {
+            if found.len() as i64 == LOOKUP_SHOWN {
+                let _ = writeln!(
+                    html,
+                    "<p class=\"warn\">The event with that id, if any, and the newest with that key: {LOOKUP_SHOWN} in all; there may be more.</p>"
+                );
+            }
+            render_found(html, &found)
+        }
         Err(e) => {
             let _ = writeln!(html, "<p class=\"warn\">The look-up failed: {}</p>", escape(&e.to_string()));
         }
@@ -206,15 +245,22 @@ fn render_found(html: &mut String, found: &[FoundEvent]) {
     html.push_str("</table>\n");
 }
 
-fn render_dead_letters(html: &mut String, console: &Console, letters: &[DeadLetter]) {
+fn render_dead_letters(html: &mut String, console: &Console, letters: &[DeadLetter], total: i64) {
     html.push_str("<section><h2>Dead letters</h2>\n");
     if letters.is_empty() {
         html.push_str("<p id=\"no-dead-letters\">No dead letters.</p></section>\n");
         return;
     }
+    if total > letters.len() as i64 {
+        let _ = writeln!(
+            html,
+            "<p class=\"warn\" id=\"dead-letters-shown\">The oldest {} of {total} dead letters (<code>outbox-relay dead-letters list --limit N</code> lists more); Retry all and Purge all act on all {total}.</p>",
+            letters.len()
+        );
+    }
     html.push_str("<div class=\"actions\">");
-    form(html, console, "retry", &[], "Retry all");
-    form(html, console, "purge", &[], "Purge all");
+    form(html, console, "retry", &[("all", "1")], &format!("Retry all {total}"));
+    form(html, console, "purge", &[("all", "1")], &format!("Purge all {total}"));
     html.push_str("</div>\n<table id=\"dead-letters\"><tr><th>id</th><th>topic</th><th>key</th><th>attempts</th><th>failed</th><th>last error</th><th>payload</th><th></th></tr>\n");
     for d in letters {
         let id = d.id.to_string();
@@ -241,22 +287,22 @@ fn form(html: &mut String, console: &Console, action: &str, fields: &[(&str, &st
         let _ = write!(html, "<input type=\"hidden\" name=\"{name}\" value=\"{}\">", escape(value));
     }
     let confirm = if action == "purge" { " data-confirm=\"Delete for good?\"" } else { "" };
-    let _ = write!(
-        html,
-        "<button name=\"do\" value=\"{action}\"{confirm}{}>{}</button></form>",
-        disabled(console),
-        escape(label)
-    );
+    let _ = write!(html, "<button name=\"do\" value=\"{action}\"{confirm}>{}</button></form>", escape(label));
 }
 
 fn hidden(console: &Console) -> String {
-    let token =
-        if console.token_required { "<input type=\"hidden\" name=\"token\" class=\"token-field\">" } else { "" };
-    format!("<input type=\"hidden\" name=\"csrf\" value=\"{}\">{token}", console.csrf)
+    format!("<input type=\"hidden\" name=\"csrf\" value=\"{}\">", console.csrf)
 }
 
-fn disabled(console: &Console) -> &'static str {
-    if console.actions_allowed { "" } else { " disabled" }
+/// The login form of a console that has a token.
+pub(crate) fn login_page(message: Option<&str>) -> String {
+    let mut html = String::from(HEAD);
+    html.push_str("<body><header><h1>outbox-relay</h1></header>\n<main><section><h2>Log in</h2>");
+    if let Some(message) = message {
+        let _ = write!(html, "<p class=\"warn\" role=\"alert\">{}</p>", escape(message));
+    }
+    html.push_str("<form method=\"post\" action=\"/login\"><label>Access token (<code>--http-token</code>) <input type=\"password\" name=\"token\" autocomplete=\"current-password\" required></label> <button>Log in</button></form></section></main></body></html>\n");
+    html
 }
 
 /// Text for HTML, in elements and in quoted attributes.

@@ -3,10 +3,12 @@
 //!
 //! Safe by default: it binds where it is told and nowhere else; on a loopback address it answers
 //! only requests whose `Host` names a loopback host (a page elsewhere cannot reach it by DNS
-//! rebinding). Requests that change data are POSTs carrying the process's CSRF token (the
-//! console's forms hold it); with `--http-token` they must also carry that token, and on any
-//! other address they are refused without one. The token is compared in constant time and never
-//! logged.
+//! rebinding). The console (its pages, its API, its actions: everything but `/metrics` and the
+//! probes) needs the `--http-token` when one is set, given once at a login form (a session
+//! cookie follows) or as `Authorization: Bearer`; on an address that is not loopback it is not
+//! served without one. Requests that change data are POSTs carrying the process's CSRF token
+//! (the console's forms hold it) and say exactly what they act on. The token is compared in
+//! constant time and never logged.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,7 +16,7 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::{Form, Path, Query, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -52,11 +54,16 @@ pub(crate) struct Console {
     /// The CSRF token of this process, in every form.
     pub(crate) csrf: String,
     token: Option<Secret>,
-    /// Whether actions may run at all (a token is set, or the address is loopback).
-    pub(crate) actions_allowed: bool,
-    /// Whether actions need the token.
+    /// The session cookie's value after a login: random, per process.
+    session: String,
+    /// Whether the console is served at all (a loopback address, or a token set).
+    console_allowed: bool,
+    /// Whether the console needs the token.
     pub(crate) token_required: bool,
     loopback: bool,
+    /// What recent actions did, shown once on the page they lead back to (by number, so that a
+    /// link cannot make the page say something the console did not do).
+    done: std::sync::Mutex<std::collections::VecDeque<(u64, String)>>,
     /// The relay's latency and rate, every [`SAMPLE_EVERY`], for the console's chart.
     pub(crate) history: std::sync::Mutex<std::collections::VecDeque<Sample>>,
 }
@@ -85,6 +92,8 @@ pub(crate) async fn bind(
     relay: Option<Arc<RelayMetrics>>,
     token: Option<Secret>,
 ) -> Result<(tokio::net::TcpListener, Arc<Console>), CliError> {
+    // An empty OUTBOX_RELAY_HTTP_TOKEN means none.
+    let token = token.filter(|t| !t.expose().is_empty());
     if let Some(token) = &token {
         check_token(token)?;
     }
@@ -100,17 +109,19 @@ pub(crate) async fn bind(
         exporter,
         relay,
         csrf: format!("{:032x}", rand::random::<u128>()),
+        session: format!("{:032x}", rand::random::<u128>()),
         token_required: token.is_some(),
-        actions_allowed: token.is_some() || loopback,
+        console_allowed: token.is_some() || loopback,
         token,
         loopback,
         history: std::sync::Mutex::default(),
+        done: std::sync::Mutex::default(),
     };
     let bound = listener.local_addr().map_err(|e| format!("cannot read the HTTP address: {e}"))?;
-    if console.actions_allowed {
+    if console.console_allowed {
         tracing::info!(address = %bound, token = console.token_required, "serving /metrics, /healthz, /readyz and the console");
     } else {
-        tracing::warn!(address = %bound, "serving /metrics, /healthz, /readyz and a read-only console: actions on a non-loopback address need --http-token (or OUTBOX_RELAY_HTTP_TOKEN)");
+        tracing::warn!(address = %bound, "serving /metrics, /healthz and /readyz; the console is off: on a non-loopback address it needs --http-token (or OUTBOX_RELAY_HTTP_TOKEN)");
     }
     Ok((listener, Arc::new(console)))
 }
@@ -145,14 +156,18 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, console: Arc<Consol
     if let Some(relay) = console.relay.clone() {
         tokio::spawn(sample(console.clone(), relay, stop.clone()));
     }
-    let app = Router::new()
+    let pages = Router::new()
         .route("/", get(console_page))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
         .route("/api/summary", get(summary))
         .route("/api/events/{id}", get(event))
         .route("/actions/{action}", post(action))
+        .route_layer(middleware::from_fn_with_state(console.clone(), authenticated));
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/login", post(login))
+        .merge(pages)
         .layer(middleware::from_fn_with_state(console.clone(), guard))
         .with_state(console);
     let served = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
@@ -186,6 +201,62 @@ async fn guard(State(console): State<Arc<Console>>, request: Request, next: Next
         ),
     );
     response
+}
+
+/// The name of the session cookie a login sets.
+const SESSION_COOKIE: &str = "outbox_relay_session";
+
+/// Lets a request to the console through when it may see it: served at all, and with a token
+/// set, carrying the session cookie or `Authorization: Bearer <token>`. Otherwise the login
+/// form (for the page) or a refusal.
+async fn authenticated(State(console): State<Arc<Console>>, request: Request, next: Next) -> Response {
+    if !console.console_allowed {
+        return refuse(
+            StatusCode::FORBIDDEN,
+            "the console on a non-loopback address needs --http-token (or OUTBOX_RELAY_HTTP_TOKEN); /metrics, /healthz and /readyz are served",
+        );
+    }
+    if let Some(token) = &console.token {
+        let headers = request.headers();
+        let bearer =
+            headers.get(header::AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
+        let cookie = headers
+            .get_all(header::COOKIE)
+            .iter()
+            .filter_map(|h| h.to_str().ok())
+            .flat_map(|h| h.split(';'))
+            .filter_map(|pair| pair.trim().strip_prefix(SESSION_COOKIE)?.strip_prefix('='))
+            .any(|value| same(value, &console.session));
+        if !cookie && !bearer.is_some_and(|given| same(given, token.expose())) {
+            if request.method() == axum::http::Method::GET && request.uri().path() == "/" {
+                return (StatusCode::UNAUTHORIZED, Html(console::login_page(None))).into_response();
+            }
+            tracing::warn!(path = %request.uri().path(), "console request refused: no valid session or token");
+            return refuse(
+                StatusCode::UNAUTHORIZED,
+                "the console needs its access token: log in at /, or send Authorization: Bearer",
+            );
+        }
+    }
+    next.run(request).await
+}
+
+#[derive(Deserialize)]
+struct LoginForm {
+    token: String,
+}
+
+/// Checks the token typed into the login form; sets the session cookie.
+async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>) -> Response {
+    let Some(token) = &console.token else {
+        return Redirect::to("/").into_response();
+    };
+    if !same(&form.token, token.expose()) {
+        tracing::warn!("console login refused: wrong token");
+        return (StatusCode::UNAUTHORIZED, Html(console::login_page(Some("That is not the token.")))).into_response();
+    }
+    let cookie = format!("{SESSION_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", console.session);
+    ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }
 
 /// `127.0.0.1:9187`, `[::1]:9187`, `localhost` and the like.
@@ -239,12 +310,19 @@ async fn readyz(State(console): State<Arc<Console>>) -> Response {
 struct PageQuery {
     /// An event id or key to look up.
     lookup: Option<String>,
-    /// What the last action did, shown once.
-    done: Option<String>,
+    /// The number of the action whose message to show.
+    done: Option<u64>,
 }
 
 async fn console_page(State(console): State<Arc<Console>>, Query(query): Query<PageQuery>) -> Response {
-    Html(console::page(&console, query.lookup.as_deref(), query.done.as_deref()).await).into_response()
+    if query.lookup.as_deref().is_some_and(|l| l.contains('\0')) {
+        return refuse(StatusCode::BAD_REQUEST, "a look-up cannot contain a NUL character");
+    }
+    let done = query.done.and_then(|n| {
+        let done = console.done.lock().unwrap_or_else(|e| e.into_inner());
+        done.iter().find(|(k, _)| *k == n).map(|(_, text)| text.clone())
+    });
+    Html(console::page(&console, query.lookup.as_deref(), done.as_deref()).await).into_response()
 }
 
 async fn summary(State(console): State<Arc<Console>>) -> Response {
@@ -256,7 +334,11 @@ async fn summary(State(console): State<Arc<Console>>) -> Response {
 }
 
 /// One event (pending, processed or dead) with its payload: what the console shows on demand.
-async fn event(State(console): State<Arc<Console>>, Path(id): Path<i64>) -> Response {
+async fn event(State(console): State<Arc<Console>>, Path(id): Path<String>) -> Response {
+    let Ok(id) = id.parse::<i64>() else {
+        return (StatusCode::BAD_REQUEST, axum::Json(json!({"error": "an event id is a whole number"})))
+            .into_response();
+    };
     match console.outbox.look_up(Some(id), None, 1).await {
         Ok(found) => match found.into_iter().next() {
             Some(event) => axum::Json(event).into_response(),
@@ -269,79 +351,142 @@ async fn event(State(console): State<Arc<Console>>, Path(id): Path<i64>) -> Resp
     }
 }
 
+/// An action's fields; any other field is refused (a misspelt `ids` must not mean "all").
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct ActionForm {
     csrf: Option<String>,
-    token: Option<String>,
-    /// A dead letter's id (retry, purge), or none for all of them.
+    /// The dead letter to retry or purge.
     id: Option<String>,
-    /// A topic (pause, resume), or none for every topic.
+    /// The topic to pause or resume.
     topic: Option<String>,
+    /// `1`: every dead letter (retry, purge), or every topic (pause, resume).
+    all: Option<String>,
+    /// The button pressed (ignored).
+    #[serde(rename = "do")]
+    _button: Option<String>,
 }
 
-/// Retry, purge, pause, resume: checks the CSRF token and, where needed, the access token; then
-/// runs the action and goes back to the console with what it did.
+/// What an action acts on: one thing, or all of them, said explicitly.
+enum Target<T> {
+    One(T),
+    All,
+}
+
+/// The target of an action from its form: exactly one of `field` or `all=1`.
+fn target<'f>(form: &'f ActionForm, field: &'f Option<String>, name: &str) -> Result<Target<&'f str>, String> {
+    let one = field.as_deref().filter(|v| !v.is_empty());
+    let all = match form.all.as_deref() {
+        None | Some("") => false,
+        Some("1") => true,
+        Some(_) => return Err("all must be 1 when given".into()),
+    };
+    match (one, all) {
+        (Some(value), false) => Ok(Target::One(value)),
+        (None, true) => Ok(Target::All),
+        (Some(_), true) => Err(format!("give either {name} or all=1, not both")),
+        (None, false) => Err(format!("say what to act on: {name}=... or all=1")),
+    }
+}
+
+/// Retry, purge, pause, resume: checks the CSRF token and what the form names (the console's
+/// access was checked before); runs the action, logs it and goes back to the console.
 async fn action(
     State(console): State<Arc<Console>>,
     Path(action): Path<String>,
-    headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    if !console.actions_allowed {
-        return refuse(
-            StatusCode::FORBIDDEN,
-            "actions on a non-loopback address need --http-token (or OUTBOX_RELAY_HTTP_TOKEN)",
-        );
-    }
     if !form.csrf.as_deref().is_some_and(|given| same(given, &console.csrf)) {
+        tracing::warn!(action = %action, "console action refused: missing or stale CSRF token");
         return refuse(StatusCode::FORBIDDEN, "missing or stale CSRF token: reload the console and try again");
     }
-    if let Some(token) = &console.token {
-        let bearer =
-            headers.get(header::AUTHORIZATION).and_then(|h| h.to_str().ok()).and_then(|h| h.strip_prefix("Bearer "));
-        let given = form.token.as_deref().filter(|t| !t.is_empty()).or(bearer);
-        if !given.is_some_and(|given| same(given, token.expose())) {
-            return refuse(StatusCode::UNAUTHORIZED, "this action needs the console's access token (--http-token)");
-        }
-    }
-    let id = match form.id.as_deref().map(str::trim).filter(|id| !id.is_empty()) {
-        None => None,
-        Some(text) => match text.parse::<i64>() {
-            Ok(id) => Some(id),
-            Err(_) => return refuse(StatusCode::BAD_REQUEST, &format!("{text:?} is no event id")),
-        },
-    };
-    let topic = form.topic.as_deref().map(str::trim).filter(|t| !t.is_empty());
     let outbox = &console.outbox;
     let done = match action.as_str() {
-        "retry" => match id {
-            Some(id) => outbox.retry_dead_letters(&[id]).await.map(|ids| counted("retried", &ids)),
-            None => outbox.retry_all_dead_letters().await.map(|ids| counted("retried", &ids)),
-        },
-        "purge" => match id {
-            Some(id) => outbox.purge_dead_letters_by_id(&[id]).await.map(|ids| counted("purged", &ids)),
-            None => outbox.purge_dead_letters(Duration::ZERO).await.map(|n| format!("purged {n} dead letters")),
-        },
-        "pause" => outbox.pause(topic).await.map(|new| match (new, topic) {
-            (true, Some(t)) => format!("paused topic {t}"),
-            (true, None) => "paused every topic".into(),
-            (false, _) => "it was paused already".into(),
-        }),
-        "resume" => outbox.resume(topic).await.map(|lifted| match (lifted, topic) {
-            (true, Some(t)) => format!("resumed topic {t}"),
-            (true, None) => "lifted the pause of every topic".into(),
-            (false, _) => "it was not paused".into(),
-        }),
+        "retry" | "purge" => {
+            if form.topic.is_some() {
+                return refuse(StatusCode::BAD_REQUEST, "retry and purge take id=N or all=1, not a topic");
+            }
+            let id = match target(&form, &form.id, "id") {
+                Err(why) => return refuse(StatusCode::BAD_REQUEST, &why),
+                Ok(Target::All) => None,
+                Ok(Target::One(text)) => match text.trim().parse::<i64>() {
+                    Ok(id) => Some(id),
+                    Err(_) => return refuse(StatusCode::BAD_REQUEST, "id must be a whole number"),
+                },
+            };
+            match (action.as_str(), id) {
+                ("retry", Some(id)) => outbox.retry_dead_letters(&[id]).await.map(|ids| counted("retried", &ids)),
+                ("retry", None) => outbox.retry_all_dead_letters().await.map(|ids| counted("retried", &ids)),
+                (_, Some(id)) => outbox.purge_dead_letters_by_id(&[id]).await.map(|ids| counted("purged", &ids)),
+                (_, None) => {
+                    outbox.purge_dead_letters(Duration::ZERO).await.map(|n| format!("purged {n} dead letters"))
+                }
+            }
+        }
+        "pause" | "resume" => {
+            if form.id.is_some() {
+                return refuse(StatusCode::BAD_REQUEST, "pause and resume take topic=T or all=1, not an id");
+            }
+            let topic = match target(&form, &form.topic, "topic") {
+                Err(why) => return refuse(StatusCode::BAD_REQUEST, &why),
+                Ok(Target::All) => None,
+                Ok(Target::One(topic)) => Some(topic),
+            };
+            let what = topic.map_or("every topic".to_string(), |t| format!("topic {t}"));
+            let changed = if action == "pause" { outbox.pause(topic).await } else { outbox.resume(topic).await };
+            match changed {
+                Ok(changed) => {
+                    let mut done = match (action.as_str(), changed) {
+                        ("pause", true) => format!("paused {what}"),
+                        ("pause", false) => format!("{what} was paused already"),
+                        (_, true) => format!("resumed {what}"),
+                        (_, false) => format!("{what} was not paused"),
+                    };
+                    if action == "resume"
+                        && let Ok(left) = outbox.pauses().await
+                        && !left.is_empty()
+                    {
+                        let names: Vec<&str> =
+                            left.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect();
+                        done.push_str(&format!("; still paused: {}", names.join(", ")));
+                    }
+                    Ok(done)
+                }
+                Err(e) => Err(e),
+            }
+        }
         other => return refuse(StatusCode::NOT_FOUND, &format!("no action {other:?}")),
     };
     match done {
         Ok(done) => {
-            tracing::info!(action = %action, id, topic, "{done} (console)");
-            let query = query_pair("done", &done);
-            Redirect::to(&format!("/?{query}")).into_response()
+            tracing::info!(action = %action, "{} (console)", crate::one_line(&done));
+            Redirect::to(&format!("/?done={}", console.remember(done))).into_response()
         }
         Err(e) if e.kind() == outbox_relay::ErrorKind::InvalidInput => refuse(StatusCode::BAD_REQUEST, &e.to_string()),
-        Err(e) => refuse(StatusCode::SERVICE_UNAVAILABLE, &crate::one_line(&e.to_string())),
+        Err(e) => {
+            // The whole error (it may quote a row) goes to the log, not to the browser.
+            tracing::warn!(action = %action, error = %e, "console action failed");
+            refuse(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("the {action} failed in the database; the relay's log says why"),
+            )
+        }
+    }
+}
+
+/// How many action messages are kept for their pages.
+const DONE_KEPT: usize = 64;
+
+impl Console {
+    /// Keeps `message` for the page an action leads back to; returns its number.
+    fn remember(&self, message: String) -> u64 {
+        let mut done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let n = done.back().map_or(1, |(n, _)| n + 1);
+        if done.len() == DONE_KEPT {
+            done.pop_front();
+        }
+        done.push_back((n, message));
+        n
     }
 }
 
@@ -360,19 +505,6 @@ fn refuse(status: StatusCode, reason: &str) -> Response {
 /// Equal, in time that depends only on the lengths.
 fn same(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
-/// `name=value`, the value percent-encoded for a query string.
-fn query_pair(name: &str, value: &str) -> String {
-    let mut out = format!("{name}=");
-    for b in value.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -398,10 +530,5 @@ mod tests {
         assert!(check_token(&Secret::new("short")).is_err());
         assert!(check_token(&Secret::new("with a space in it ok?")).is_err());
         assert!(check_token(&Secret::new("0123456789abcdef")).is_ok());
-    }
-
-    #[test]
-    fn the_message_is_percent_encoded() {
-        assert_eq!(query_pair("done", "paused topic a/b & c"), "done=paused%20topic%20a%2Fb%20%26%20c");
     }
 }

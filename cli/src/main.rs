@@ -38,7 +38,8 @@ enum Command {
     Migrate,
     /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
     Run(Box<RunArgs>),
-    /// Show the queue: pending, delayed, in flight, processed, dead letters.
+    /// Show the queue (pending, delayed, in flight, processed, dead letters), the relays, the
+    /// pauses and the health signals, with a warning line for each that needs attention.
     Status {
         /// Print one JSON object instead of a table.
         #[arg(long)]
@@ -48,13 +49,16 @@ enum Command {
     #[command(subcommand)]
     DeadLetters(DeadLetterCommand),
     /// Pause delivery, for every relay on this database, until `resume` (kept in the database:
-    /// restarts do not lift it). Paused events stay pending and are charged no attempt.
+    /// restarts do not lift it; relays stop claiming within moments, a batch already claimed is
+    /// still delivered). Paused events stay pending and are charged no attempt; a paused event at
+    /// the head of its key holds the key's later events, of any topic.
     Pause {
         /// Pause only this topic (by default every topic).
         #[arg(long, value_name = "TOPIC")]
         topic: Option<String>,
     },
-    /// Lift a pause: of every topic, or with --topic of that topic.
+    /// Lift a pause: without --topic the pause of every topic (pauses of single topics stay),
+    /// with --topic that topic's.
     Resume {
         /// Lift the pause of this topic (by default the pause of every topic).
         #[arg(long, value_name = "TOPIC")]
@@ -62,11 +66,12 @@ enum Command {
     },
     /// Serve the web console, /metrics and the health endpoints without running a relay.
     Console {
-        /// Where to listen, e.g. 127.0.0.1:9187.
+        /// Where to listen: an IP address and a port, e.g. 127.0.0.1:9187 (not a host name).
         #[arg(long, value_name = "ADDR")]
         listen: std::net::SocketAddr,
-        /// Token that actions (retry, purge, pause, resume) need; required for actions on a
-        /// non-loopback address. At least 16 characters; never logged.
+        /// Token the console needs (its pages, API and actions; not /metrics or the probes); without
+        /// one the console is served on loopback addresses only. At least 16 characters; never
+        /// logged.
         #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
         http_token: Option<Secret>,
     },
@@ -207,11 +212,13 @@ pub(crate) struct RunArgs {
     /// Apply pending migrations before starting.
     #[arg(long)]
     migrate: bool,
-    /// Serve /metrics, /healthz, /readyz and the console here, e.g. 127.0.0.1:9187 (off by default).
+    /// Serve /metrics, /healthz, /readyz and the console here: an IP address and a port, e.g.
+    /// 127.0.0.1:9187 (off by default).
     #[arg(long, value_name = "ADDR")]
     http: Option<std::net::SocketAddr>,
-    /// Token that the console's actions need; required for actions when --http is not a
-    /// loopback address. At least 16 characters; never logged.
+    /// Token the console needs (its pages, API and actions; not /metrics or the probes); without
+    /// one the console is served on loopback addresses only. At least 16 characters; never
+    /// logged.
     #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
     http_token: Option<Secret>,
 }
@@ -315,7 +322,7 @@ fn main() -> ExitCode {
                 .lines()
                 .take_while(|l| !l.starts_with("Usage:"))
                 .map(str::trim)
-                .filter(|l| !l.is_empty())
+                .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
                 .collect();
             eprintln!("{} (see --help)", reason.join(" "));
             return ExitCode::from(2);
@@ -339,8 +346,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// `text` on one line for a terminal: whitespace runs as one space, and control characters (a
+/// destination's error can hold escape sequences) as `\u{..}`, as the logs show them.
 fn one_line(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
+    let spaced = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut out = String::with_capacity(spaced.len());
+    for c in spaced.chars() {
+        if c.is_control() {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default (PostgreSQL's

@@ -516,9 +516,33 @@ impl<H: Handler> Claimer<H> {
         self.metrics.delivered(outcomes.latencies.into_iter());
         self.metrics.dead_lettered(writes.buried.0.len());
         if !writes.buried.0.is_empty() {
-            tracing::warn!(ids = ?writes.buried.0, errors = ?writes.buried.1, "events moved to the dead letters");
+            log_buried(&writes.buried.0, &writes.buried.1);
         }
     }
+}
+
+/// How many ids and distinct errors one dead-letter warning names; the rest are counted.
+const BURIED_SHOWN: usize = 10;
+
+/// One warning for a batch's dead letters, of bounded length: the first ids, each distinct
+/// error once with how many events it buried.
+fn log_buried(ids: &[i64], errors: &[String]) {
+    let mut distinct: Vec<(&str, usize)> = Vec::new();
+    for error in errors {
+        match distinct.iter_mut().find(|(e, _)| *e == error.as_str()) {
+            Some((_, n)) => *n += 1,
+            None => distinct.push((error.as_str(), 1)),
+        }
+    }
+    let shown: Vec<String> = ids.iter().take(BURIED_SHOWN).map(i64::to_string).collect();
+    let more = if ids.len() > BURIED_SHOWN { format!(" and {} more", ids.len() - BURIED_SHOWN) } else { String::new() };
+    let causes: Vec<String> = distinct.iter().take(BURIED_SHOWN).map(|(e, n)| format!("{n} x {e}")).collect();
+    tracing::warn!(
+        events = ids.len(),
+        ids = %format!("{}{more}", shown.join(", ")),
+        errors = %causes.join(" | "),
+        "events moved to the dead letters"
+    );
 }
 
 /// Runs the statements of one batch's outcomes on `db`, pipelined (one round trip for all);

@@ -37,6 +37,8 @@ pub(crate) struct Listener {
     /// Woken on every notification, and after every (re)connect for a catch-up claim.
     pub(crate) work: Arc<Notify>,
     pub(crate) metrics: Arc<RelayMetrics>,
+    /// Woken by the notification a pause or resume sends, so that it applies at once.
+    pub(crate) pauses_changed: Arc<Notify>,
     /// Told the listener's backend pid while it listens (the waiting mark carries it).
     pub(crate) idle: Arc<Idle>,
     pub(crate) stop: CancellationToken,
@@ -73,6 +75,9 @@ impl Listener {
         let forwarder = async {
             while let Some(message) = messages.next().await {
                 match message {
+                    Ok(AsyncMessage::Notification(n)) if n.payload() == sql::PAUSES_CHANGED => {
+                        self.pauses_changed.notify_one();
+                    }
                     Ok(AsyncMessage::Notification(_)) => {
                         self.metrics.woken();
                         self.work.notify_one();

@@ -153,6 +153,7 @@ impl<H: Handler> Relay<H> {
         let reporter = Arc::new(report::Reporter::default());
         let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
         let pauses = Arc::new(pauses::Pauses::default());
+        let pauses_changed = Arc::new(Notify::new());
         metrics.set_running(true);
         let claimer = Arc::new(claim::Claimer {
             pool: pool.clone(),
@@ -179,6 +180,7 @@ impl<H: Handler> Relay<H> {
             reconnect_max: config.reconnect_max,
             work: work.clone(),
             metrics: metrics.clone(),
+            pauses_changed: pauses_changed.clone(),
             idle: idle.clone(),
             stop: stop.clone(),
         };
@@ -191,7 +193,7 @@ impl<H: Handler> Relay<H> {
             idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
         );
         services.spawn(
-            pauses::run(pauses, pool.clone(), work.clone(), metrics.clone(), stop.clone())
+            pauses::run(pauses, pool.clone(), work.clone(), pauses_changed, metrics.clone(), stop.clone())
                 .instrument(tracing::info_span!("pauses")),
         );
         services.spawn(

@@ -1,5 +1,6 @@
-//! Pauses: which topics no claim takes, as the `outbox_relay.pauses` table says, re-read every
-//! [`REFRESH`] so that a pause or resume from any process applies within about a second.
+//! Pauses: which topics no claim takes, as the `outbox_relay.pauses` table says. A pause or
+//! resume notifies the relays' channel, and the listener has them re-read at once; they are
+//! re-read every [`REFRESH`] besides (a notification can be lost while the listener reconnects).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
@@ -56,6 +57,7 @@ pub(crate) async fn run(
     pauses: Arc<Pauses>,
     pool: RelayPool,
     work: Arc<Notify>,
+    changed: Arc<Notify>,
     metrics: Arc<RelayMetrics>,
     stop: CancellationToken,
 ) {
@@ -86,6 +88,7 @@ pub(crate) async fn run(
         }
         tokio::select! {
             _ = stop.cancelled() => return,
+            _ = changed.notified() => {}
             _ = tokio::time::sleep(REFRESH) => {}
         }
     }

@@ -149,19 +149,27 @@ pub(crate) async fn purge_dead_letters_by_id(db: &impl Db, ids: &[i64]) -> Resul
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// Pauses `topic` ('' for every topic); false when it was paused already.
-const PAUSE_INSERT: &str = "insert into outbox_relay.pauses (topic) values ($1) on conflict (topic) do nothing";
+/// The payload of the notification a pause or resume sends on the relays' channel (the
+/// trigger's are empty): the listeners have the pauses re-read at once.
+pub(crate) const PAUSES_CHANGED: &str = "pauses";
+
+/// Pauses `topic` ('' for every topic) and tells the relays; 1 when it was not paused before.
+const PAUSE_INSERT: &str = "\
+with paused as (insert into outbox_relay.pauses (topic) values ($1) on conflict (topic) do nothing returning 1)
+select (select count(*) from paused), pg_notify('outbox_relay', 'pauses')";
 
 /// Pauses `topic`, '' meaning every topic; true when it was not paused before.
 pub(crate) async fn pause(db: &impl Db, topic: &str) -> Result<bool> {
-    Ok(count(db, PAUSE_INSERT, &[&topic], "pausing delivery").await? == 1)
+    Ok(one(db, PAUSE_INSERT, &[&topic], "pausing delivery").await?.get::<_, i64>(0) == 1)
 }
 
-const PAUSE_DELETE: &str = "delete from outbox_relay.pauses where topic = $1";
+const PAUSE_DELETE: &str = "\
+with lifted as (delete from outbox_relay.pauses where topic = $1 returning 1)
+select (select count(*) from lifted), pg_notify('outbox_relay', 'pauses')";
 
 /// Lifts the pause of `topic` ('' for the pause of every topic); true when there was one.
 pub(crate) async fn resume(db: &impl Db, topic: &str) -> Result<bool> {
-    Ok(count(db, PAUSE_DELETE, &[&topic], "resuming delivery").await? == 1)
+    Ok(one(db, PAUSE_DELETE, &[&topic], "resuming delivery").await?.get::<_, i64>(0) == 1)
 }
 
 const PAUSE_LIST: &str = "select topic, paused_at, paused_by from outbox_relay.pauses order by topic";
@@ -203,18 +211,23 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
     })
 }
 
-/// Events with this id or key, pending or processed in the outbox, or dead, newest first.
+/// Events with this id or key, pending or processed in the outbox, or dead: the one with the id
+/// first, then newest first.
 const EVENT_LOOKUP: &str = "\
-(select id, topic, key, payload::text, created_at, attempts, last_error,
-        case when processed_at is not null then 'processed'
-             when available_at > now() and lease_token is not null then 'in flight'
-             when available_at > now() then 'delayed' else 'pending' end,
-        case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
-   from outbox_relay.outbox where id = $1 or key = $2 order by id desc limit $3)
-union all
-(select id, topic, key, payload::text, created_at, attempts, last_error, 'dead', failed_at
-   from outbox_relay.dead_letters where id = $1 or key = $2 order by id desc limit $3)
-order by 1 desc limit $3";
+select * from (
+  (select id, topic, key, payload::text, created_at, attempts, last_error,
+          case when processed_at is not null then 'processed'
+               when available_at > now() and lease_token is not null then 'in flight'
+               when available_at > now() then 'delayed' else 'pending' end,
+          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
+     from outbox_relay.outbox where id = $1 or key = $2
+    order by coalesce(id = $1, false) desc, id desc limit $3)
+  union all
+  (select id, topic, key, payload::text, created_at, attempts, last_error, 'dead', failed_at
+     from outbox_relay.dead_letters where id = $1 or key = $2
+    order by coalesce(id = $1, false) desc, id desc limit $3)
+) found
+order by coalesce(id = $1, false) desc, id desc limit $3";
 
 /// Up to `limit` events whose id is `id` or whose key is `key`, wherever they are.
 pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {

@@ -258,42 +258,124 @@ async fn post(url: &str, form: &[(&str, &str)]) -> (u16, String) {
 }
 
 #[tokio::test]
-async fn console_actions_need_the_csrf_token_and_the_access_token() {
+async fn with_a_token_the_console_needs_a_login_and_actions_need_the_csrf_token_too() {
     let db = TestDb::new().await;
     let token = "s3cret-token-0123456789";
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let console = spawn_console(&db.url, &["--listen", &format!("127.0.0.1:{port}")], Some(token));
-    let page = until_status(&format!("{base}/"), 200).await;
+    // Without the token: a login form, nothing of the queue; the API and actions refuse.
+    let login = until_status(&format!("{base}/"), 401).await;
+    assert!(login.contains("action=\"/login\"") && !login.contains("Dead letters"), "{login}");
+    assert_eq!(get(&format!("{base}/api/summary")).await.unwrap().0, 401);
+    assert_eq!(get(&format!("{base}/api/events/1")).await.unwrap().0, 401);
+    assert_eq!(post(&format!("{base}/actions/pause"), &[("all", "1")]).await.0, 401);
+    // The probes and the metrics need none.
+    assert_eq!(get(&format!("{base}/metrics")).await.unwrap().0, 200);
+    assert_eq!(get(&format!("{base}/readyz")).await.unwrap().0, 200);
+    let (status, _) = post(&format!("{base}/login"), &[("token", "s3cret-token-0123456780")]).await;
+    assert_eq!(status, 401, "a near miss");
+
+    // A login sets the session cookie; the page and the actions then work with it.
+    let browser =
+        reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).cookie_store(true).build().unwrap();
+    let logged_in = browser.post(format!("{base}/login")).form(&[("token", token)]).send().await.unwrap();
+    assert_eq!(logged_in.status().as_u16(), 303);
+    let cookie = logged_in.headers()["set-cookie"].to_str().unwrap().to_string();
+    assert!(cookie.contains("HttpOnly") && cookie.contains("SameSite=Strict") && !cookie.contains(token), "{cookie}");
+    let page = browser.get(format!("{base}/")).send().await.unwrap().text().await.unwrap();
     let csrf = csrf_of(&page);
-    let pause = format!("{base}/actions/pause");
-    assert_eq!(post(&pause, &[("topic", "a.b")]).await.0, 403, "no CSRF token");
-    assert_eq!(post(&pause, &[("csrf", "0".repeat(32).as_str()), ("token", token)]).await.0, 403, "a wrong one");
-    assert_eq!(post(&pause, &[("csrf", &csrf)]).await.0, 401, "no access token");
-    assert_eq!(post(&pause, &[("csrf", &csrf), ("token", "s3cret-token-0123456780")]).await.0, 401);
+    let act = |form: Vec<(&'static str, String)>| {
+        let browser = browser.clone();
+        let url = format!("{base}/actions/pause");
+        async move {
+            let response = browser.post(url).form(&form).send().await.unwrap();
+            (response.status().as_u16(), response.text().await.unwrap())
+        }
+    };
+    assert_eq!(act(vec![("topic", "a.b".into())]).await.0, 403, "no CSRF token");
+    assert_eq!(act(vec![("csrf", "0".repeat(32)), ("topic", "a.b".into())]).await.0, 403, "a wrong one");
     assert!(db.outbox.pauses().await.unwrap().is_empty(), "nothing was paused by a refused request");
-    let (status, _) = post(&pause, &[("csrf", &csrf), ("token", token), ("topic", "a.b")]).await;
-    assert_eq!(status, 303);
+    assert_eq!(act(vec![("csrf", csrf.clone()), ("topic", "a.b".into())]).await.0, 303);
     assert_eq!(db.outbox.pauses().await.unwrap()[0].topic.as_deref(), Some("a.b"));
-    let (status, body) = post(&pause, &[("csrf", &csrf), ("token", token), ("topic", "<script>")]).await;
+    let (status, body) = act(vec![("csrf", csrf.clone()), ("topic", "<script>".into())]).await;
     assert_eq!(status, 400, "{body}");
+    // A script may send the token itself.
+    let scripted = http()
+        .post(format!("{base}/actions/resume"))
+        .bearer_auth(token)
+        .form(&[("csrf", csrf.as_str()), ("topic", "a.b")])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(scripted.status().as_u16(), 303);
+    assert!(db.outbox.pauses().await.unwrap().is_empty());
     // A page elsewhere cannot reach the loopback console by a name of its own (DNS rebinding).
     let rebound = http().get(format!("{base}/")).header("Host", "evil.example:80").send().await.unwrap();
     assert_eq!(rebound.status().as_u16(), 421);
 
-    let child = console;
-    let pid = child.id().unwrap().to_string();
+    let pid = console.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.unwrap().unwrap();
+    let output = tokio::time::timeout(PATIENCE, console.wait_with_output()).await.unwrap().unwrap();
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(!logs.contains(token), "the token is never logged:\n{logs}");
     assert!(logs.contains("paused topic a.b (console)"), "{logs}");
+    assert!(logs.contains("console login refused"), "{logs}");
+}
+
+#[tokio::test]
+async fn actions_say_exactly_what_they_act_on() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error)
+             select g, 'invoice.issue', '{}', now(), 3, 'refused' from generate_series(1001, 1003) g",
+        )
+        .await
+        .unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _console = spawn_console(&db.url, &["--listen", &format!("127.0.0.1:{port}")], None);
+    let csrf = csrf_of(&until_status(&format!("{base}/"), 200).await);
+    let csrf = csrf.as_str();
+    let purge = format!("{base}/actions/purge");
+    for (form, says) in [
+        (vec![("csrf", csrf)], "id=... or all=1"),
+        (vec![("csrf", csrf), ("id", "")], "id=... or all=1"),
+        (vec![("csrf", csrf), ("id", "1001"), ("all", "1")], "not both"),
+        (vec![("csrf", csrf), ("topic", "invoice.issue")], "not a topic"),
+        (vec![("csrf", csrf), ("id", "x")], "whole number"),
+        (vec![("csrf", csrf), ("all", "yes")], "all must be 1"),
+    ] {
+        let (status, body) = post(&purge, &form).await;
+        assert_eq!(status, 400, "{form:?}: {body}");
+        assert!(body.contains(says), "{form:?}: {body}");
+    }
+    let (status, body) = post(&purge, &[("csrf", csrf), ("ids", "1001")]).await;
+    assert_eq!(status, 422, "a misspelt field is refused: {body}");
+    let dead = || async {
+        db.client()
+            .await
+            .query_one("select count(*) from outbox_relay.dead_letters", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+    };
+    assert_eq!(dead().await, 3, "no refused request purged anything");
+    assert_eq!(post(&purge, &[("csrf", csrf), ("id", "1001")]).await.0, 303);
+    assert_eq!(dead().await, 2);
+    let (status, _) = post(&format!("{base}/actions/pause"), &[("csrf", csrf), ("topic", "")]).await;
+    assert_eq!(status, 400, "an empty topic is not every topic");
+    assert!(db.outbox.pauses().await.unwrap().is_empty());
+    assert_eq!(post(&purge, &[("csrf", csrf), ("all", "1")]).await.0, 303);
+    assert_eq!(dead().await, 0);
 }
 
 #[tokio::test]
 async fn a_weak_token_is_refused_without_being_shown() {
     let db = TestDb::new().await;
-    for token in ["short-tok-91", "has a space in it, 24 chars"] {
+    for token in ["short-tok-91", "has a space in it, 24 chars", "ééééééééé"] {
         let output = cli(&db.url, &["console", "--listen", "127.0.0.1:0", "--http-token", token]).await;
         assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
         assert!(stderr(&output).contains("--http-token"), "{}", stderr(&output));
@@ -302,20 +384,22 @@ async fn a_weak_token_is_refused_without_being_shown() {
 }
 
 #[tokio::test]
-async fn a_console_on_a_public_address_without_a_token_is_read_only() {
+async fn on_a_public_address_without_a_token_only_the_probes_and_metrics_are_served() {
     let db = TestDb::new().await;
+    db.outbox.publish(&outbox_relay::NewEvent::new("hr.update", json!({"ssn": "123-45-6789"}))).await.unwrap();
     let port = free_port();
     let console = spawn_console(&db.url, &["--listen", &format!("0.0.0.0:{port}")], None);
     let base = format!("http://127.0.0.1:{port}");
-    let page = until_status(&format!("{base}/"), 200).await;
-    assert!(page.contains("Read-only"), "{page}");
-    let (status, body) = post(&format!("{base}/actions/pause"), &[("csrf", &csrf_of(&page))]).await;
-    assert_eq!(status, 403);
-    assert!(body.contains("--http-token"), "{body}");
-    assert!(db.outbox.pauses().await.unwrap().is_empty());
-    // The metrics and probes need no token.
-    assert_eq!(get(&format!("{base}/metrics")).await.unwrap().0, 200);
+    assert!(until_status(&format!("{base}/metrics"), 200).await.contains("outbox_relay_database_up 1"));
     assert_eq!(get(&format!("{base}/readyz")).await.unwrap().0, 200);
+    for path in ["/", "/?lookup=1", "/api/summary", "/api/events/1"] {
+        let (status, body) = get(&format!("{base}{path}")).await.unwrap();
+        assert_eq!(status, 403, "{path}");
+        assert!(body.contains("--http-token") && !body.contains("123-45-6789"), "{path}: {body}");
+    }
+    let (status, _) = post(&format!("{base}/actions/pause"), &[("all", "1")]).await;
+    assert_eq!(status, 403);
+    assert!(db.outbox.pauses().await.unwrap().is_empty());
     drop(console);
 }
 
