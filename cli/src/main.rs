@@ -365,7 +365,11 @@ fn one_line(text: &str) -> String {
 /// notices only from `warn`).
 fn init_tracing(level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")))
+        // lapin logs every returned (unroutable) message whole, payload included, and at trace
+        // the login frame with the password: the sink reports what matters itself.
+        .add_directive("lapin=off".parse().expect("a valid directive"))
+        .add_directive("amq_protocol=off".parse().expect("a valid directive"));
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -11,8 +11,10 @@
 //! that succeeds **closes** the breaker and every worker resumes at full speed. While it is open
 //! no attempt is consumed and nothing is dead-lettered by the outage.
 //!
-//! Failures of events refused for good (permanent) and successes both show the destination
-//! answering: they end a streak. A queue of nothing but events the destination keeps failing is
+//! Failures of events refused for good (permanent), failures the sink marks as answered (the
+//! destination is up but cannot take this event yet: an unroutable RabbitMQ message, a subject
+//! no JetStream stream captures) and successes all show the destination answering: they end a
+//! streak. A queue of nothing but events the destination keeps failing is
 //! indistinguishable from an outage, and is treated as one.
 
 use std::sync::Mutex;

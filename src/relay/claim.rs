@@ -405,7 +405,7 @@ impl<H: Handler> Claimer<H> {
             .iter()
             .zip(&results)
             .map(|(event, result)| match result {
-                Err(e) if !e.is_permanent() => Seen::Failed(event.id),
+                Err(e) if e.may_be_an_outage() => Seen::Failed(event.id),
                 _ => Seen::Answered,
             })
             .collect();

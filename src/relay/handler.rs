@@ -16,18 +16,36 @@ pub struct DeliveryError {
     permanent: bool,
     message: String,
     retry_after: Option<Duration>,
+    /// The destination answered: this failure says nothing of an outage.
+    answered: bool,
 }
 
 impl DeliveryError {
     /// The destination could not take the event now (down, overloaded, timed out): retry later
     /// with backoff, and dead-letter after the maximum attempts.
     pub fn transient(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: false, message: message.to_string(), retry_after: None }
+        DeliveryError { permanent: false, message: message.to_string(), retry_after: None, answered: false }
     }
 
     /// The event itself is bad (the destination refused it): dead-letter it now.
     pub fn permanent(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: true, message: message.to_string(), retry_after: None }
+        DeliveryError { permanent: true, message: message.to_string(), retry_after: None, answered: true }
+    }
+
+    /// The destination is up and answered, but cannot take this event yet (no RabbitMQ queue is
+    /// bound for its routing key, no JetStream stream captures its subject): retried with
+    /// backoff and dead-lettered after the maximum attempts like any transient failure, but not
+    /// counted by the outage breaker, so that one such topic does not stop the others.
+    #[must_use]
+    pub fn destination_answered(mut self) -> Self {
+        self.answered = true;
+        self
+    }
+
+    /// Whether the failure may mean the destination is down (what the outage breaker counts):
+    /// transient, and not [`DeliveryError::destination_answered`].
+    pub fn may_be_an_outage(&self) -> bool {
+        !self.answered
     }
 
     /// The destination asked not to be tried again before `delay` (an HTTP `Retry-After`): the

@@ -29,7 +29,11 @@ pub struct AmqpSink {
     uri: String,
     exchange: String,
     timeout: Duration,
-    link: Mutex<Option<Link>>,
+    /// Boxed: a connection and a channel are large, and the sink sits in an enum of sinks.
+    link: Mutex<Option<Box<Link>>>,
+    /// Set when the link failed mid-delivery (no confirm in time, an error): the next delivery
+    /// opens a new one.
+    broken: std::sync::atomic::AtomicBool,
     /// The broker's URL as it may be shown.
     pub(super) shown: String,
 }
@@ -62,10 +66,11 @@ impl AmqpSink {
             exchange: options.exchange.clone(),
             timeout: options.timeout,
             link: Mutex::new(None),
+            broken: std::sync::atomic::AtomicBool::new(false),
             shown,
         };
         let link = sink.open().await?;
-        *sink.link.lock().await = Some(link);
+        *sink.link.lock().await = Some(Box::new(link));
         Ok(sink)
     }
 
@@ -76,9 +81,15 @@ impl AmqpSink {
         let connection = match tokio::time::timeout(self.timeout, connect).await {
             Ok(Ok(connection)) => connection,
             Ok(Err(e)) => {
+                let text = e.to_string();
+                let why = if text.contains("Parsing Error") || text.contains("ParserErrors") {
+                    "the server does not speak AMQP 0-9-1 (is this RabbitMQ's port?)".to_string()
+                } else {
+                    self.hide(&text)
+                };
                 return Err(Error::new(
                     ErrorKind::Connect,
-                    format!("cannot connect to RabbitMQ at {}: {}", self.shown, self.hide(&e.to_string())),
+                    format!("cannot connect to RabbitMQ at {}: {why}", self.shown),
                 ));
             }
             Err(_) => {
@@ -121,25 +132,22 @@ impl AmqpSink {
     /// The channel to publish on: the open one, or a new link when it was lost.
     async fn channel(&self) -> Result<Channel, DeliveryError> {
         let mut link = self.link.lock().await;
+        let broken = self.broken.swap(false, std::sync::atomic::Ordering::AcqRel);
         if let Some(open) = link.as_ref()
+            && !broken
             && open.connection.status().connected()
             && open.channel.status().connected()
         {
             return Ok(open.channel.clone());
         }
-        *link = None;
+        if let Some(old) = link.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), old.connection.close(0, "reconnecting".into())).await;
+        }
         let open = self.open().await.map_err(|e| DeliveryError::transient(e.to_string()))?;
         tracing::info!(broker = %self.shown, "connected to RabbitMQ");
         let channel = open.channel.clone();
-        *link = Some(open);
+        *link = Some(Box::new(open));
         Ok(channel)
-    }
-
-    /// Forgets a link that failed, so that the next delivery opens a new one.
-    async fn drop_link(&self) {
-        if let Some(link) = self.link.lock().await.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(1), link.connection.close(0, "reconnecting".into())).await;
-        }
     }
 
     /// An error text without the URL's password (lapin's errors may quote the URI).
@@ -184,30 +192,38 @@ impl AmqpSink {
     async fn confirmed(&self, event: &Event, confirm: lapin::PublisherConfirm) -> Result<(), DeliveryError> {
         let confirmation = match tokio::time::timeout(self.timeout, confirm).await {
             Err(_) => {
+                // A channel that stopped confirming is not used again.
+                self.broken.store(true, std::sync::atomic::Ordering::Release);
                 return Err(DeliveryError::transient(format!(
-                    "RabbitMQ at {} did not confirm within {:?}",
+                    "RabbitMQ at {} did not confirm within {:?}; the connection is opened anew",
                     self.shown, self.timeout
                 )));
             }
-            Ok(Err(e)) => return Err(self.lost(&e)),
+            Ok(Err(e)) => {
+                self.broken.store(true, std::sync::atomic::Ordering::Release);
+                return Err(self.lost(&e));
+            }
             Ok(Ok(confirmation)) => confirmation,
         };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-                Err(DeliveryError::transient(format!(
-                    "unroutable: no queue is bound to exchange {:?} for routing key {:?} ({} {}); bind one and the event goes out",
+            Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => Err(DeliveryError::transient(
+                format!(
+                    "unroutable: no queue is bound to exchange {:?} for routing key {:?} ({} {}); it is retried until one is",
                     self.exchange, event.topic, returned.reply_code, returned.reply_text
-                )))
-            }
-            Confirmation::Nack(None) => {
-                Err(DeliveryError::transient(format!("RabbitMQ at {} refused the message (nack)", self.shown)))
-            }
+                ),
+            )
+            .destination_answered()),
+            Confirmation::Nack(None) => Err(DeliveryError::transient(format!(
+                "RabbitMQ at {} refused the message (nack: a full queue with overflow reject-publish, or a broker resource alarm)",
+                self.shown
+            ))),
             Confirmation::NotRequested => Ok(()),
         }
     }
 
     fn lost(&self, e: &lapin::Error) -> DeliveryError {
+        self.broken.store(true, std::sync::atomic::Ordering::Release);
         DeliveryError::transient(format!(
             "publishing to RabbitMQ at {} failed: {}",
             self.shown,
@@ -234,15 +250,8 @@ fn validate_exchange(name: &str) -> Result<()> {
 impl Handler for AmqpSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
         let channel = self.channel().await?;
-        let confirm = self.send(&channel, event).await;
-        let result = match confirm {
-            Ok(confirm) => self.confirmed(event, confirm).await,
-            Err(e) => Err(e),
-        };
-        if result.is_err() && !channel.status().connected() {
-            self.drop_link().await;
-        }
-        result
+        let confirm = self.send(&channel, event).await?;
+        self.confirmed(event, confirm).await
     }
 
     /// Publishes the whole batch, then awaits the confirms together: one pipelined exchange,
@@ -263,11 +272,7 @@ impl Handler for AmqpSink {
                 Err(e) => Err(e),
             }
         });
-        let results = futures::future::join_all(confirms).await;
-        if results.iter().any(Result::is_err) && !channel.status().connected() {
-            self.drop_link().await;
-        }
-        results
+        futures::future::join_all(confirms).await
     }
 }
 

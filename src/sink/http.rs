@@ -62,13 +62,21 @@ pub struct HttpSinkBuilder {
     headers: Vec<(String, Secret)>,
 }
 
-/// Headers the sink sets itself, which `--header` may not replace.
-const RESERVED_HEADERS: [&str; 8] = [
+/// Headers the sink sets itself, and hop-by-hop or body-changing ones (a receiver would misread
+/// the request), which `--header` may not give.
+const RESERVED_HEADERS: [&str; 15] = [
     "content-type",
     "content-length",
-    "host",
+    "content-encoding",
     "transfer-encoding",
+    "host",
     "connection",
+    "keep-alive",
+    "proxy-connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "expect",
     "webhook-id",
     "webhook-timestamp",
     "webhook-signature",
@@ -132,7 +140,7 @@ impl HttpSinkBuilder {
             let lower = header.as_str();
             if RESERVED_HEADERS.contains(&lower) || lower.starts_with("ce-") || lower.starts_with("outbox-") {
                 return Err(Error::config(format!(
-                    "the header {header} is set by the sink itself and cannot be given"
+                    "the header {header} is set by the sink itself, or would change how the request is read; it cannot be given"
                 )));
             }
             let mut value = HeaderValue::from_str(value.expose().trim()).map_err(|_| {

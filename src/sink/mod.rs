@@ -139,6 +139,19 @@ impl Sink {
                 "signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only",
             ));
         }
+        if options.cloudevents_source.is_some() && !options.http_format.starts_with("cloudevents") {
+            return Err(Error::config(
+                "--cloudevents-source applies to --format cloudevents or cloudevents-structured",
+            ));
+        }
+        let amqp = spec.starts_with("amqp://") || spec.starts_with("amqps://");
+        if !amqp && options.exchange != "outbox" {
+            return Err(Error::config("--exchange applies to the RabbitMQ sink (amqp://) only"));
+        }
+        let nats = spec.starts_with("nats://");
+        if !nats && (options.subject_prefix != DEFAULT_SUBJECT_PREFIX || options.create_stream.is_some()) {
+            return Err(Error::config("--subject-prefix and --create-stream apply to the NATS sink (nats://) only"));
+        }
         if spec == "stdout" || spec == "-" {
             return Ok(Sink::Stdout(StdoutSink::new()));
         }
@@ -214,8 +227,16 @@ fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink> {
     if let Some(source) = &options.cloudevents_source {
         builder = builder.cloudevents_source(source.clone());
     }
-    for secret in &options.signing_secrets {
-        builder = builder.signing_secret(SigningSecret::parse(secret.expose())?);
+    let count = options.signing_secrets.len();
+    for (n, secret) in options.signing_secrets.iter().enumerate() {
+        let which = if count > 1 { format!("signing secret {} of {count}", n + 1) } else { "signing secret".into() };
+        if secret.expose().trim().is_empty() {
+            return Err(Error::config(format!(
+                "the {which} is empty (a stray comma in OUTBOX_RELAY_SIGNING_SECRETS?)"
+            )));
+        }
+        let parsed = SigningSecret::parse(secret.expose()).map_err(|e| Error::config(format!("the {which}: {e}")))?;
+        builder = builder.signing_secret(parsed);
     }
     for (name, value) in &options.headers {
         builder = builder.header(name.clone(), value.expose());

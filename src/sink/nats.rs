@@ -103,7 +103,8 @@ fn publish_error(subject: &str, e: &async_nats::jetstream::context::PublishError
     match e.kind() {
         PublishErrorKind::StreamNotFound => DeliveryError::transient(format!(
             "no JetStream stream captures subject {subject}: create one, or run with --create-stream NAME"
-        )),
+        ))
+        .destination_answered(),
         PublishErrorKind::MaxPayloadExceeded => {
             DeliveryError::permanent(format!("event is larger than the NATS server accepts: {e}"))
         }

@@ -28,6 +28,11 @@ fn unique(prefix: &str) -> String {
 
 /// A consumer on a new queue bound to `exchange` for every routing key.
 async fn bound_queue(exchange: &str) -> (Connection, lapin::Consumer) {
+    bound_queue_for(exchange, "#").await
+}
+
+/// A consumer on a new queue bound to `exchange` for `pattern`.
+async fn bound_queue_for(exchange: &str, pattern: &str) -> (Connection, lapin::Consumer) {
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
         .expect("RabbitMQ on AMQP_URL (default 127.0.0.1:5672, guest/guest)");
@@ -54,7 +59,7 @@ async fn bound_queue(exchange: &str) -> (Connection, lapin::Consumer) {
         .queue_bind(
             queue.as_str().into(),
             exchange.into(),
-            "#".into(),
+            pattern.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )
@@ -161,6 +166,54 @@ async fn an_unroutable_event_waits_saying_so_until_a_queue_is_bound() {
     let delivery = next(&mut consumer).await;
     assert_eq!(delivery.properties.message_id().as_ref().unwrap().as_str(), id.to_string());
     assert_eq!(terminate(relay).await, Some(0));
+    delete_exchange(&exchange).await;
+}
+
+/// Unroutable is one topic's trouble, not an outage: it does not open the breaker, so the other
+/// topics go on, and its attempts count (it is dead-lettered in the end like any failure).
+#[tokio::test]
+async fn an_unroutable_topic_does_not_stop_the_others() {
+    let db = TestDb::new().await;
+    let exchange = unique("outbox-test");
+    let (_connection, mut consumer) = bound_queue_for(&exchange, "good.#").await;
+    let relay = spawn_run(
+        &db.url,
+        &[
+            "--sink",
+            &amqp_url(),
+            "--exchange",
+            &exchange,
+            "--breaker-threshold",
+            "3",
+            "--backoff-base",
+            "50ms",
+            "--backoff-max",
+            "100ms",
+        ],
+    );
+    for n in 0..8 {
+        publish(&db, "bad.x", json!({"n": n})).await;
+    }
+    let good = publish(&db, "good.x", json!({})).await;
+    assert_eq!(next(&mut consumer).await.properties.message_id().as_ref().unwrap().as_str(), good.to_string());
+    eventually("the unroutable events are retried, their attempts counted", || async {
+        db.client()
+            .await
+            .query_one("select min(attempts) from outbox_relay.outbox where topic = 'bad.x'", &[])
+            .await
+            .unwrap()
+            .get::<_, Option<i32>>(0)
+            .is_some_and(|n| n >= 2)
+    })
+    .await;
+    let output = {
+        let pid = relay.id().unwrap().to_string();
+        std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        tokio::time::timeout(PATIENCE, relay.wait_with_output()).await.unwrap().unwrap()
+    };
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(!logs.contains("looks down"), "the breaker stayed closed:\n{logs}");
+    assert!(!logs.contains("BasicReturnMessage"), "lapin's dump of returned messages stays out of the log:\n{logs}");
     delete_exchange(&exchange).await;
 }
 

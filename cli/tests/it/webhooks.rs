@@ -116,6 +116,11 @@ async fn http_options_are_checked_without_showing_their_values() {
         (vec!["--sink", &url, "--header", "Bearer tok-77c"], "'Name: value'", "tok-77c"),
         (vec!["--sink", &url, "--header", "Content-Type: text/plain"], "set by the sink", "text/plain"),
         (vec!["--sink", &url, "--format", "xml"], "invalid value 'xml'", "(nothing secret)"),
+        (vec!["--sink", &url, "--signing-secret", ""], "is empty", "(nothing secret)"),
+        (vec!["--sink", &url, "--header", "Upgrade: h2c"], "set by the sink", "h2c"),
+        (vec!["--sink", &url, "--cloudevents-source", "urn:x"], "--format cloudevents", "(nothing secret)"),
+        (vec!["--sink", &url, "--exchange", "orders"], "RabbitMQ sink", "(nothing secret)"),
+        (vec!["--sink", "amqp://guest:guest@127.0.0.1:5672/%2f", "--subject-prefix", "x"], "NATS sink", "guest:guest"),
     ] {
         let output = cli(&db.url, &[&["run"], args.as_slice()].concat()).await;
         let text = stderr(&output);
