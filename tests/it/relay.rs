@@ -159,7 +159,8 @@ async fn events_of_a_relay_that_died_holding_its_claim_come_back_at_once() {
     started.recv().await.unwrap();
     let open =
         "select count(*) from pg_stat_activity where datname = current_database() and state = 'idle in transaction'";
-    assert_eq!(count(&client, open).await, 1, "the claim holds its transaction open");
+    // (a next claim of the worker can be seen open for a moment too, before it finds nothing)
+    eventually("the claim holds its transaction open", || async { count(&client, open).await == 1 }).await;
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
     crashed.crash().await;
 
