@@ -62,12 +62,7 @@ impl Outbox {
 
     /// Answers when the database does: one `select 1` on a pooled connection.
     pub async fn ping(&self) -> Result<()> {
-        let client = self.pooled().await?;
-        client
-            .simple_query("")
-            .await
-            .map(drop)
-            .map_err(|e| crate::error::Error::database("asking the database whether it answers", e))
+        sql::ping(&**self.pooled().await?, "asking the database whether it answers").await
     }
 
     /// One janitor pass: deletes processed events older than `retention` and idempotency receipts

@@ -28,15 +28,11 @@ fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
     move |e| Error::new(ErrorKind::Database, format!("{doing}: {e}")).with_source(e)
 }
 
-fn micros(d: std::time::Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
-}
-
 /// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed
 /// event takes its key's lock first, so writers of one key commit in id order.
 pub async fn publish(conn: &mut PgConnection, event: &NewEvent) -> Result<i64> {
     event.validate()?;
-    let delay = micros(event.delay);
+    let delay = sql::micros(event.delay);
     let query = match &event.key {
         None => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT),
         Some(_) => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_KEYED),
@@ -66,7 +62,7 @@ pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result
     let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
     let payloads: Vec<Json<&Value>> = events.iter().map(|e| Json(&e.payload)).collect();
-    let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
+    let delays: Vec<i64> = events.iter().map(|e| sql::micros(e.delay)).collect();
     ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_MANY)
         .bind(&topics)
         .bind(&keys)

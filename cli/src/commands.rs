@@ -1,6 +1,6 @@
 //! The body of each command.
 
-use outbox_relay::sink::{Secret, Sink, SinkOptions};
+use outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
 use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
 use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, FormatArg, RunArgs, UsageError};
@@ -154,11 +154,10 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
         exchange: args.exchange,
         signing_secrets: args.signing_secrets,
         http_format: match args.format {
-            FormatArg::Raw => "raw",
-            FormatArg::Cloudevents => "cloudevents",
-            FormatArg::CloudeventsStructured => "cloudevents-structured",
-        }
-        .to_string(),
+            FormatArg::Raw => HttpFormat::Raw,
+            FormatArg::Cloudevents => HttpFormat::CloudEventsBinary,
+            FormatArg::CloudeventsStructured => HttpFormat::CloudEventsStructured,
+        },
         cloudevents_source: args.cloudevents_source,
         headers,
     };

@@ -111,7 +111,9 @@ impl Listener {
         let heartbeat = async {
             loop {
                 tokio::time::sleep(HEARTBEAT_INTERVAL).await;
-                match tokio::time::timeout(HEARTBEAT_TIMEOUT, sql::ping(&client)).await {
+                match tokio::time::timeout(HEARTBEAT_TIMEOUT, sql::ping(&client, "checking the listener connection"))
+                    .await
+                {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return e,
                     Err(_) => {

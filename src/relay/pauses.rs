@@ -36,19 +36,30 @@ impl Pauses {
         self.topics.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Takes what the table holds now; true when claims may find more than before (the first
-    /// read, or something resumed).
-    fn update(&self, all: bool, topics: Vec<String>) -> bool {
+    /// Takes what the table holds now and says what that changed.
+    fn update(&self, all: bool, topics: Vec<String>) -> Update {
         let mut current = self.topics.write().unwrap_or_else(|e| e.into_inner());
         let resumed = current.iter().any(|t| !topics.contains(t));
-        if **current != *topics {
+        let topics_changed = **current != *topics;
+        if topics_changed {
             *current = topics.into();
         }
         drop(current);
         let was_all = self.all.swap(all, Ordering::AcqRel);
         let first = !self.read.swap(true, Ordering::AcqRel);
-        (!all && (first || was_all)) || resumed
+        Update { first, changed: topics_changed || was_all != all, widened: (!all && (first || was_all)) || resumed }
     }
+}
+
+/// What one read of the pauses changed.
+#[derive(Debug, PartialEq, Eq)]
+struct Update {
+    /// It was the first read.
+    first: bool,
+    /// The pauses differ from the last read.
+    changed: bool,
+    /// Claims may find more than before (the first read, or something resumed).
+    widened: bool,
 }
 
 /// Re-reads the pauses every [`REFRESH`] until `stop`, logs each change and wakes the workers
@@ -61,7 +72,6 @@ pub(crate) async fn run(
     metrics: Arc<RelayMetrics>,
     stop: CancellationToken,
 ) {
-    let mut shown: Option<(bool, Vec<String>)> = None;
     loop {
         let read = async { sql::pauses(&*pool.client().await?).await };
         match read.await {
@@ -69,17 +79,21 @@ pub(crate) async fn run(
                 let all = rows.iter().any(|p| p.topic.is_none());
                 let topics: Vec<String> = rows.into_iter().filter_map(|p| p.topic).collect();
                 metrics.set_paused(all, topics.len());
-                if shown.as_ref().is_none_or(|(a, t)| *a != all || *t != topics) {
-                    if all {
-                        tracing::warn!("delivery is paused for every topic (outbox-relay resume lifts it)");
-                    } else if !topics.is_empty() {
-                        tracing::warn!(topics = %topics.join(", "), "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)");
-                    } else if shown.is_some() {
-                        tracing::info!("delivery resumed: no topic is paused");
+                let shown = (all, topics.join(", "));
+                let update = pauses.update(all, topics);
+                if update.first || update.changed {
+                    match shown {
+                        (true, _) => {
+                            tracing::warn!("delivery is paused for every topic (outbox-relay resume lifts it)")
+                        }
+                        (false, topics) if !topics.is_empty() => {
+                            tracing::warn!(topics = %topics, "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)")
+                        }
+                        _ if !update.first => tracing::info!("delivery resumed: no topic is paused"),
+                        _ => {}
                     }
-                    shown = Some((all, topics.clone()));
                 }
-                if pauses.update(all, topics) {
+                if update.widened {
                     work.notify_waiters();
                     work.notify_one();
                 }
@@ -102,15 +116,17 @@ mod tests {
     fn a_resume_is_told_apart_from_a_pause() {
         let pauses = Pauses::default();
         assert!(pauses.all(), "nothing is claimed before the pauses are read");
-        assert!(pauses.update(false, vec!["a".into()]), "the first read lets claims run");
+        assert!(pauses.update(false, vec!["a".into()]).widened, "the first read lets claims run");
         assert!(!pauses.all());
-        assert!(!pauses.update(false, vec!["a".into(), "b".into()]), "a new pause resumes nothing");
-        assert!(pauses.update(false, vec!["a".into()]));
+        assert!(!pauses.update(false, vec!["a".into(), "b".into()]).widened, "a new pause resumes nothing");
+        assert!(pauses.update(false, vec!["a".into()]).widened);
         assert_eq!(&*pauses.topics(), ["a".to_string()]);
-        assert!(!pauses.update(true, vec!["a".into()]));
+        assert!(!pauses.update(true, vec!["a".into()]).widened);
         assert!(pauses.all());
-        assert!(pauses.update(false, vec!["a".into()]), "lifting the pause of every topic");
-        assert!(pauses.update(false, vec![]), "lifting the pause of one topic");
-        assert!(!pauses.update(false, vec![]));
+        assert!(pauses.update(false, vec!["a".into()]).widened, "lifting the pause of every topic");
+        assert!(pauses.update(false, vec![]).widened, "lifting the pause of one topic");
+        let unchanged = pauses.update(false, vec![]);
+        assert!(!unchanged.widened);
+        assert!(!unchanged.changed && !unchanged.first, "a read that changes nothing is no change");
     }
 }

@@ -12,9 +12,6 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
 
-/// The exchange events go to when none is given.
-pub const DEFAULT_EXCHANGE: &str = "outbox";
-
 /// Publishes each event to an exchange (a durable topic exchange, declared when missing) with
 /// the topic as routing key, `message_id` = the event id, persistent delivery, `application/json`
 /// (the same JSON object as every sink) and the headers `outbox-key` and `outbox-attempt`; and
@@ -266,12 +263,7 @@ impl Handler for AmqpSink {
         for event in events {
             sent.push(self.send(&channel, event).await);
         }
-        let confirms = events.iter().zip(sent).map(|(event, sent)| async move {
-            match sent {
-                Ok(confirm) => self.confirmed(event, confirm).await,
-                Err(e) => Err(e),
-            }
-        });
+        let confirms = events.iter().zip(sent).map(|(event, sent)| async move { self.confirmed(event, sent?).await });
         futures::future::join_all(confirms).await
     }
 }

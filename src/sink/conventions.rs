@@ -5,42 +5,12 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{KeyInit, Mac};
 
+use super::HttpFormat;
 use crate::error::{Error, Result};
 use crate::event::Event;
 
 /// The CloudEvents `source` of events when none is given.
 pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "urn:outbox-relay";
-
-/// How the HTTP sink puts an event into its request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HttpFormat {
-    /// The event's JSON object (`{"id", "topic", "key", "payload", "created_at", "attempts"}`),
-    /// `Content-Type: application/json`.
-    #[default]
-    Raw,
-    /// CloudEvents binary mode: the attributes in `ce-*` headers (`ce-id` the event id,
-    /// `ce-type` the topic, `ce-source`, `ce-time` its `created_at`, `ce-partitionkey` its key),
-    /// the body the payload, `Content-Type: application/json`.
-    CloudEventsBinary,
-    /// CloudEvents structured mode: one `application/cloudevents+json` object with the same
-    /// attributes and the payload as `data`.
-    CloudEventsStructured,
-}
-
-impl std::str::FromStr for HttpFormat {
-    type Err = Error;
-
-    fn from_str(text: &str) -> Result<Self> {
-        match text {
-            "raw" => Ok(HttpFormat::Raw),
-            "cloudevents" | "cloudevents-binary" => Ok(HttpFormat::CloudEventsBinary),
-            "cloudevents-structured" => Ok(HttpFormat::CloudEventsStructured),
-            other => Err(Error::config(format!(
-                "unknown HTTP format {other:?}: expected raw, cloudevents or cloudevents-structured"
-            ))),
-        }
-    }
-}
 
 /// A Standard Webhooks signing secret: `whsec_` and the base64 of the key (at least 16 bytes).
 /// Its `Debug` shows nothing of it.
@@ -196,13 +166,5 @@ mod tests {
         assert_eq!(percent_encode("order.placed"), "order.placed");
         assert_eq!(percent_encode("a b\"c%d"), "a%20b%22c%25d");
         assert_eq!(percent_encode("ç"), "%C3%A7");
-    }
-
-    #[test]
-    fn formats_parse() {
-        assert_eq!("raw".parse::<HttpFormat>().unwrap(), HttpFormat::Raw);
-        assert_eq!("cloudevents".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsBinary);
-        assert_eq!("cloudevents-structured".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsStructured);
-        assert!("xml".parse::<HttpFormat>().is_err());
     }
 }

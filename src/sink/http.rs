@@ -6,11 +6,11 @@ use std::time::{Duration, SystemTime};
 use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 
-use super::Secret;
 use super::conventions::{
-    DEFAULT_CLOUDEVENTS_SOURCE, HttpFormat, RequestParts, SigningSecret, check_source, request_parts, signatures,
+    DEFAULT_CLOUDEVENTS_SOURCE, RequestParts, SigningSecret, check_source, request_parts, signatures,
 };
 use super::url::redact as redact_url;
+use super::{HttpFormat, Secret};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};

@@ -21,9 +21,9 @@ mod url;
 use std::time::Duration;
 
 #[cfg(feature = "amqp")]
-pub use self::amqp::{AmqpSink, DEFAULT_EXCHANGE};
+pub use self::amqp::AmqpSink;
 #[cfg(feature = "http")]
-pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, HttpFormat, SigningSecret};
+pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, SigningSecret};
 #[cfg(feature = "http")]
 pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
 #[cfg(feature = "nats")]
@@ -39,6 +39,39 @@ pub const DEFAULT_HTTP_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 /// Default subject prefix of the NATS sink: events go to `<prefix>.<topic>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox";
+/// The exchange the RabbitMQ sink publishes to when none is given.
+pub const DEFAULT_EXCHANGE: &str = "outbox";
+
+/// How the HTTP sink puts an event into its request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HttpFormat {
+    /// The event's JSON object (`{"id", "topic", "key", "payload", "created_at", "attempts"}`),
+    /// `Content-Type: application/json`.
+    #[default]
+    Raw,
+    /// CloudEvents binary mode: the attributes in `ce-*` headers (`ce-id` the event id,
+    /// `ce-type` the topic, `ce-source`, `ce-time` its `created_at`, `ce-partitionkey` its key),
+    /// the body the payload, `Content-Type: application/json`.
+    CloudEventsBinary,
+    /// CloudEvents structured mode: one `application/cloudevents+json` object with the same
+    /// attributes and the payload as `data`.
+    CloudEventsStructured,
+}
+
+impl std::str::FromStr for HttpFormat {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self> {
+        match text {
+            "raw" => Ok(HttpFormat::Raw),
+            "cloudevents" | "cloudevents-binary" => Ok(HttpFormat::CloudEventsBinary),
+            "cloudevents-structured" => Ok(HttpFormat::CloudEventsStructured),
+            other => Err(Error::config(format!(
+                "unknown HTTP format {other:?}: expected raw, cloudevents or cloudevents-structured"
+            ))),
+        }
+    }
+}
 
 /// Settings of the sinks; each sink reads the ones that concern it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,8 +89,8 @@ pub struct SinkOptions {
     pub exchange: String,
     /// HTTP: Standard Webhooks signing secrets (`whsec_…`); every one signs each request.
     pub signing_secrets: Vec<Secret>,
-    /// HTTP: `raw`, `cloudevents` (binary mode) or `cloudevents-structured`. Defaults to `raw`.
-    pub http_format: String,
+    /// HTTP: how an event goes into its request. Defaults to [`HttpFormat::Raw`].
+    pub http_format: HttpFormat,
     /// HTTP: the CloudEvents `source`; defaults to `urn:outbox-relay`.
     pub cloudevents_source: Option<String>,
     /// HTTP: fixed headers sent with every request, as `(name, value)`.
@@ -70,9 +103,9 @@ impl Default for SinkOptions {
             timeout: DEFAULT_HTTP_TIMEOUT,
             subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
             create_stream: None,
-            exchange: "outbox".into(),
+            exchange: DEFAULT_EXCHANGE.into(),
             signing_secrets: Vec::new(),
-            http_format: "raw".into(),
+            http_format: HttpFormat::Raw,
             cloudevents_source: None,
             headers: Vec::new(),
         }
@@ -83,7 +116,7 @@ impl SinkOptions {
     /// Whether any HTTP-only option differs from its default (the other sinks refuse them).
     fn has_http_options(&self) -> bool {
         !self.signing_secrets.is_empty()
-            || self.http_format != "raw"
+            || self.http_format != HttpFormat::Raw
             || self.cloudevents_source.is_some()
             || !self.headers.is_empty()
     }
@@ -139,13 +172,13 @@ impl Sink {
                 "signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only",
             ));
         }
-        if options.cloudevents_source.is_some() && !options.http_format.starts_with("cloudevents") {
+        if options.cloudevents_source.is_some() && options.http_format == HttpFormat::Raw {
             return Err(Error::config(
                 "--cloudevents-source applies to --format cloudevents or cloudevents-structured",
             ));
         }
         let amqp = spec.starts_with("amqp://") || spec.starts_with("amqps://");
-        if !amqp && options.exchange != "outbox" {
+        if !amqp && options.exchange != DEFAULT_EXCHANGE {
             return Err(Error::config("--exchange applies to the RabbitMQ sink (amqp://) only"));
         }
         let nats = spec.starts_with("nats://");
@@ -223,7 +256,7 @@ impl Handler for Sink {
 /// The HTTP sink `options` describe.
 #[cfg(feature = "http")]
 fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink> {
-    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format.parse()?);
+    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format);
     if let Some(source) = &options.cloudevents_source {
         builder = builder.cloudevents_source(source.clone());
     }
@@ -268,4 +301,17 @@ fn check_timeout(timeout: Duration) -> Result<()> {
 /// The JSON object every sink sends for an event.
 pub(crate) fn event_json(event: &Event) -> Result<Vec<u8>, DeliveryError> {
     serde_json::to_vec(event).map_err(|e| DeliveryError::permanent(format!("cannot serialize event {}: {e}", event.id)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_parse() {
+        assert_eq!("raw".parse::<HttpFormat>().unwrap(), HttpFormat::Raw);
+        assert_eq!("cloudevents".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsBinary);
+        assert_eq!("cloudevents-structured".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsStructured);
+        assert!("xml".parse::<HttpFormat>().is_err());
+    }
 }

@@ -119,6 +119,6 @@ async fn count(db: &impl Db, sql: &'static str, params: Params<'_>, doing: &str)
 }
 
 /// A duration as the microseconds the statements multiply by `interval '1 microsecond'`.
-fn micros(d: Duration) -> i64 {
+pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }

@@ -17,9 +17,10 @@ pub(crate) async fn listen(client: &tokio_postgres::Client) -> Result<i32> {
     Ok(row.get(0))
 }
 
-/// A round trip on a dedicated connection, to tell a live link from a stalled one.
-pub(crate) async fn ping(client: &tokio_postgres::Client) -> Result<()> {
-    client.simple_query("").await.map(drop).map_err(|e| Error::database("checking the listener connection", e))
+/// A round trip (an empty query), to tell a live link from a stalled one; `doing` names it in
+/// the error.
+pub(crate) async fn ping(client: &tokio_postgres::Client, doing: &str) -> Result<()> {
+    client.simple_query("").await.map(drop).map_err(|e| Error::database(doing, e))
 }
 
 const RELAY_MARK_WAITING: &str = "\
