@@ -107,8 +107,13 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
     if let Some(done) = done {
         let _ = writeln!(html, "<p class=\"done\" role=\"status\">{}</p>", escape(done));
     }
+    // The count of dead letters, from the summary's one count of the queue.
+    let mut dead_letters = None;
     match summary(console).await {
-        Ok(summary) => render_summary(&mut html, console, &summary),
+        Ok(summary) => {
+            dead_letters = Some(summary.stats.dead_letters);
+            render_summary(&mut html, console, &summary)
+        }
         Err(e) => {
             let _ = writeln!(
                 html,
@@ -123,7 +128,7 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
     render_lookup(&mut html, console, lookup).await;
     match console.outbox.dead_letters(DEAD_LETTERS_SHOWN).await {
         Ok(letters) => {
-            let total = console.outbox.queue_stats().await.map_or(letters.len() as i64, |s| s.dead_letters);
+            let total = dead_letters.unwrap_or(letters.len() as i64).max(letters.len() as i64);
             render_dead_letters(&mut html, console, &letters, total)
         }
         Err(e) => {
