@@ -138,6 +138,21 @@ fn stuck_handler() -> (impl Handler, tokio::sync::mpsc::UnboundedReceiver<i64>) 
     (stuck, started)
 }
 
+/// A second relay (polling every 100 ms) delivers the events `ids` a dead one left, each once;
+/// returns them in id order, once nothing is left pending.
+async fn rescue(db: &TestDb, ids: &[i64]) -> Vec<Event> {
+    let (handler, mut deliveries) = recorder();
+    let rescuer =
+        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
+    let mut got: Vec<Event> = deliveries.take(ids.len()).await.into_iter().map(|d| d.event).collect();
+    got.sort_by_key(|e| e.id);
+    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    rescuer.stop().await;
+    let pending = "select count(*) from outbox_relay.outbox where processed_at is null";
+    assert_eq!(count(&db.client().await, pending).await, 0);
+    got
+}
+
 /// A relay that dies while its claim is held (within `hold`): its session ends, the server rolls
 /// the claim back, and the events are claimable at once, long before any lease would end. The
 /// attempt left no trace, so it is not counted.
@@ -164,16 +179,9 @@ async fn events_of_a_relay_that_died_holding_its_claim_come_back_at_once() {
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
     crashed.crash().await;
 
-    let (handler, mut deliveries) = recorder();
-    let rescuer =
-        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
     // (a lease of an hour: only the end of the dead relay's session can have freed them)
-    let mut got: Vec<Event> = deliveries.take(5).await.into_iter().map(|d| d.event).collect();
-    got.sort_by_key(|e| e.id);
-    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    let got = rescue(&db, &ids).await;
     assert!(got.iter().all(|e| e.attempts == 1), "a held claim that died is no attempt: {got:?}");
-    rescuer.stop().await;
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
 }
 
 /// A delivery that outlives `hold` has its claim turned into a lease (the rows carry the token,
@@ -197,15 +205,8 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
     .await;
     crashed.crash().await;
 
-    let (handler, mut deliveries) = recorder();
-    let rescuer =
-        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
-    let mut got: Vec<Event> = deliveries.take(5).await.into_iter().map(|d| d.event).collect();
-    got.sort_by_key(|e| e.id);
-    assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
+    let got = rescue(&db, &ids).await;
     assert!(got.iter().all(|e| e.attempts == 2), "the leased claim counts as an attempt: {got:?}");
-    rescuer.stop().await;
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
 }
 
 #[tokio::test]

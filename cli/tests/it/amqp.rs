@@ -13,7 +13,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use serde_json::{Value, json};
 
-use crate::binary::{cli, publish, spawn_run, stderr, terminate};
+use crate::binary::{cli, publish, spawn_run, stderr, terminate, terminate_with_output};
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
@@ -206,11 +206,7 @@ async fn an_unroutable_topic_does_not_stop_the_others() {
             .is_some_and(|n| n >= 2)
     })
     .await;
-    let output = {
-        let pid = relay.id().unwrap().to_string();
-        std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        tokio::time::timeout(PATIENCE, relay.wait_with_output()).await.unwrap().unwrap()
-    };
+    let output = terminate_with_output(relay).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(!logs.contains("looks down"), "the breaker stayed closed:\n{logs}");
     assert!(!logs.contains("BasicReturnMessage"), "lapin's dump of returned messages stays out of the log:\n{logs}");
@@ -243,11 +239,7 @@ async fn a_connection_closed_by_the_broker_is_opened_again() {
     while !got.contains(&second.to_string()) {
         got.push(next(&mut consumer).await.properties.message_id().as_ref().unwrap().to_string());
     }
-    let output = {
-        let pid = relay.id().unwrap().to_string();
-        std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-        tokio::time::timeout(PATIENCE, relay.wait_with_output()).await.unwrap().unwrap()
-    };
+    let output = terminate_with_output(relay).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(logs.contains("connected to RabbitMQ"), "the reconnect is logged:\n{logs}");
     assert!(!logs.contains("guest:guest"), "no password in the logs:\n{logs}");

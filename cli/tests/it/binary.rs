@@ -48,15 +48,34 @@ pub fn spawn_run_as_shipped(url: &str, args: &[&str]) -> Child {
         .expect("cannot start outbox-relay run")
 }
 
-/// Sends SIGTERM and returns the exit code.
-pub async fn terminate(mut child: Child) -> Option<i32> {
+/// Sends SIGTERM (as an orchestrator stops a process).
+pub fn send_sigterm(child: &Child) {
     let pid = child.id().expect("running").to_string();
     let sent = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(sent.success());
+}
+
+/// Sends SIGTERM and returns the exit code.
+pub async fn terminate(mut child: Child) -> Option<i32> {
+    send_sigterm(&child);
     let status = tokio::time::timeout(PATIENCE, child.wait()).await.expect("did not stop after SIGTERM").unwrap();
     status.code()
 }
 
+/// Sends SIGTERM and returns what the process printed (its stderr holds the logs).
+pub async fn terminate_with_output(child: Child) -> Output {
+    send_sigterm(&child);
+    tokio::time::timeout(PATIENCE, child.wait_with_output()).await.expect("did not stop after SIGTERM").unwrap()
+}
+
 pub async fn publish(db: &TestDb, topic: &str, payload: Value) -> i64 {
     db.client().await.query_one("select outbox_relay.publish($1, $2)", &[&topic, &payload]).await.unwrap().get(0)
+}
+
+/// Serves `app` on a free port of 127.0.0.1 (a receiver for the HTTP sink) and returns its address.
+pub async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
 }

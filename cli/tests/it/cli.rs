@@ -81,9 +81,7 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     let db = TestDb::new().await;
     let receiver = Receiver::default();
     let app = axum::Router::new().route("/hook", axum::routing::post(receive)).with_state(receiver.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = crate::binary::serve(app).await;
 
     let sink = format!("http://{addr}/hook");
     let args = ["--sink", &sink, "--backoff-base", "20ms", "--backoff-max", "100ms", "--poll-interval", "50ms"];

@@ -11,7 +11,7 @@ use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres, StopMode
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
-use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate};
+use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate, terminate_with_output};
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
@@ -314,9 +314,7 @@ async fn with_a_token_the_console_needs_a_login_and_actions_need_the_csrf_token_
     let rebound = http().get(format!("{base}/")).header("Host", "evil.example:80").send().await.unwrap();
     assert_eq!(rebound.status().as_u16(), 421);
 
-    let pid = console.id().unwrap().to_string();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let output = tokio::time::timeout(PATIENCE, console.wait_with_output()).await.unwrap().unwrap();
+    let output = terminate_with_output(console).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     assert!(!logs.contains(token), "the token is never logged:\n{logs}");
     assert!(logs.contains("paused topic a.b (console)"), "{logs}");
@@ -428,9 +426,7 @@ async fn receiver() -> (String, Arc<AtomicBool>, tokio::sync::mpsc::UnboundedRec
             ),
         )
         .with_state(state);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = crate::binary::serve(app).await;
     (format!("http://{addr}/hook"), accept, rx)
 }
 

@@ -9,7 +9,6 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::net::TcpListener;
 use tokio::process::{Child, Command};
 use tokio_postgres::Client;
 
@@ -29,6 +28,27 @@ const LONG_PATIENCE: Duration = Duration::from_secs(90);
 struct SlowReceiver {
     seen: Arc<Mutex<HashMap<i64, usize>>>,
     requests: Arc<AtomicUsize>,
+}
+
+/// A slow receiver on a free port, and `events` pending events of `topic` for it; returns the
+/// receiver and the sink URL.
+async fn slow_receiver_with_backlog(
+    client: &tokio_postgres::Client,
+    topic: &str,
+    events: i64,
+) -> (SlowReceiver, String) {
+    let receiver = SlowReceiver::default();
+    let app = axum::Router::new().route("/hook", axum::routing::post(slow_hook)).with_state(receiver.clone());
+    let addr = crate::binary::serve(app).await;
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select $1, jsonb_build_object('n', g) from generate_series(1, $2::int8) g",
+            &[&topic, &events],
+        )
+        .await
+        .unwrap();
+    (receiver, format!("http://{addr}/hook"))
 }
 
 async fn slow_hook(State(receiver): State<SlowReceiver>, headers: HeaderMap) -> StatusCode {
@@ -113,21 +133,7 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     let db = TestDb::new().await;
     let client = db.client().await;
 
-    let receiver = SlowReceiver::default();
-    let app = axum::Router::new().route("/hook", axum::routing::post(slow_hook)).with_state(receiver.clone());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-
-    client
-        .batch_execute(&format!(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'fault.kill', jsonb_build_object('n', g) from generate_series(1, {EVENTS}) g"
-        ))
-        .await
-        .unwrap();
-
-    let sink = format!("http://{addr}/hook");
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.kill", EVENTS).await;
     let (workers, batch_size) = (WORKERS.to_string(), BATCH_SIZE.to_string());
     let args = [
         "--sink",
@@ -217,19 +223,7 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     const EVENTS: i64 = 200;
     let db = TestDb::new().await;
     let client = db.client().await;
-    let receiver = SlowReceiver::default();
-    let app = axum::Router::new().route("/hook", axum::routing::post(slow_hook)).with_state(receiver.clone());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    client
-        .batch_execute(&format!(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'fault.freeze', jsonb_build_object('n', g) from generate_series(1, {EVENTS}) g"
-        ))
-        .await
-        .unwrap();
-    let sink = format!("http://{addr}/hook");
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.freeze", EVENTS).await;
     let args = [
         "--sink",
         &sink,

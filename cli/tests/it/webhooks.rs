@@ -9,9 +9,9 @@ use axum::routing::post;
 use serde_json::json;
 use tokio::process::Command;
 
-use crate::binary::{BIN, cli, publish, stderr};
+use crate::binary::{BIN, cli, publish, stderr, terminate_with_output};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
+use crate::relay_support::eventually;
 
 const SECRET_A: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const SECRET_B: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
@@ -30,9 +30,7 @@ async fn receiver() -> (String, Seen) {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = crate::binary::serve(app).await;
     (format!("http://{addr}/hook"), seen)
 }
 
@@ -96,9 +94,7 @@ async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_
     assert_eq!(verify(SECRET_B, &headers, &body), "ok");
     assert_eq!(&body[..], br#"{"n":1}"#, "binary mode: the body is the payload");
 
-    let pid = child.id().unwrap().to_string();
-    std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.unwrap().unwrap();
+    let output = terminate_with_output(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);
     for secret in ["MfKQ9r8GKYqrTwjUPD8I", "C2FVsBQIhrscChlQ", "tok-8b1d"] {
         assert!(!logs.contains(secret), "{secret} in the logs:\n{logs}");
