@@ -10,26 +10,32 @@ use crate::sql;
 impl Outbox {
     /// Counts pending, delayed, in-flight, processed and dead events.
     pub async fn queue_stats(&self) -> Result<QueueStats> {
-        sql::queue_stats(&*self.pooled().await?).await
+        self.bounded("counting the queue", async { sql::queue_stats(&*self.pooled().await?).await }).await
     }
 
     /// The `limit` most common errors of pending events (their `last_error`), most frequent first.
     pub async fn pending_errors(&self, limit: i64) -> Result<Vec<ErrorCount>> {
-        sql::pending_errors(&*self.pooled().await?, limit).await
+        self.bounded("reading the pending events' errors", async {
+            sql::pending_errors(&*self.pooled().await?, limit).await
+        })
+        .await
     }
 
     /// The relays connected to this database (by their listener connections), oldest first.
     pub async fn connected_relays(&self) -> Result<Vec<ConnectedRelay>> {
-        sql::connected_relays(&*self.pooled().await?).await
+        self.bounded("listing the relays", async { sql::connected_relays(&*self.pooled().await?).await }).await
     }
 
     /// Lists up to `limit` dead letters, oldest id first.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
-        sql::list_dead_letters(&*self.pooled().await?, limit).await
+        self.bounded("listing dead letters", async { sql::list_dead_letters(&*self.pooled().await?, limit).await })
+            .await
     }
 
     /// Puts the dead letters with these ids back into the outbox under the same ids, attempts
-    /// reset, deliverable at once. Returns the ids that were found and revived.
+    /// reset, deliverable at once: all of them, or none when one of them is not a dead letter
+    /// (an [`ErrorKind::InvalidInput`](crate::ErrorKind) error names the missing ids). Returns
+    /// the ids revived.
     pub async fn retry_dead_letters(&self, ids: &[i64]) -> Result<Vec<i64>> {
         self.revive(ids, false).await
     }
@@ -40,29 +46,44 @@ impl Outbox {
     }
 
     async fn revive(&self, ids: &[i64], all: bool) -> Result<Vec<i64>> {
-        let mut revived = sql::retry_dead_letters(&*self.pooled().await?, ids, all).await?;
+        let revived = self
+            .bounded("retrying dead letters", async {
+                let db = self.pooled().await?;
+                let revived = sql::retry_dead_letters(&*db, ids, all).await?;
+                if all { Ok(revived) } else { all_or_none(&*db, ids, revived, "retried").await }
+            })
+            .await?;
         if !revived.is_empty() {
             self.wakeup().wake();
         }
-        revived.sort_unstable();
         Ok(revived)
     }
 
     /// Deletes dead letters that failed more than `older_than` ago (zero: all). Returns how many.
     pub async fn purge_dead_letters(&self, older_than: Duration) -> Result<u64> {
-        sql::purge_dead_letters(&*self.pooled().await?, older_than).await
+        self.bounded("purging dead letters", async {
+            sql::purge_dead_letters(&*self.pooled().await?, older_than).await
+        })
+        .await
     }
 
-    /// Deletes the dead letters with these ids. Returns the ids that were found and deleted.
+    /// Deletes the dead letters with these ids: all of them, or none when one of them is not a
+    /// dead letter (as [`Outbox::retry_dead_letters`]). Returns the ids deleted.
     pub async fn purge_dead_letters_by_id(&self, ids: &[i64]) -> Result<Vec<i64>> {
-        let mut purged = sql::purge_dead_letters_by_id(&*self.pooled().await?, ids).await?;
-        purged.sort_unstable();
-        Ok(purged)
+        self.bounded("purging dead letters", async {
+            let db = self.pooled().await?;
+            let purged = sql::purge_dead_letters_by_id(&*db, ids).await?;
+            all_or_none(&*db, ids, purged, "purged").await
+        })
+        .await
     }
 
     /// Answers when the database does: one `select 1` on a pooled connection.
     pub async fn ping(&self) -> Result<()> {
-        sql::ping(&**self.pooled().await?, "asking the database whether it answers").await
+        self.bounded("asking whether it answers", async {
+            sql::ping(&**self.pooled().await?, "asking the database whether it answers").await
+        })
+        .await
     }
 
     /// One janitor pass: deletes processed events older than `retention` and idempotency receipts
@@ -73,7 +94,8 @@ impl Outbox {
         idempotency_retention: Duration,
         batch: usize,
     ) -> Result<CleanupReport> {
-        cleanup(&*self.pooled().await?, retention, idempotency_retention, batch).await
+        let db = self.bounded("connecting for a cleanup", self.pooled()).await?;
+        cleanup(&*db, retention, idempotency_retention, batch, Some((self.timeout(), self.url()))).await
     }
 }
 
@@ -84,18 +106,32 @@ pub(crate) async fn cleanup(
     retention: Duration,
     idempotency_retention: Duration,
     batch: usize,
+    bound: Option<(Duration, &crate::DatabaseUrl)>,
 ) -> Result<CleanupReport> {
+    // Each statement within the bound, when there is one (the relay's janitor has none).
+    async fn step(
+        bound: Option<(Duration, &crate::DatabaseUrl)>,
+        doing: &str,
+        work: impl Future<Output = Result<u64>>,
+    ) -> Result<u64> {
+        match bound {
+            Some((timeout, url)) => crate::outbox::within(timeout, url, doing, work).await,
+            None => work.await,
+        }
+    }
     let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
     let mut report = CleanupReport::default();
     loop {
-        let n = sql::delete_processed_events(db, retention, batch).await?;
+        let n = step(bound, "deleting processed events", sql::delete_processed_events(db, retention, batch)).await?;
         report.events += n;
         if n < batch as u64 {
             break;
         }
     }
     loop {
-        let n = sql::delete_expired_receipts(db, idempotency_retention, batch).await?;
+        let n =
+            step(bound, "deleting expired receipts", sql::delete_expired_receipts(db, idempotency_retention, batch))
+                .await?;
         report.receipts += n;
         if n < batch as u64 {
             break;
@@ -111,7 +147,7 @@ impl Outbox {
     /// database, so a restart does not lift it. Returns false when it was paused already.
     pub async fn pause(&self, topic: Option<&str>) -> Result<bool> {
         let topic = pause_topic(topic)?;
-        sql::pause(&*self.pooled().await?, topic).await
+        self.bounded("pausing", async { sql::pause(&*self.pooled().await?, topic).await }).await
     }
 
     /// Lifts the pause of `topic` (`None`: the pause of every topic; pauses of single topics
@@ -129,7 +165,7 @@ impl Outbox {
             Some(t) => t,
             None => "",
         };
-        let resumed = sql::resume(&*self.pooled().await?, topic).await?;
+        let resumed = self.bounded("resuming", async { sql::resume(&*self.pooled().await?, topic).await }).await?;
         if resumed {
             self.wakeup().wake();
         }
@@ -138,20 +174,48 @@ impl Outbox {
 
     /// The pauses in place, the pause of every topic first.
     pub async fn pauses(&self) -> Result<Vec<Pause>> {
-        sql::pauses(&*self.pooled().await?).await
+        self.bounded("listing the pauses", async { sql::pauses(&*self.pooled().await?).await }).await
     }
 
     /// The database's health signals: what holds vacuum back, the outbox's dead tuples, the
     /// notification queue.
     pub async fn health(&self) -> Result<Health> {
-        sql::health(&*self.pooled().await?).await
+        self.bounded("reading the health signals", async { sql::health(&*self.pooled().await?).await }).await
     }
 
     /// Up to `limit` events with this id or this key, in the outbox or the dead letters, newest
     /// first.
     pub async fn look_up(&self, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {
-        sql::look_up(&*self.pooled().await?, id, key, limit).await
+        self.bounded("looking events up", async { sql::look_up(&*self.pooled().await?, id, key, limit).await }).await
     }
+}
+
+/// The ids an all-or-none action on `wanted` `done` (sorted), or the error naming the ids that
+/// are not dead letters (`verb`: what would have been done to them).
+async fn all_or_none(db: &impl sql::Db, wanted: &[i64], mut done: Vec<i64>, verb: &str) -> Result<Vec<i64>> {
+    done.sort_unstable();
+    let mut missing: Vec<i64> = wanted.iter().copied().filter(|id| done.binary_search(id).is_err()).collect();
+    if missing.is_empty() {
+        return Ok(done);
+    }
+    if done.is_empty() {
+        let present = sql::dead_letter_ids(db, &missing).await?;
+        missing.retain(|id| !present.contains(id));
+    }
+    missing.sort_unstable();
+    missing.dedup();
+    let shown: Vec<String> = missing.iter().take(20).map(i64::to_string).collect();
+    let more = if missing.len() > 20 { format!(" and {} more", missing.len() - 20) } else { String::new() };
+    let plural = if missing.len() == 1 { "" } else { "s" };
+    let nothing = if done.is_empty() {
+        format!("nothing was {verb}")
+    } else {
+        format!("{} were {verb} (they changed meanwhile)", done.len())
+    };
+    Err(crate::error::Error::invalid_input(format!(
+        "no dead letter with id{plural} {}{more}: {nothing}",
+        shown.join(", ")
+    )))
 }
 
 /// A topic to pause or resume as the table holds it: '' for every topic.

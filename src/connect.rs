@@ -9,7 +9,9 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use crate::conninfo::{ConnInfo, describe_target};
 use crate::error::{Error, ErrorKind, Result};
 
-/// How long a new connection may take before it counts as unreachable. Defaults to 10 s.
+/// How long a new connection may take before it counts as unreachable, per host, when the URL
+/// gives no `connect_timeout`: 10 s. As in libpq, it bounds the whole attempt (TCP, TLS, the
+/// startup and authentication handshake), not only the TCP connect.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Idle time before TCP keepalive probes start, so a dead peer is found in seconds, not in the
 /// operating system's two hours.
@@ -87,9 +89,17 @@ impl DatabaseUrl {
         describe_target(&self.info.config)
     }
 
-    /// Builds a connection pool of `size` connections. Connections are made lazily.
+    /// How long making one connection may take in all: the URL's `connect_timeout` (10 s by
+    /// default) for each of its hosts, the handshake included.
+    pub fn connect_timeout(&self) -> Duration {
+        let per_host = self.info.config.get_connect_timeout().copied().unwrap_or(DEFAULT_CONNECT_TIMEOUT);
+        per_host.saturating_mul(self.info.config.get_hosts().len().max(1) as u32)
+    }
+
+    /// Builds a connection pool of `size` connections. Connections are made lazily, each within
+    /// [`DatabaseUrl::connect_timeout`].
     pub fn pool(&self, size: usize) -> Result<Pool> {
-        build_pool(self.info.config.clone(), self.tls.clone(), size)
+        build_pool(self.info.config.clone(), self.tls.clone(), size, self.connect_timeout())
     }
 
     /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
@@ -110,7 +120,7 @@ impl DatabaseUrl {
             _ => ours,
         };
         config.options(options);
-        build_pool(config, self.tls.clone(), size)
+        build_pool(config, self.tls.clone(), size, self.connect_timeout())
     }
 
     /// The TLS connector for this URL's `sslmode`.
@@ -118,10 +128,14 @@ impl DatabaseUrl {
         self.tls.clone()
     }
 
-    /// Opens one dedicated (not pooled) connection and spawns its I/O task.
+    /// Opens one dedicated (not pooled) connection within [`DatabaseUrl::connect_timeout`] and
+    /// spawns its I/O task.
     pub async fn connect(&self) -> Result<tokio_postgres::Client> {
-        let (client, connection) =
-            self.info.config.connect(self.tls.clone()).await.map_err(|e| connect_error(&self.info.config, e))?;
+        let connecting = self.info.config.connect(self.tls.clone());
+        let (client, connection) = tokio::time::timeout(self.connect_timeout(), connecting)
+            .await
+            .map_err(|_| handshake_timeout(self))?
+            .map_err(|e| connect_error(&self.info.config, e))?;
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "database connection closed");
@@ -143,13 +157,16 @@ impl std::fmt::Display for DatabaseUrl {
     }
 }
 
-fn build_pool(config: Config, tls: MakeRustlsConnect, size: usize) -> Result<Pool> {
+fn build_pool(config: Config, tls: MakeRustlsConnect, size: usize, connect_timeout: Duration) -> Result<Pool> {
     if size == 0 {
         return Err(Error::config("pool size must be at least 1"));
     }
     let manager = Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    // Making a connection is bounded as libpq bounds it; waiting for a free one is the caller's.
+    let timeouts = deadpool_postgres::Timeouts { create: Some(connect_timeout), wait: None, recycle: None };
     Pool::builder(manager)
         .max_size(size)
+        .timeouts(timeouts)
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| Error::config(format!("cannot build the connection pool: {e}")))
@@ -164,11 +181,24 @@ pub(crate) fn connect_error(config: &Config, err: tokio_postgres::Error) -> Erro
         .with_source(err)
 }
 
+/// The error for a server that accepted the connection but did not finish its handshake in time.
+fn handshake_timeout(url: &DatabaseUrl) -> Error {
+    Error::new(
+        ErrorKind::Connect,
+        format!(
+            "PostgreSQL at {} did not complete the connection within {} (connect_timeout): the server accepts connections but does not answer (frozen, overloaded, or a hung proxy?)",
+            url.target(),
+            humantime::format_duration(url.connect_timeout())
+        ),
+    )
+}
+
 /// The error for a pool that could not hand out a connection.
 pub(crate) fn pool_error(url: &DatabaseUrl, err: deadpool_postgres::PoolError) -> Error {
     use deadpool_postgres::PoolError;
     match err {
         PoolError::Backend(e) => connect_error(&url.info.config, e),
+        PoolError::Timeout(deadpool_postgres::TimeoutType::Create) => handshake_timeout(url),
         PoolError::Timeout(_) => {
             Error::new(ErrorKind::Connect, format!("timed out waiting for a connection to {}", url.target()))
         }

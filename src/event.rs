@@ -1,11 +1,13 @@
 //! Events: what a writer adds to the outbox and what a relay hands to its handler.
 
+use std::borrow::Cow;
 use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::payload::Payload;
 
 /// The longest topic, in characters.
 pub const MAX_TOPIC_LEN: usize = 255;
@@ -17,25 +19,46 @@ pub const MAX_KEY_LEN: usize = 255;
 /// ```
 /// use outbox_relay::NewEvent;
 /// let event = NewEvent::new("order.placed", serde_json::json!({"order_id": 42})).key("42");
+/// // JSON text as it is, every digit kept (a `Value` would round it to an f64):
+/// let exact = NewEvent::from_json("invoice.issued", r#"{"total": 1234567890.123456789012345678901234567890}"#)?;
+/// # Ok::<(), outbox_relay::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 #[must_use]
 pub struct NewEvent {
     pub(crate) topic: String,
-    pub(crate) payload: Value,
+    pub(crate) payload: Body,
     pub(crate) key: Option<String>,
     pub(crate) delay: Duration,
+}
+
+/// A new event's payload as the caller gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Body {
+    /// A value, serialized (and its nesting checked first) when the event is published.
+    Value(Value),
+    /// JSON text, taken as it is.
+    Json(Payload),
 }
 
 impl NewEvent {
     /// An event on `topic` with a JSON payload, deliverable at once.
     pub fn new(topic: impl Into<String>, payload: Value) -> Self {
-        NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO }
+        NewEvent { topic: topic.into(), payload: Body::Value(payload), key: None, delay: Duration::ZERO }
     }
 
-    /// An event whose payload is any serializable value.
+    /// An event whose payload is any serializable value, serialized straight to JSON text (a
+    /// [`serde_json::value::RawValue`] inside it, e.g. an exact decimal, keeps its digits).
     pub fn from_serialize(topic: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
-        Ok(NewEvent::new(topic, serde_json::to_value(payload)?))
+        NewEvent::from_json(topic, serde_json::to_string(payload)?)
+    }
+
+    /// An event whose payload is this JSON text, taken as it is: numbers keep every digit
+    /// (`0.1000000000000000055511151231257827`, `1e400`), as through the SQL function. Fails
+    /// when the text is not JSON.
+    pub fn from_json(topic: impl Into<String>, json: impl Into<String>) -> Result<Self> {
+        let payload = Body::Json(Payload::from_json(json)?);
+        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO })
     }
 
     /// Sets the partition key consumers may use to keep related events together.
@@ -55,22 +78,28 @@ impl NewEvent {
         &self.topic
     }
 
-    /// The payload.
-    pub fn payload(&self) -> &Value {
-        &self.payload
-    }
-
-    /// Checks every field against the limits the database enforces too.
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Checks every field against the limits the database enforces too, and returns the
+    /// payload's JSON text to store.
+    pub(crate) fn validate(&self) -> Result<Cow<'_, Payload>> {
         validate_topic(&self.topic)?;
         if let Some(key) = &self.key {
             validate_key("event key", key)?;
         }
-        crate::payload::check_payload(&format!("the payload of a {:?} event", self.topic), &self.payload)?;
+        let what = format!("the payload of a {:?} event", self.topic);
+        let payload = match &self.payload {
+            Body::Value(value) => Cow::Owned(crate::payload::payload_of_value(&what, value)?),
+            Body::Json(payload) => Cow::Borrowed(payload),
+        };
+        crate::payload::check_payload(&what, &payload)?;
         if self.delay > Duration::from_secs(100 * 365 * 24 * 3600) {
             return Err(Error::invalid_input(format!("delay {:?} is longer than 100 years", self.delay)));
         }
-        Ok(())
+        Ok(payload)
+    }
+
+    /// [`NewEvent::validate`] of each event, in order.
+    pub(crate) fn validate_all(events: &[NewEvent]) -> Result<Vec<Cow<'_, Payload>>> {
+        events.iter().map(NewEvent::validate).collect()
     }
 }
 
@@ -83,8 +112,8 @@ pub struct Event {
     pub topic: String,
     /// The partition key, if the writer gave one.
     pub key: Option<String>,
-    /// The body.
-    pub payload: Value,
+    /// The body: the JSON text as PostgreSQL stored it, sent on unchanged.
+    pub payload: Payload,
     /// When the event was written (the writer's transaction clock).
     #[serde(serialize_with = "crate::timestamp::serialize")]
     pub created_at: SystemTime,

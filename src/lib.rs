@@ -19,6 +19,7 @@ pub mod sink;
 mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
+mod text;
 mod timestamp;
 mod tls;
 mod wake;
@@ -30,13 +31,14 @@ pub use deadpool_postgres;
 pub use error::{Error, ErrorKind, Result};
 pub use event::{Event, MAX_KEY_LEN, MAX_TOPIC_LEN, NewEvent, validate_topic};
 pub use migrate::MigrationReport;
-pub use outbox::{Connection, Outbox};
-pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH};
+pub use outbox::{Connection, DEFAULT_OPERATION_TIMEOUT, Outbox};
+pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, Payload};
 pub use publish::{AuditEntry, audit, publish, publish_all};
 pub use queue::{
     CleanupReport, ConnectedRelay, DEAD_TUPLES_WARNING, DeadLetter, ErrorCount, FoundEvent, Health,
     NOTIFICATION_QUEUE_WARNING, OLD_TRANSACTION_WARNING, Pause, QueueStats, XMIN_AGE_WARNING,
 };
+pub use text::printable;
 pub use work::{Begun, Executed, Replayed, Work};
 /// RFC 3339 text (UTC, microseconds) of any time PostgreSQL can hold, such as
 /// [`Event::created_at`]; unlike humantime's it does not panic before 1970 or after 9999.

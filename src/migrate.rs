@@ -37,6 +37,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     },
     Migration { version: 5, name: "claim_paths", sql: include_str!("../migrations/0005_claim_paths.sql") },
     Migration { version: 6, name: "pauses", sql: include_str!("../migrations/0006_pauses.sql") },
+    Migration {
+        version: 7,
+        name: "payloads_as_written",
+        sql: include_str!("../migrations/0007_payloads_as_written.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -3,11 +3,12 @@
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
 use crate::connect::{DEFAULT_POOL_SIZE, DatabaseUrl, pool_error};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::event::NewEvent;
 use crate::migrate::{self, MigrationReport};
 use crate::sql;
@@ -18,7 +19,13 @@ use crate::wake::Wakeup;
 #[derive(Clone)]
 pub struct Outbox {
     inner: Arc<Inner>,
+    /// The bound on each operation's wait for the database ([`Outbox::with_timeout`]).
+    timeout: Duration,
 }
+
+/// How long an operation of an [`Outbox`] (a listing, a count, a pause, a migration, each
+/// statement of a cleanup) may wait for the database before it fails. Defaults to 30 s.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Inner {
     url: DatabaseUrl,
@@ -36,9 +43,33 @@ impl Outbox {
     /// Connects with a parsed URL and a pool of `pool_size` connections.
     pub async fn connect_with(url: DatabaseUrl, pool_size: usize) -> Result<Outbox> {
         let pool = url.pool(pool_size)?;
-        let outbox = Outbox { inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }) };
+        let outbox =
+            Outbox { inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }), timeout: DEFAULT_OPERATION_TIMEOUT };
         drop(outbox.pooled().await?);
         Ok(outbox)
+    }
+
+    /// The same outbox, its operations bounded by `timeout` instead of
+    /// [`DEFAULT_OPERATION_TIMEOUT`]: the admin operations ([`Outbox::queue_stats`],
+    /// [`Outbox::dead_letters`], [`Outbox::pause`], [`Outbox::ping`], ...), [`Outbox::migrate`],
+    /// [`Outbox::check_schema`] and each statement of [`Outbox::cleanup`]. An operation past it
+    /// fails with an error of kind [`ErrorKind::Connect`] that says the database did not answer
+    /// (a frozen or overloaded server, a hung proxy). Writes ([`Outbox::publish`], units of
+    /// work) are the caller's to bound. Making a connection is bounded by the URL's
+    /// `connect_timeout` in any case.
+    pub fn with_timeout(mut self, timeout: Duration) -> Outbox {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The bound on each operation's wait for the database.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Runs `work` (`doing` names it in the error) within the operation timeout.
+    pub(crate) async fn bounded<T>(&self, doing: &str, work: impl Future<Output = Result<T>>) -> Result<T> {
+        within(self.timeout, &self.inner.url, doing, work).await
     }
 
     /// The connection pool (deadpool-postgres'), for the service's own queries.
@@ -69,33 +100,50 @@ impl Outbox {
 
     /// Applies the pending migrations of `migrations/` and says what it applied.
     pub async fn migrate(&self) -> Result<MigrationReport> {
-        let mut client = self.pooled().await?;
-        migrate::run(&mut client).await
+        self.bounded("applying the migrations", async { migrate::run(&mut *self.pooled().await?).await }).await
     }
 
     /// Checks that the database has every migration of this version applied (and none of a newer
     /// one), and that this role may use the schema; the error says what to do.
     pub async fn check_schema(&self) -> Result<()> {
-        let client = self.pooled().await?;
-        migrate::check_applied(&client).await
+        self.bounded("checking the schema", async { migrate::check_applied(&*self.pooled().await?).await }).await
     }
 
     /// Adds one event in a transaction of its own, and wakes a relay in this process.
     pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
-        event.validate()?;
-        let id = sql::insert_event(&*self.pooled().await?, event).await?;
+        let payload = event.validate()?;
+        let id = sql::insert_event(&*self.pooled().await?, event, &payload).await?;
         self.inner.wakeup.wake();
         Ok(id)
     }
 
     /// Adds many events in one statement and transaction, and wakes a relay in this process.
     pub async fn publish_all(&self, events: &[NewEvent]) -> Result<Vec<i64>> {
-        for event in events {
-            event.validate()?;
-        }
-        let ids = sql::insert_events(&*self.pooled().await?, events).await?;
+        let payloads = NewEvent::validate_all(events)?;
+        let ids = sql::insert_events(&*self.pooled().await?, events, &payloads).await?;
         self.inner.wakeup.wake();
         Ok(ids)
+    }
+}
+
+/// Runs `work` for at most `timeout`; past it, an error saying that the database at `url` did not
+/// answer while `doing`.
+pub(crate) async fn within<T>(
+    timeout: Duration,
+    url: &DatabaseUrl,
+    doing: &str,
+    work: impl Future<Output = Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(timeout, work).await {
+        Ok(done) => done,
+        Err(_) => Err(Error::new(
+            ErrorKind::Connect,
+            format!(
+                "the database at {} did not answer within {} while {doing} (a frozen or overloaded server, or a hung proxy?)",
+                url.target(),
+                humantime::format_duration(timeout)
+            ),
+        )),
     }
 }
 

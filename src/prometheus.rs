@@ -108,10 +108,21 @@ fn register(registry: &mut Registry, database: Option<&(QueueStats, Health, usiz
         gauge(
             registry,
             "outbox_relay_pending_events",
-            "Events not yet delivered: ready, delayed (a delay or a retry backoff) and in flight",
-            (stats.pending + stats.delayed + stats.in_flight) as f64,
+            "Events not yet delivered: ready, held by their key, delayed (a delay or a retry backoff) and in flight",
+            (stats.pending + stats.held_by_key + stats.delayed + stats.in_flight) as f64,
         );
-        gauge(registry, "outbox_relay_ready_events", "Pending events deliverable now", stats.pending as f64);
+        gauge(
+            registry,
+            "outbox_relay_ready_events",
+            "Pending events deliverable now: due, without a key or at the head of theirs",
+            stats.pending as f64,
+        );
+        gauge(
+            registry,
+            "outbox_relay_held_by_key_events",
+            "Due events waiting behind their key's head (in flight, delayed or in a retry's backoff)",
+            stats.held_by_key as f64,
+        );
         gauge(registry, "outbox_relay_delayed_events", "Pending events waiting for their time", stats.delayed as f64);
         gauge(registry, "outbox_relay_in_flight_events", "Events claimed under a lease", stats.in_flight as f64);
         gauge_in(

@@ -23,16 +23,14 @@ use crate::sql::{self, Unprepared};
 /// # Ok(()) }
 /// ```
 pub async fn publish<C: GenericClient + Sync>(client: &C, event: &NewEvent) -> Result<i64> {
-    event.validate()?;
-    sql::insert_event(&Unprepared(client), event).await
+    let payload = event.validate()?;
+    sql::insert_event(&Unprepared(client), event, &payload).await
 }
 
 /// Adds many events in one statement and returns their ids in the same order.
 pub async fn publish_all<C: GenericClient + Sync>(client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
-    for event in events {
-        event.validate()?;
-    }
-    sql::insert_events(&Unprepared(client), events).await
+    let payloads = NewEvent::validate_all(events)?;
+    sql::insert_events(&Unprepared(client), events, &payloads).await
 }
 
 /// Adds one audit entry inside the caller's transaction and returns its id.

@@ -3,14 +3,17 @@
 
 use std::time::SystemTime;
 
+use crate::payload::Payload;
 use serde::Serialize;
-use serde_json::Value;
 
 /// The state of the queue.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct QueueStats {
-    /// Pending events deliverable now.
+    /// Pending events deliverable now (ready): due, and without a key or at the head of theirs.
     pub pending: i64,
+    /// Due events held behind their key's head, which is in flight, delayed or waiting for a
+    /// retry: they wait for it, not for a relay (no lag).
+    pub held_by_key: i64,
     /// Pending events waiting for their time (a delay or a retry backoff).
     pub delayed: i64,
     /// Events claimed by a relay whose lease has not ended.
@@ -21,7 +24,7 @@ pub struct QueueStats {
     pub dead_letters: i64,
     /// Age of the oldest undelivered event (delayed ones included), in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
-    /// How long the longest-waiting deliverable event has been due (since its `available_at`:
+    /// How long the longest-waiting ready event has been due (since its `available_at`:
     /// its commit, or the end of its delay or retry backoff), in milliseconds: the relay's lag.
     pub oldest_ready_age_ms: Option<i64>,
     /// The most attempts any undelivered event has had.
@@ -69,9 +72,8 @@ pub struct DeadLetter {
     pub topic: String,
     /// Its partition key.
     pub key: Option<String>,
-    /// Its payload. One that serde_json cannot hold (a number beyond f64, such as `1e999`) comes
-    /// as a JSON string holding PostgreSQL's text of it.
-    pub payload: Value,
+    /// Its payload, as stored.
+    pub payload: Payload,
     /// When it was written.
     #[serde(serialize_with = "crate::timestamp::serialize")]
     pub created_at: SystemTime,
@@ -174,8 +176,8 @@ pub struct FoundEvent {
     pub topic: String,
     /// Its key.
     pub key: Option<String>,
-    /// Its payload (as in [`DeadLetter::payload`]).
-    pub payload: Value,
+    /// Its payload, as stored.
+    pub payload: Payload,
     /// When it was written.
     #[serde(serialize_with = "crate::timestamp::serialize")]
     pub created_at: SystemTime,

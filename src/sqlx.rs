@@ -17,7 +17,6 @@
 
 use ::sqlx::PgConnection;
 use ::sqlx::types::Json;
-use serde_json::Value;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::NewEvent;
@@ -31,22 +30,20 @@ fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
 /// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed
 /// event takes its key's lock first, so writers of one key commit in id order.
 pub async fn publish(conn: &mut PgConnection, event: &NewEvent) -> Result<i64> {
-    event.validate()?;
+    let payload = event.validate()?;
     let delay = sql::micros(event.delay);
     let query = match &event.key {
         None => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT),
         Some(_) => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_KEYED),
     };
-    let query = query.bind(&event.topic).bind(event.key.as_deref()).bind(Json(&event.payload)).bind(delay);
+    let query = query.bind(&event.topic).bind(event.key.as_deref()).bind(payload.get()).bind(delay);
     let query = if event.key.is_some() { query.bind(sql::KEY_LOCK_CLASS) } else { query };
     query.fetch_one(conn).await.map_err(failed("adding an event"))
 }
 
 /// Adds many events in one statement and returns their ids in the same order.
 pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result<Vec<i64>> {
-    for event in events {
-        event.validate()?;
-    }
+    let payloads = NewEvent::validate_all(events)?;
     if events.is_empty() {
         return Ok(Vec::new());
     }
@@ -61,7 +58,7 @@ pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result
     }
     let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<Json<&Value>> = events.iter().map(|e| Json(&e.payload)).collect();
+    let payloads: Vec<&str> = payloads.iter().map(|p| p.get()).collect();
     let delays: Vec<i64> = events.iter().map(|e| sql::micros(e.delay)).collect();
     ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_MANY)
         .bind(&topics)

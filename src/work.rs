@@ -194,16 +194,14 @@ impl<'c> Work<'c> {
 
     /// Adds an event that commits with this work.
     pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
-        event.validate()?;
-        sql::insert_event(&self.tx, event).await
+        let payload = event.validate()?;
+        sql::insert_event(&self.tx, event, &payload).await
     }
 
     /// Adds many events in one statement; returns their ids in order.
     pub async fn publish_all(&self, events: &[NewEvent]) -> Result<Vec<i64>> {
-        for event in events {
-            event.validate()?;
-        }
-        sql::insert_events(&self.tx, events).await
+        let payloads = NewEvent::validate_all(events)?;
+        sql::insert_events(&self.tx, events, &payloads).await
     }
 
     /// Adds an audit entry that commits with this work, linked to the idempotency key.

@@ -6,6 +6,8 @@ use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, FormatArg, RunArgs, UsageError};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
+    let timeout = cli.db_timeout;
+    let require_url = |url: Option<String>| require_url(url, timeout);
     match cli.command {
         Command::Demo(args) => crate::demo::run(args, cli.database_url).await,
         Command::Bench(args) => crate::bench::run(args, cli.database_url).await,
@@ -68,23 +70,43 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     }
 }
 
-fn require_url(url: Option<String>) -> Result<DatabaseUrl, CliError> {
+/// The database a command works on, and the bound on each of its waits for it (`--db-timeout`).
+pub(crate) struct Database {
+    url: DatabaseUrl,
+    timeout: std::time::Duration,
+}
+
+impl std::fmt::Display for Database {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.url.fmt(f)
+    }
+}
+
+impl Database {
+    /// An outbox with a pool of `pool_size`, its operations bounded by `--db-timeout` (making a
+    /// connection, by the URL's `connect_timeout`).
+    async fn open(&self, pool_size: usize) -> Result<Outbox, CliError> {
+        Ok(Outbox::connect_with(self.url.clone(), pool_size).await?.with_timeout(self.timeout))
+    }
+}
+
+fn require_url(url: Option<String>, timeout: std::time::Duration) -> Result<Database, CliError> {
     match url.filter(|u| !u.is_empty()) {
-        Some(url) => Ok(DatabaseUrl::parse(&url)?),
+        Some(url) => Ok(Database { url: DatabaseUrl::parse(&url)?, timeout }),
         None => Err("no database given: pass --database-url URL or set DATABASE_URL".into()),
     }
 }
 
-/// An outbox on `url` whose schema this version can work with (every migration applied, and the
+/// An outbox on `db` whose schema this version can work with (every migration applied, and the
 /// role may use it), or an error that says what to do.
-async fn connect(url: &DatabaseUrl) -> Result<Outbox, CliError> {
-    let outbox = Outbox::connect_with(url.clone(), 4).await?;
+async fn connect(db: &Database) -> Result<Outbox, CliError> {
+    let outbox = db.open(4).await?;
     outbox.check_schema().await?;
     Ok(outbox)
 }
 
-async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
-    let outbox = Outbox::connect_with(url.clone(), 1).await?;
+async fn migrate(url: &Database) -> Result<(), CliError> {
+    let outbox = url.open(1).await?;
     let report = outbox.migrate().await?;
     for (version, name) in &report.applied {
         println!("applied {version:04}_{name}");
@@ -97,7 +119,7 @@ async fn migrate(url: &DatabaseUrl) -> Result<(), CliError> {
     Ok(())
 }
 
-async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
+async fn run_relay(url: &Database, args: RunArgs) -> Result<(), CliError> {
     let shutdown = shutdown_signal()?;
     if args.backoff_max < args.backoff_base {
         return Err(UsageError(format!(
@@ -164,7 +186,7 @@ async fn run_relay(url: &DatabaseUrl, args: RunArgs) -> Result<(), CliError> {
     // The sink first: a bad spec is refused before anything touches the database.
     let sink = Sink::connect(&args.sink, &options).await?;
     let outbox = if args.migrate {
-        let outbox = Outbox::connect_with(url.clone(), config.workers + 2).await?;
+        let outbox = url.open(config.workers + 2).await?;
         outbox.migrate().await?;
         outbox
     } else {
@@ -211,7 +233,7 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> 
 /// How many of the most common errors of pending events `status` shows.
 const STATUS_ERRORS: i64 = 5;
 
-async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
+async fn status(url: &Database, json: bool) -> Result<(), CliError> {
     let outbox = connect(url).await?;
     let stats = outbox.queue_stats().await?;
     let errors = outbox.pending_errors(STATUS_ERRORS).await?;
@@ -248,6 +270,7 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     };
     let waiting = relays.iter().filter(|r| r.waiting).count();
     println!("pending (ready)           {}", stats.pending);
+    println!("pending (held by key)     {}", stats.held_by_key);
     println!("pending (delayed)         {}", stats.delayed);
     println!("in flight                 {}", stats.in_flight);
     println!("processed (kept)          {}", stats.processed);
@@ -296,7 +319,7 @@ async fn status(url: &DatabaseUrl, json: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(), CliError> {
+async fn dead_letters(url: &Database, command: DeadLetterCommand) -> Result<(), CliError> {
     let outbox = connect(url).await?;
     match command {
         DeadLetterCommand::List { json, limit } => {
@@ -315,7 +338,7 @@ async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(
                 println!(
                     "{:>10}  {:<24}  {:>8}  {:<27}  {}",
                     d.id,
-                    d.topic,
+                    crate::one_line(&d.topic),
                     d.attempts,
                     failed,
                     crate::one_line(&d.last_error)
@@ -326,10 +349,6 @@ async fn dead_letters(url: &DatabaseUrl, command: DeadLetterCommand) -> Result<(
             let revived =
                 if all { outbox.retry_all_dead_letters().await? } else { outbox.retry_dead_letters(&ids).await? };
             println!("retried {} dead letters{}", revived.len(), list_ids(&revived));
-            let missing: Vec<i64> = ids.iter().copied().filter(|id| !revived.contains(id)).collect();
-            if !missing.is_empty() {
-                return Err(format!("no dead letter with id{}", list_ids(&missing)).into());
-            }
         }
         DeadLetterCommand::Purge { all, older_than } => {
             // clap requires one of the two

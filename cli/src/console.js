@@ -61,7 +61,7 @@
       const response = await fetch("/api/summary");
       if (!response.ok) return;
       const s = await response.json();
-      set("pending", s.stats.pending); set("delayed", s.stats.delayed); set("in_flight", s.stats.in_flight);
+      set("pending", s.stats.pending); set("held_by_key", s.stats.held_by_key); set("delayed", s.stats.delayed); set("in_flight", s.stats.in_flight);
       set("dead_letters", s.stats.dead_letters); set("oldest_pending", age(s.stats.oldest_pending_age_ms));
       set("paused", s.pauses.length ? s.pauses.map((p) => p.topic || "every topic").join(", ") : "none");
       if (s.relay) {

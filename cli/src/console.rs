@@ -72,7 +72,7 @@ pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[Con
             stats.pending
         ));
     }
-    let waiting = stats.pending + stats.delayed;
+    let waiting = stats.pending + stats.held_by_key + stats.delayed;
     if relays.is_empty() && waiting > 0 {
         warnings.push(format!("{waiting} events wait and no relay is connected to this database"));
     }
@@ -161,6 +161,7 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
     html.push_str("<section><h2>The queue</h2><dl class=\"stats\">\n");
     for (id, label, value) in [
         ("pending", "pending (ready)", s.stats.pending.to_string()),
+        ("held_by_key", "held by key", s.stats.held_by_key.to_string()),
         ("delayed", "delayed", s.stats.delayed.to_string()),
         ("in_flight", "in flight", s.stats.in_flight.to_string()),
         ("dead_letters", "dead letters", s.stats.dead_letters.to_string()),
@@ -244,7 +245,7 @@ fn render_found(html: &mut String, found: &[FoundEvent]) {
             e.attempts,
             outbox_relay::rfc3339(e.created_at),
             escape(e.last_error.as_deref().unwrap_or("")),
-            escape(&serde_json::to_string_pretty(&e.payload).unwrap_or_default())
+            escape(e.payload.get())
         );
     }
     html.push_str("</table>\n");

@@ -86,7 +86,8 @@ struct FlakyErp {
 impl Handler for FlakyErp {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
         self.attempts.lock().unwrap().insert(event.id, event.attempts);
-        if event.payload["customer"] == REFUSED_CUSTOMER {
+        let order: serde_json::Value = event.payload.to_value().unwrap_or_default();
+        if order["customer"] == REFUSED_CUSTOMER {
             self.settled.notify_one();
             return Err(DeliveryError::permanent("422 from the ERP: customer is blocked"));
         }

@@ -32,6 +32,10 @@ use crate::console;
 
 /// How long `/readyz` waits for the database.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one database operation of the console may wait (at most; `--db-timeout` when shorter).
+const CONSOLE_DB_TIMEOUT: Duration = Duration::from_secs(4);
+/// How long a console request (a page makes several operations) may take in all.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Checks an access token: at least 16 characters, no spaces or controls. The error never
 /// shows it (a clap value parser's would).
@@ -105,7 +109,7 @@ pub(crate) async fn bind(
         None => Exporter::new(outbox),
     };
     let console = Console {
-        outbox: outbox.clone(),
+        outbox: outbox.clone().with_timeout(outbox.timeout().min(CONSOLE_DB_TIMEOUT)),
         exporter,
         relay,
         csrf: format!("{:032x}", rand::random::<u128>()),
@@ -161,6 +165,7 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, console: Arc<Consol
         .route("/api/summary", get(summary))
         .route("/api/events/{id}", get(event))
         .route("/actions/{action}", post(action))
+        .route_layer(middleware::from_fn(bounded))
         .route_layer(middleware::from_fn_with_state(console.clone(), authenticated));
     let app = Router::new()
         .route("/metrics", get(metrics))
@@ -176,9 +181,34 @@ pub(crate) async fn serve(listener: tokio::net::TcpListener, console: Arc<Consol
     }
 }
 
+/// Answers 503 for a console request that has not finished within [`REQUEST_TIMEOUT`] (each of
+/// its database operations is bounded by [`CONSOLE_DB_TIMEOUT`]; a page makes several).
+async fn bounded(request: Request, next: Next) -> Response {
+    match tokio::time::timeout(REQUEST_TIMEOUT, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            let why = format!(
+                "the database did not answer within {}: the server may be frozen or overloaded, or a proxy hung",
+                humantime::format_duration(REQUEST_TIMEOUT)
+            );
+            tracing::warn!("console request gave up: {why}");
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": why}))).into_response()
+        }
+    }
+}
+
 /// Refuses requests to a loopback address whose `Host` is not a loopback name, and sets the
 /// headers every response carries.
 async fn guard(State(console): State<Arc<Console>>, request: Request, next: Next) -> Response {
+    // An absolute request target (`GET http://elsewhere/ HTTP/1.1`) is for proxies; a browser
+    // talking to us sends a path, so one names another host than the `Host` header checked here.
+    if request.uri().scheme().is_some() || request.uri().authority().is_some() {
+        return (
+            StatusCode::BAD_REQUEST,
+            "this server takes request targets as paths (origin-form), not absolute URLs\n",
+        )
+            .into_response();
+    }
     if console.loopback && !request.headers().get(header::HOST).and_then(|h| h.to_str().ok()).is_some_and(loopback_host)
     {
         return (
@@ -259,15 +289,26 @@ async fn login(State(console): State<Arc<Console>>, Form(form): Form<LoginForm>)
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }
 
-/// `127.0.0.1:9187`, `[::1]:9187`, `localhost` and the like.
+/// `127.0.0.1:9187`, `[::1]:9187`, `localhost` and the like: a loopback name or address and at
+/// most a port of digits after it, nothing else (`[::1]evil.com` and `localhost:80x` are no
+/// loopback hosts).
 fn loopback_host(host: &str) -> bool {
-    let name = match host.strip_prefix('[') {
-        Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => host
-            .rsplit_once(':')
-            .map_or(host, |(name, port)| if port.bytes().all(|b| b.is_ascii_digit()) { name } else { host }),
+    let port_ok = |port: Option<&str>| port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()));
+    if let Some(rest) = host.strip_prefix('[') {
+        let Some((address, after)) = rest.split_once(']') else { return false };
+        let port_ok = match after {
+            "" => true,
+            after => after.strip_prefix(':').is_some_and(|port| port_ok(Some(port))),
+        };
+        return port_ok && address.parse::<std::net::Ipv6Addr>().is_ok_and(|ip| ip.is_loopback());
+    }
+    let (name, port) = match host.split_once(':') {
+        Some((name, port)) => (name, Some(port)),
+        None => (host, None),
     };
-    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    port_ok(port)
+        && (name.eq_ignore_ascii_case("localhost")
+            || name.parse::<std::net::Ipv4Addr>().is_ok_and(|ip| ip.is_loopback()))
 }
 
 async fn metrics(State(console): State<Arc<Console>>) -> Response {

@@ -22,6 +22,13 @@ pub(crate) struct Cli {
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, value_name = "URL")]
     database_url: Option<String>,
 
+    /// How long any one database operation of the command may wait for an answer (a count, a
+    /// listing, an action, a migration; not the relay's own work) before the command fails
+    /// saying that the database did not answer. Making a connection is bounded by the URL's
+    /// connect_timeout (10 s when it gives none), handshake included.
+    #[arg(long, global = true, value_name = "DUR", default_value = "30s", value_parser = db_timeout(), allow_hyphen_values = true)]
+    db_timeout: Duration,
+
     #[command(subcommand)]
     command: Command,
 }
@@ -107,12 +114,13 @@ enum DeadLetterCommand {
         ids: Vec<i64>,
     },
     /// Delete dead letters: those that failed longer ago than --older-than, or --all.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["all", "older_than"])))]
     Purge {
         /// Delete every dead letter.
-        #[arg(long, conflicts_with = "older_than")]
+        #[arg(long)]
         all: bool,
         /// Delete those that failed longer ago than this (0s to 100 years).
-        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, required_unless_present = "all")]
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true)]
         older_than: Option<Duration>,
     },
 }
@@ -266,6 +274,10 @@ fn retention() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Syn
     duration_in(Duration::ZERO, defaults::MAX_RETENTION)
 }
 
+fn db_timeout() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
+    duration_in(Duration::from_millis(100), Duration::from_secs(24 * 3600))
+}
+
 fn parse_workers(text: &str) -> Result<usize, String> {
     parse_count(text, 1, defaults::MAX_WORKERS)
 }
@@ -346,19 +358,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// `text` on one line for a terminal: whitespace runs as one space, and control characters (a
-/// destination's error can hold escape sequences) as `\u{..}`, as the logs show them.
+/// `text` on one line for a terminal: whitespace runs as one space, and control and bidi
+/// characters (a destination's error, a key written by hand) as `\u{..}`, as the logs show them.
 fn one_line(text: &str) -> String {
     let spaced = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    let mut out = String::with_capacity(spaced.len());
-    for c in spaced.chars() {
-        if c.is_control() {
-            out.push_str(&format!("\\u{{{:x}}}", c as u32));
-        } else {
-            out.push(c);
-        }
-    }
-    out
+    outbox_relay::printable(&spaced).into_owned()
 }
 
 /// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default (PostgreSQL's

@@ -24,12 +24,12 @@ impl DeliveryError {
     /// The destination could not take the event now (down, overloaded, timed out): retry later
     /// with backoff, and dead-letter after the maximum attempts.
     pub fn transient(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: false, message: message.to_string(), retry_after: None, answered: false }
+        DeliveryError { permanent: false, message: shown(message), retry_after: None, answered: false }
     }
 
     /// The event itself is bad (the destination refused it): dead-letter it now.
     pub fn permanent(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: true, message: message.to_string(), retry_after: None, answered: true }
+        DeliveryError { permanent: true, message: shown(message), retry_after: None, answered: true }
     }
 
     /// The destination is up and answered, but cannot take this event yet (no RabbitMQ queue is
@@ -67,9 +67,20 @@ impl DeliveryError {
         self.permanent
     }
 
-    /// The message stored as the event's `last_error`.
+    /// The message stored as the event's `last_error`, its control and bidi characters written
+    /// out as `\u{..}` (see [`printable`](crate::printable)): a receiver's error body cannot act
+    /// on the terminal of an operator who reads the logs or `status`.
     pub fn message(&self) -> &str {
         &self.message
+    }
+}
+
+/// A message as a delivery error keeps it.
+fn shown(message: impl fmt::Display) -> String {
+    let message = message.to_string();
+    match crate::text::printable(&message) {
+        std::borrow::Cow::Borrowed(_) => message,
+        std::borrow::Cow::Owned(escaped) => escaped,
     }
 }
 

@@ -25,6 +25,7 @@ impl Janitor {
                     config.retention,
                     config.idempotency_retention,
                     config.janitor_batch,
+                    None,
                 )
                 .await?;
                 sql::remove_dead_relays(&*client).await?;

@@ -97,7 +97,7 @@ fn warn(failure: &Failure, more: u64) {
         if more > 1 { "deliveries are failing; this is the latest" } else { "delivery failed; it will be retried" };
     tracing::warn!(
         event = failure.id,
-        topic = %failure.topic,
+        topic = %crate::text::printable(&failure.topic),
         attempt = failure.attempt,
         error = %failure.error,
         retry_in = %retry_in,

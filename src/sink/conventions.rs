@@ -92,24 +92,37 @@ pub(crate) fn request_parts(
             if let Some(key) = &event.key {
                 headers.push(("ce-partitionkey", percent_encode(key)));
             }
-            Ok(parts(serde_json::to_vec(&event.payload)?, "application/json", headers))
+            Ok(parts(event.payload.get().as_bytes().to_vec(), "application/json", headers))
         }
         HttpFormat::CloudEventsStructured => {
-            let mut object = serde_json::json!({
-                "specversion": "1.0",
-                "id": event.id.to_string(),
-                "source": source,
-                "type": event.topic,
-                "time": crate::timestamp::rfc3339_micros(event.created_at),
-                "datacontenttype": "application/json",
-                "data": event.payload,
-            });
-            if let Some(key) = &event.key {
-                object["partitionkey"] = serde_json::Value::String(key.clone());
-            }
+            let time = crate::timestamp::rfc3339_micros(event.created_at);
+            let object = Structured {
+                specversion: "1.0",
+                id: event.id.to_string(),
+                source,
+                r#type: &event.topic,
+                time,
+                datacontenttype: "application/json",
+                data: &event.payload,
+                partitionkey: event.key.as_deref(),
+            };
             Ok(parts(serde_json::to_vec(&object)?, "application/cloudevents+json; charset=utf-8", Vec::new()))
         }
     }
+}
+
+/// A CloudEvent in the structured mode's JSON, its `data` the payload's text as stored.
+#[derive(serde::Serialize)]
+struct Structured<'a> {
+    specversion: &'static str,
+    id: String,
+    source: &'a str,
+    r#type: &'a str,
+    time: String,
+    datacontenttype: &'static str,
+    data: &'a crate::Payload,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partitionkey: Option<&'a str>,
 }
 
 /// Checks a CloudEvents source: a URI-reference, so non-empty and without spaces or controls.

@@ -3,8 +3,6 @@
 
 use std::time::Duration;
 
-use serde_json::Value;
-
 use super::{Db, all, count, micros, one};
 use crate::error::Result;
 use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, FoundEvent, Health, Pause, QueueStats};
@@ -24,9 +22,19 @@ macro_rules! age_ms {
     };
 }
 
-/// The queue at a glance.
+/// The queue at a glance. An event is *ready* when it is due and deliverable: without a key, or
+/// the head (lowest pending id) of its key; a due event behind its key's head (which is in
+/// flight, in a retry's backoff, or delayed) is *held by its key*, not lag.
 const QUEUE_STATS: &str = concat!(
-    "select count(*) filter (where processed_at is null and available_at <= now()),
+    "with heads as (
+    select min(id) as id from outbox_relay.outbox where processed_at is null and key is not null group by key
+),
+due as (
+    select o.*, (o.key is null or o.id in (select id from heads)) as deliverable
+      from outbox_relay.outbox o where processed_at is null and available_at <= now()
+)
+select (select count(*) filter (where deliverable) from due),
+       (select count(*) filter (where not deliverable) from due),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
        count(*) filter (where processed_at is not null),
@@ -34,27 +42,28 @@ const QUEUE_STATS: &str = concat!(
        ",
     age_ms!("min(created_at) filter (where processed_at is null)"),
     ",
-       ",
-    age_ms!("min(available_at) filter (where processed_at is null and available_at <= now())"),
-    ",
+       (select ",
+    age_ms!("min(available_at) filter (where deliverable)"),
+    " from due),
        coalesce(max(attempts) filter (where processed_at is null), 0),
        pg_notification_queue_usage()
   from outbox_relay.outbox"
 );
 
-/// Counts pending, delayed, in-flight, processed and dead events.
+/// Counts ready, held, delayed, in-flight, processed and dead events.
 pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
     let row = one(db, QUEUE_STATS, &[], "reading the queue's state").await?;
     Ok(QueueStats {
         pending: row.get(0),
-        delayed: row.get(1),
-        in_flight: row.get(2),
-        processed: row.get(3),
-        dead_letters: row.get(4),
-        oldest_pending_age_ms: row.get(5),
-        oldest_ready_age_ms: row.get(6),
-        max_attempts: row.get(7),
-        notification_queue_usage: row.get(8),
+        held_by_key: row.get(1),
+        delayed: row.get(2),
+        in_flight: row.get(3),
+        processed: row.get(4),
+        dead_letters: row.get(5),
+        oldest_pending_age_ms: row.get(6),
+        oldest_ready_age_ms: row.get(7),
+        max_attempts: row.get(8),
+        notification_queue_usage: row.get(9),
     })
 }
 
@@ -96,7 +105,7 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
 }
 
 const DEAD_LETTER_LIST: &str = "\
-select id, topic, key, payload::text, created_at, attempts, last_error, failed_at
+select id, topic, key, payload, created_at, attempts, last_error, failed_at
   from outbox_relay.dead_letters order by id limit $1";
 
 /// Up to `limit` dead letters, oldest id first.
@@ -108,7 +117,7 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
             id: r.get(0),
             topic: r.get(1),
             key: r.get(2),
-            payload: payload_of(r.get(3)),
+            payload: r.get(3),
             created_at: r.get(4),
             attempts: r.get(5),
             last_error: r.get(6),
@@ -118,18 +127,33 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
 }
 
 /// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset.
+/// With `$2`, every dead letter; otherwise the ids `$1`, all or none: when one of them is not a
+/// dead letter, nothing is revived.
 const DEAD_LETTER_RETRY: &str = "\
-with revived as (
-    delete from outbox_relay.dead_letters where id = any($1) or $2
+with wanted as (select distinct unnest($1::int8[]) as id),
+revived as (
+    delete from outbox_relay.dead_letters
+     where $2 or (id in (select id from wanted)
+                  and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted))
+                      = (select count(*) from wanted))
     returning id, topic, key, payload, created_at
 )
 insert into outbox_relay.outbox (id, topic, key, payload, created_at)
 select id, topic, key, payload, created_at from revived
 returning id";
 
-/// Puts the dead letters `ids` (or all of them) back into the outbox; returns their ids.
+/// Puts the dead letters `ids` (all or none of them), or every one, back into the outbox;
+/// returns their ids.
 pub(crate) async fn retry_dead_letters(db: &impl Db, ids: &[i64], all_of_them: bool) -> Result<Vec<i64>> {
     let rows = all(db, DEAD_LETTER_RETRY, &[&ids, &all_of_them], "retrying dead letters").await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
+}
+
+const DEAD_LETTER_IDS: &str = "select id from outbox_relay.dead_letters where id = any($1)";
+
+/// Which of `ids` are dead letters.
+pub(crate) async fn dead_letter_ids(db: &impl Db, ids: &[i64]) -> Result<Vec<i64>> {
+    let rows = all(db, DEAD_LETTER_IDS, &[&ids], "looking dead letters up").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
@@ -141,9 +165,15 @@ pub(crate) async fn purge_dead_letters(db: &impl Db, older_than: Duration) -> Re
     count(db, DEAD_LETTER_PURGE, &[&micros(older_than)], "purging dead letters").await
 }
 
-const DEAD_LETTER_PURGE_IDS: &str = "delete from outbox_relay.dead_letters where id = any($1) returning id";
+/// The dead letters `$1`, all or none (as in [`DEAD_LETTER_RETRY`]).
+const DEAD_LETTER_PURGE_IDS: &str = "\
+with wanted as (select distinct unnest($1::int8[]) as id)
+delete from outbox_relay.dead_letters
+ where id in (select id from wanted)
+   and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted)) = (select count(*) from wanted)
+returning id";
 
-/// Deletes the dead letters `ids`; returns the ids deleted.
+/// Deletes the dead letters `ids`, all or none of them; returns the ids deleted.
 pub(crate) async fn purge_dead_letters_by_id(db: &impl Db, ids: &[i64]) -> Result<Vec<i64>> {
     let rows = all(db, DEAD_LETTER_PURGE_IDS, &[&ids], "purging dead letters").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
@@ -215,7 +245,7 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
 /// first, then newest first.
 const EVENT_LOOKUP: &str = "\
 select * from (
-  (select id, topic, key, payload::text, created_at, attempts, last_error,
+  (select id, topic, key, payload, created_at, attempts, last_error,
           case when processed_at is not null then 'processed'
                when available_at > now() and lease_token is not null then 'in flight'
                when available_at > now() then 'delayed' else 'pending' end,
@@ -223,7 +253,7 @@ select * from (
      from outbox_relay.outbox where id = $1 or key = $2
     order by coalesce(id = $1, false) desc, id desc limit $3)
   union all
-  (select id, topic, key, payload::text, created_at, attempts, last_error, 'dead', failed_at
+  (select id, topic, key, payload, created_at, attempts, last_error, 'dead', failed_at
      from outbox_relay.dead_letters where id = $1 or key = $2
     order by coalesce(id = $1, false) desc, id desc limit $3)
 ) found
@@ -238,7 +268,7 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
             id: r.get(0),
             topic: r.get(1),
             key: r.get(2),
-            payload: payload_of(r.get(3)),
+            payload: r.get(3),
             created_at: r.get(4),
             attempts: r.get(5),
             last_error: r.get(6),
@@ -246,10 +276,4 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
             since: r.get(8),
         })
         .collect())
-}
-
-/// A payload as the statements read it (text): JSON, or the text itself when serde_json cannot
-/// hold it (a number beyond f64).
-fn payload_of(text: String) -> Value {
-    serde_json::from_str(&text).unwrap_or(Value::String(text))
 }

@@ -1,21 +1,23 @@
 //! Events: adding them, claiming them, recording what became of them, cleaning them up.
 
+use std::borrow::Cow;
 use std::time::{Duration, SystemTime};
-
-use serde_json::Value;
 
 use super::{Db, all, count, micros, one};
 use crate::error::Result;
 use crate::event::NewEvent;
+use crate::payload::Payload;
 use crate::publish::AuditEntry;
 
 /// The class of the advisory locks that serialize the writers of one key (`'outb'` in ASCII);
 /// see migration 0004.
 pub(crate) const KEY_LOCK_CLASS: i32 = 0x6f75_7462;
 
+/// The payload `$3` comes as JSON text, which the server parses into `jsonb` (as it would the
+/// binary form: jsonb's wire format is its text).
 pub(crate) const EVENT_INSERT: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
-values ($1, $2, $3, now() + $4::int8 * interval '1 microsecond')
+values ($1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond')
 returning id";
 
 /// A keyed event: the key's advisory lock is taken before the insert draws its id, so writers of
@@ -23,18 +25,20 @@ returning id";
 /// the id default is computed as each row is inserted).
 pub(crate) const EVENT_INSERT_KEYED: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
-select $1, $2, $3, now() + $4::int8 * interval '1 microsecond'
+select $1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond'
   from pg_advisory_xact_lock($5, hashtext($2))
 returning id";
 
-/// Adds one event (taking its key's lock first); returns its id.
-pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent) -> Result<i64> {
+/// Adds one event (taking its key's lock first) with the payload its validation gave; returns
+/// its id.
+pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent, payload: &Payload) -> Result<i64> {
+    let payload = payload.get();
     let delay = micros(event.delay);
     let row = match &event.key {
-        None => one(db, EVENT_INSERT, &[&event.topic, &event.key, &event.payload, &delay], "adding an event").await?,
+        None => one(db, EVENT_INSERT, &[&event.topic, &event.key, &payload, &delay], "adding an event").await?,
         Some(_) => {
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                [&event.topic, &event.key, &event.payload, &delay, &KEY_LOCK_CLASS];
+                [&event.topic, &event.key, &payload, &delay, &KEY_LOCK_CLASS];
             one(db, EVENT_INSERT_KEYED, &params, "adding an event").await?
         }
     };
@@ -51,19 +55,24 @@ select count(*) from (
 
 pub(crate) const EVENT_INSERT_MANY: &str = "\
 insert into outbox_relay.outbox (topic, key, payload, available_at)
-select topic, key, payload, now() + delay * interval '1 microsecond'
-  from unnest($1::text[], $2::text[], $3::jsonb[], $4::int8[]) with ordinality as e(topic, key, payload, delay, n)
+select topic, key, payload::jsonb, now() + delay * interval '1 microsecond'
+  from unnest($1::text[], $2::text[], $3::text[], $4::int8[]) with ordinality as e(topic, key, payload, delay, n)
  order by n
 returning id";
 
-/// Adds many events in one statement; returns their ids in input order.
-pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent]) -> Result<Vec<i64>> {
+/// Adds many events in one statement, with the payloads their validation gave; returns their
+/// ids in input order.
+pub(crate) async fn insert_events(
+    db: &impl Db,
+    events: &[NewEvent],
+    payloads: &[Cow<'_, Payload>],
+) -> Result<Vec<i64>> {
     if events.is_empty() {
         return Ok(Vec::new());
     }
     let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&Value> = events.iter().map(|e| &e.payload).collect();
+    let payloads: Vec<&str> = payloads.iter().map(|p| p.get()).collect();
     let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
     let keyed: Vec<&str> = keys.iter().flatten().copied().collect();
     if !keyed.is_empty() {
@@ -265,8 +274,8 @@ pub(crate) struct ClaimedRow {
     pub(crate) id: i64,
     pub(crate) topic: String,
     pub(crate) key: Option<String>,
-    /// The payload, or why serde_json cannot hold it (a number beyond f64, nesting past its limit).
-    pub(crate) payload: std::result::Result<Value, String>,
+    /// The payload's text, or why it cannot be read (nesting past serde_json's limit).
+    pub(crate) payload: std::result::Result<Payload, String>,
     pub(crate) created_at: SystemTime,
     pub(crate) attempts: i32,
     /// Its age at the claim; `None` for a `created_at` outside 1970 to 9999.
@@ -339,7 +348,7 @@ pub(crate) async fn claim_events(
             id: row.get(0),
             topic: row.get(1),
             key: row.get(2),
-            payload: row.try_get::<_, Value>(3).map_err(|e| crate::error::chain(&e)),
+            payload: row.try_get::<_, Payload>(3).map_err(|e| crate::error::chain(&e)),
             created_at: row.get(4),
             attempts: row.get(5),
             age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
@@ -481,6 +490,7 @@ pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     /// Every `Seq Scan` of the outbox that filters pending rows (a claim's search) in an
     /// EXPLAIN (FORMAT JSON) plan. (The leased claim's UPDATE may hash-join its few ids against

@@ -202,7 +202,7 @@ struct Poison(Log);
 
 impl Handler for Poison {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        if event.payload["poison"] == json!(true) {
+        if event.payload.to_value().unwrap()["poison"] == json!(true) {
             return Err(DeliveryError::permanent("refused"));
         }
         self.0.push(event);
@@ -398,4 +398,45 @@ async fn an_outage_of_the_destination_dead_letters_nothing() {
     assert!(!snapshot.breaker_open && snapshot.breaker_opens >= 1, "{snapshot:?}");
     assert_eq!(receiver.count(), 200);
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
+
+/// Events waiting behind a key whose head is in a retry's backoff are not lag: the queue counts
+/// them as held by their key, not ready, and the oldest ready age ignores them (no false "the
+/// relays are behind" warning or alert while the relay is healthy).
+#[tokio::test]
+async fn events_behind_a_head_in_backoff_are_held_by_their_key_not_ready() {
+    let db = TestDb::new().await;
+    let failing = outbox_relay::handler_fn(|event: Event| async move {
+        if event.key.as_deref() == Some("stuck") {
+            Err(DeliveryError::transient("503 from the receiver"))
+        } else {
+            Ok(())
+        }
+    });
+    let cfg = RelayConfig {
+        backoff_base: Duration::from_secs(3600),
+        backoff_max: Duration::from_secs(3600),
+        backoff_jitter: 0.0,
+        ..config()
+    };
+    let events: Vec<NewEvent> = (0..50).map(|n| NewEvent::new("order.updated", json!({"n": n})).key("stuck")).collect();
+    db.outbox.publish_all(&events).await.unwrap();
+    let relay = support::start(&db.outbox, cfg, failing);
+    let free = db.outbox.publish(&NewEvent::new("order.placed", json!({"free": true}))).await.unwrap();
+    eventually("the head failed once and the free event was delivered", || async {
+        let stats = db.outbox.queue_stats().await.unwrap();
+        let found = db.outbox.look_up(Some(free), None, 1).await.unwrap();
+        stats.delayed == 1 && stats.in_flight == 0 && found.iter().all(|e| e.state == "processed")
+    })
+    .await;
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!(stats.pending, 0, "nothing is deliverable: {stats:?}");
+    assert_eq!(stats.held_by_key, 49, "the head's followers wait for it: {stats:?}");
+    assert_eq!(stats.oldest_ready_age_ms, None, "no ready event, so no lag: {stats:?}");
+    let prometheus = outbox_relay::prometheus::Exporter::new(&db.outbox).encode().await;
+    assert!(prometheus.contains("outbox_relay_ready_events 0"), "{prometheus}");
+    assert!(prometheus.contains("outbox_relay_held_by_key_events 49"), "{prometheus}");
+    assert!(prometheus.contains("outbox_relay_pending_events 50"), "{prometheus}");
+    assert!(prometheus.contains("outbox_relay_oldest_ready_age_seconds 0"), "{prometheus}");
+    relay.stop().await;
 }

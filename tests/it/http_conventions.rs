@@ -158,7 +158,7 @@ async fn every_request_verifies_with_the_official_standard_webhooks_library_thro
     }
     // A changed body does not verify.
     let mut tampered = requests[0].clone();
-    tampered.body = tampered.body.replace("\"n\":1", "\"n\":9");
+    tampered.body = tampered.body.replace("\"n\": 1", "\"n\": 9");
     assert_ne!(python(VERIFY, &[tampered], &[SECRET_A])[0][0], "ok");
 
     let ids: Vec<&str> = requests.iter().map(|r| r.headers["webhook-id"].as_str()).collect();

@@ -41,7 +41,7 @@ async fn an_event_published_in_a_sqlx_transaction_exists_after_commit_and_is_del
 
     let delivered = deliveries.next().await;
     assert_eq!(delivered.event.id, id);
-    assert_eq!(delivered.event.payload, json!({"order_id": order}));
+    assert_eq!(delivered.event.payload.to_value().unwrap(), json!({"order_id": order}));
     assert_eq!(delivered.event.key.as_deref(), Some(format!("order-{order}").as_str()));
     let row = db
         .client()

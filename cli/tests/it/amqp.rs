@@ -17,7 +17,7 @@ use crate::binary::{cli, publish, spawn_run, stderr, terminate, terminate_with_o
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
-fn amqp_url() -> String {
+pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
@@ -27,7 +27,7 @@ fn unique(prefix: &str) -> String {
 }
 
 /// A consumer on a new queue bound to `exchange` for every routing key.
-async fn bound_queue(exchange: &str) -> (Connection, lapin::Consumer) {
+pub async fn bound_queue(exchange: &str) -> (Connection, lapin::Consumer) {
     bound_queue_for(exchange, "#").await
 }
 

@@ -308,7 +308,7 @@ async fn dead_letters_list_retry_and_purge() {
 
     let missing = cli(&db.url, &["dead-letters", "retry", "4242"]).await;
     assert!(!missing.status.success());
-    assert!(stderr(&missing).contains("no dead letter with id: 4242"), "{}", stderr(&missing));
+    assert!(stderr(&missing).contains("no dead letter with id 4242: nothing was retried"), "{}", stderr(&missing));
 
     let purge = cli(&db.url, &["dead-letters", "purge", "--older-than", "1d"]).await;
     assert!(stdout(&purge).contains("purged 1 dead letters"), "{}", stdout(&purge));

@@ -6,6 +6,8 @@ use outbox_relay_testkit::{harness, support as relay_support};
 mod amqp;
 mod binary;
 mod cli;
+mod fidelity;
+mod hostile;
 mod http;
 mod killed;
 mod operator;

@@ -92,7 +92,7 @@ async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_
     assert_eq!(headers["webhook-id"], id.to_string().as_str());
     assert_eq!(verify(SECRET_A, &headers, &body), "ok");
     assert_eq!(verify(SECRET_B, &headers, &body), "ok");
-    assert_eq!(&body[..], br#"{"n":1}"#, "binary mode: the body is the payload");
+    assert_eq!(&body[..], br#"{"n": 1}"#, "binary mode: the body is the payload, as PostgreSQL stores it");
 
     let output = terminate_with_output(child).await;
     let logs = String::from_utf8_lossy(&output.stderr);

@@ -12,6 +12,7 @@ mod cut;
 mod held;
 mod proxy;
 mod restart;
+mod stalled;
 mod writers;
 
 use std::collections::HashMap;

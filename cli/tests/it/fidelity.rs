@@ -1,0 +1,225 @@
+//! Payloads arrive as written: events published through SQL, the Rust API and sqlx, with the
+//! numbers a double cannot hold exactly, reach stdout, HTTP (raw and both CloudEvents modes),
+//! NATS and RabbitMQ with the payload's bytes equal to PostgreSQL's own text of the stored
+//! `jsonb`, and nothing is dead-lettered.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use axum::body::Bytes;
+use axum::routing::post;
+use futures::StreamExt;
+use lapin::options::BasicAckOptions;
+use outbox_relay::NewEvent;
+use serde_json::json;
+use serde_json::value::RawValue;
+
+use crate::binary::{spawn_run, stdout, terminate_with_output};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+/// JSON texts as a writer gives them, each a trap for a parser that reads numbers into `f64`.
+const WRITTEN: &[&str] = &[
+    r#"{"charge": 1.602176634e-19}"#,
+    "1.7e100",
+    "1.7e308",
+    // the largest double, in its shortest spelling and in another one that rounds to it
+    "1.7976931348623157e308",
+    "1.7976931348623158e308",
+    // beyond any double, and smaller than the smallest
+    "[1e999, -1e999, 1e-400]",
+    // 40 significant digits
+    r#"{"amount": 1234567890123456789012345678901234567890, "rate": 0.1234567890123456789012345678901234567890}"#,
+    "-0",
+    "-0.0",
+    r#"{"big": 18446744073709551616, "small": -9223372036854775809, "u64": 18446744073709551615}"#,
+    r#"{"price": 0.10, "list": [1e-7, 5E+3, 2.50], "text": "\u00e9\ud83d\ude00 \"q\" \\ \/ \u001b[2J"}"#,
+];
+
+/// Publishes every text through the three doors, plus `f64` extremes as `Value`s, and returns
+/// each event's id with PostgreSQL's text of its stored payload.
+async fn publish_everything(db: &TestDb) -> HashMap<i64, String> {
+    let client = db.client().await;
+    let mut ids = Vec::new();
+    for text in WRITTEN {
+        let row = client.query_one("select outbox_relay.publish('fidelity.sql', $1::text::jsonb)", &[text]).await;
+        ids.push(row.unwrap().get::<_, i64>(0));
+        ids.push(db.outbox.publish(&NewEvent::from_json("fidelity.rust", *text).unwrap()).await.unwrap());
+    }
+    let mut conn: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
+    for text in WRITTEN {
+        let event = NewEvent::from_json("fidelity.sqlx", *text).unwrap().key("k");
+        ids.push(outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap());
+    }
+    let values = json!({
+        "charge": 1.602176634e-19, "max": f64::MAX, "min_positive": f64::MIN_POSITIVE, "subnormal": 5e-324,
+        "minus_zero": -0.0, "u64": u64::MAX, "i64": i64::MIN, "tenth": 0.1,
+    });
+    let from_value = db.outbox.publish(&NewEvent::new("fidelity.value", values)).await.unwrap();
+    ids.push(from_value);
+
+    let stored: HashMap<i64, String> = client
+        .query("select id, payload::text from outbox_relay.outbox where id = any($1)", &[&ids])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(stored.len(), ids.len(), "every event was accepted");
+    // The Rust API sends a value's numbers in their shortest spelling, which PostgreSQL keeps.
+    let value_text = &stored[&from_value];
+    for digits in ["0.0000000000000000001602176634", "179769313486231570000", "\"tenth\": 0.1,", "-9223372036854775808"]
+    {
+        assert!(value_text.contains(digits), "{digits} in {value_text}");
+    }
+    // Every door stores what PostgreSQL makes of the text itself.
+    for (n, text) in WRITTEN.iter().enumerate() {
+        let own: String = client.query_one("select $1::text::jsonb::text", &[text]).await.unwrap().get(0);
+        for id in [ids[2 * n], ids[2 * n + 1], ids[2 * WRITTEN.len() + n]] {
+            assert_eq!(stored[&id], own, "event {id} of {text}");
+        }
+    }
+    stored
+}
+
+/// Makes every event deliverable again (the runs keep delivered rows: `--completion mark`).
+async fn redeliver(db: &TestDb) {
+    let client = db.client().await;
+    client
+        .execute("update outbox_relay.outbox set processed_at = null, available_at = now(), attempts = 0", &[])
+        .await
+        .unwrap();
+}
+
+async fn all_processed(db: &TestDb, count: usize) {
+    eventually("every event delivered", || async {
+        let stats = db.outbox.queue_stats().await.unwrap();
+        assert_eq!(stats.dead_letters, 0, "nothing is dead-lettered");
+        stats.processed == count as i64
+    })
+    .await;
+}
+
+/// The event objects' payloads, by id, byte for byte as they were sent.
+fn envelopes<'a>(bodies: impl IntoIterator<Item = &'a [u8]>) -> HashMap<i64, String> {
+    #[derive(serde::Deserialize)]
+    struct Envelope<'a> {
+        id: i64,
+        #[serde(borrow)]
+        payload: &'a RawValue,
+    }
+    bodies
+        .into_iter()
+        .map(|body| {
+            let envelope: Envelope = serde_json::from_slice(body).unwrap();
+            (envelope.id, envelope.payload.get().to_string())
+        })
+        .collect()
+}
+
+fn assert_same(sink: &str, got: &HashMap<i64, String>, stored: &HashMap<i64, String>) {
+    assert_eq!(got.len(), stored.len(), "{sink}: every event arrived");
+    for (id, text) in stored {
+        assert_eq!(got.get(id), Some(text), "{sink}: event {id}");
+    }
+}
+
+#[tokio::test]
+async fn payloads_reach_every_sink_as_postgres_stored_them() {
+    let db = TestDb::new().await;
+    let stored = publish_everything(&db).await;
+
+    // stdout: one event object per line
+    let child = spawn_run(&db.url, &["--sink", "stdout"]);
+    all_processed(&db, stored.len()).await;
+    let output = terminate_with_output(child).await;
+    let text = stdout(&output);
+    assert_same("stdout", &envelopes(text.lines().map(str::as_bytes)), &stored);
+
+    // HTTP, in its three formats
+    let seen: Arc<Mutex<Vec<(axum::http::HeaderMap, Bytes)>>> = Arc::default();
+    let app = axum::Router::new().route(
+        "/hook",
+        post({
+            let seen = seen.clone();
+            move |headers: axum::http::HeaderMap, body: Bytes| async move {
+                seen.lock().unwrap().push((headers, body));
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    let url = format!("http://{}/hook", crate::binary::serve(app).await);
+    for format in ["raw", "cloudevents", "cloudevents-structured"] {
+        redeliver(&db).await;
+        seen.lock().unwrap().clear();
+        let child = spawn_run(&db.url, &["--sink", &url, "--format", format]);
+        all_processed(&db, stored.len()).await;
+        terminate_with_output(child).await;
+        let requests = seen.lock().unwrap().clone();
+        let got: HashMap<i64, String> = match format {
+            "raw" => envelopes(requests.iter().map(|(_, body)| &body[..])),
+            "cloudevents" => requests
+                .iter()
+                .map(|(headers, body)| {
+                    let id = headers["ce-id"].to_str().unwrap().parse().unwrap();
+                    (id, String::from_utf8(body.to_vec()).unwrap())
+                })
+                .collect(),
+            _ => requests
+                .iter()
+                .map(|(_, body)| {
+                    #[derive(serde::Deserialize)]
+                    struct CloudEvent<'a> {
+                        id: String,
+                        #[serde(borrow)]
+                        data: &'a RawValue,
+                    }
+                    let event: CloudEvent = serde_json::from_slice(body).unwrap();
+                    (event.id.parse().unwrap(), event.data.get().to_string())
+                })
+                .collect(),
+        };
+        assert_same(&format!("HTTP {format}"), &got, &stored);
+    }
+
+    // NATS JetStream
+    redeliver(&db).await;
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let nats = async_nats::connect(&nats_url).await.expect("a NATS server on NATS_URL (.ci/run starts one)");
+    let js = async_nats::jetstream::new(nats);
+    let prefix = format!("fidelity{}_{}", std::process::id(), rand::random::<u32>());
+    let stream = js
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: prefix.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let child = spawn_run(&db.url, &["--sink", &nats_url, "--subject-prefix", &prefix]);
+    all_processed(&db, stored.len()).await;
+    terminate_with_output(child).await;
+    let mut bodies = Vec::new();
+    for seq in 1..=stored.len() as u64 {
+        bodies.push(stream.get_raw_message(seq).await.unwrap().payload.to_vec());
+    }
+    assert_same("NATS", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
+    js.delete_stream(&prefix).await.unwrap();
+
+    // RabbitMQ
+    redeliver(&db).await;
+    let exchange = format!("fidelity-{:016x}", rand::random::<u64>());
+    let (_connection, mut consumer) = crate::amqp::bound_queue(&exchange).await;
+    let amqp_url = crate::amqp::amqp_url();
+    let child = spawn_run(&db.url, &["--sink", &amqp_url, "--exchange", &exchange]);
+    let mut bodies = Vec::new();
+    while bodies.len() < stored.len() {
+        let delivery = tokio::time::timeout(PATIENCE, consumer.next()).await.expect("a message in time");
+        let delivery = delivery.expect("the consumer ended").expect("a delivery");
+        delivery.ack(BasicAckOptions::default()).await.unwrap();
+        bodies.push(delivery.data);
+    }
+    all_processed(&db, stored.len()).await;
+    terminate_with_output(child).await;
+    assert_same("RabbitMQ", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
+}
