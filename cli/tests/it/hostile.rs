@@ -10,6 +10,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::binary::{cli, publish, serve, spawn_run, stderr, stdout, terminate_with_output};
 use crate::harness::TestDb;
+use crate::http::{free_port, http, spawn_console};
 use crate::relay_support::{PATIENCE, eventually};
 
 /// What a receiver puts in its error body to take over a terminal: clear the screen, set the
@@ -116,15 +117,8 @@ async fn raw_request(port: u16, request: &str) -> u16 {
 #[tokio::test]
 async fn the_console_answers_only_to_requests_for_itself() {
     let db = TestDb::new().await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let console = tokio::process::Command::new(crate::binary::BIN)
-        .args(["console", "--listen", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", &db.url)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let port = free_port();
+    let console = spawn_console(&db.url, &["--listen", &format!("127.0.0.1:{port}")], None);
     let request =
         |target: &str, host: &str| format!("GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     eventually("the console serves", || async { tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_ok() })
@@ -174,27 +168,18 @@ async fn a_frozen_database_gets_answers_that_say_so_from_the_console_and_status(
         .unwrap_or_else(|e| panic!("cannot start a private PostgreSQL: {e}"));
     let url = pg.url();
     assert!(cli(&url, &["migrate"]).await.status.success());
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let console = tokio::process::Command::new(crate::binary::BIN)
-        .args(["console", "--listen", &format!("127.0.0.1:{port}")])
-        .env("DATABASE_URL", &url)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    // (reqwest is built without a crypto provider of its own; the library uses ring)
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder().timeout(PATIENCE).build().unwrap();
+    let port = free_port();
+    let console = spawn_console(&url, &["--listen", &format!("127.0.0.1:{port}")], None);
+    let http = http();
     let summary = format!("http://127.0.0.1:{port}/api/summary");
     eventually("the console serves", || async {
-        http.get(&summary).send().await.is_ok_and(|r| r.status().is_success())
+        http.get(&summary).timeout(PATIENCE).send().await.is_ok_and(|r| r.status().is_success())
     })
     .await;
 
     let frozen = Frozen::freeze(pg.data_dir());
     for page in ["/api/summary", "/"] {
-        let answer = http.get(format!("http://127.0.0.1:{port}{page}")).send().await;
+        let answer = http.get(format!("http://127.0.0.1:{port}{page}")).timeout(PATIENCE).send().await;
         let answer = answer.unwrap_or_else(|e| panic!("{page} gave no answer while the database is frozen: {e}"));
         let status = answer.status().as_u16();
         let body = answer.text().await.unwrap();
@@ -208,7 +193,7 @@ async fn a_frozen_database_gets_answers_that_say_so_from_the_console_and_status(
     drop(frozen);
 
     eventually("the console answers again", || async {
-        http.get(&summary).send().await.is_ok_and(|r| r.status().is_success())
+        http.get(&summary).timeout(PATIENCE).send().await.is_ok_and(|r| r.status().is_success())
     })
     .await;
     terminate_with_output(console).await;

@@ -16,11 +16,11 @@ use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
 /// A port nothing listens on right now.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn http() -> reqwest::Client {
+pub fn http() -> reqwest::Client {
     // (reqwest is built without a crypto provider of its own; the library uses ring)
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder().redirect(reqwest::redirect::Policy::none()).build().unwrap()
@@ -237,7 +237,7 @@ async fn a_pause_from_the_command_outlives_a_relay_restart() {
 }
 
 /// `outbox-relay console` with these arguments.
-fn spawn_console(url: &str, args: &[&str], token: Option<&str>) -> Child {
+pub fn spawn_console(url: &str, args: &[&str], token: Option<&str>) -> Child {
     let mut command = Command::new(BIN);
     command.arg("console").args(args).env("DATABASE_URL", url).env("RUST_LOG", "info");
     if let Some(token) = token {
