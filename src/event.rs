@@ -50,7 +50,8 @@ impl NewEvent {
     /// An event whose payload is any serializable value, serialized straight to JSON text (a
     /// [`serde_json::value::RawValue`] inside it, e.g. an exact decimal, keeps its digits).
     pub fn from_serialize(topic: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
-        NewEvent::from_json(topic, serde_json::to_string(payload)?)
+        let payload = Body::Json(Payload::serialized(payload)?);
+        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO })
     }
 
     /// An event whose payload is this JSON text, taken as it is: numbers keep every digit

@@ -274,7 +274,8 @@ pub(crate) struct ClaimedRow {
     pub(crate) id: i64,
     pub(crate) topic: String,
     pub(crate) key: Option<String>,
-    /// The payload's text, or why it cannot be read (nesting past serde_json's limit).
+    /// The payload's text, or why it cannot be read (text that is not UTF-8 or not JSON: jsonb
+    /// never gives such, but no row is trusted to stop a claim).
     pub(crate) payload: std::result::Result<Payload, String>,
     pub(crate) created_at: SystemTime,
     pub(crate) attempts: i32,
