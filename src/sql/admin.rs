@@ -24,17 +24,15 @@ macro_rules! age_ms {
 
 /// The queue at a glance. An event is *ready* when it is due and deliverable: without a key, or
 /// the head (lowest pending id) of its key; a due event behind its key's head (which is in
-/// flight, in a retry's backoff, or delayed) is *held by its key*, not lag.
+/// flight, in a retry's backoff, or delayed) is *held by its key*, not lag. One scan of the
+/// outbox and one of its pending keys (`offset 0` keeps the planner from copying the `ready`
+/// test, and the heads' aggregate with it, into every aggregate that reads it).
 const QUEUE_STATS: &str = concat!(
     "with heads as (
     select min(id) as id from outbox_relay.outbox where processed_at is null and key is not null group by key
-),
-due as (
-    select o.*, (o.key is null or o.id in (select id from heads)) as deliverable
-      from outbox_relay.outbox o where processed_at is null and available_at <= now()
 )
-select (select count(*) filter (where deliverable) from due),
-       (select count(*) filter (where not deliverable) from due),
+select count(*) filter (where ready),
+       count(*) filter (where due and not ready),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
        count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
        count(*) filter (where processed_at is not null),
@@ -42,12 +40,14 @@ select (select count(*) filter (where deliverable) from due),
        ",
     age_ms!("min(created_at) filter (where processed_at is null)"),
     ",
-       (select ",
-    age_ms!("min(available_at) filter (where deliverable)"),
-    " from due),
+       ",
+    age_ms!("min(available_at) filter (where ready)"),
+    ",
        coalesce(max(attempts) filter (where processed_at is null), 0),
        pg_notification_queue_usage()
-  from outbox_relay.outbox"
+  from (select o.*, processed_at is null and available_at <= now() as due,
+               processed_at is null and available_at <= now() and (key is null or id in (select id from heads)) as ready
+          from outbox_relay.outbox o offset 0) o"
 );
 
 /// Counts ready, held, delayed, in-flight, processed and dead events.
