@@ -204,18 +204,14 @@ async fn all_or_none(db: &impl sql::Db, wanted: &[i64], mut done: Vec<i64>, verb
     }
     missing.sort_unstable();
     missing.dedup();
-    let shown: Vec<String> = missing.iter().take(20).map(i64::to_string).collect();
-    let more = if missing.len() > 20 { format!(" and {} more", missing.len() - 20) } else { String::new() };
     let plural = if missing.len() == 1 { "" } else { "s" };
     let nothing = if done.is_empty() {
         format!("nothing was {verb}")
     } else {
         format!("{} were {verb} (they changed meanwhile)", done.len())
     };
-    Err(crate::error::Error::invalid_input(format!(
-        "no dead letter with id{plural} {}{more}: {nothing}",
-        shown.join(", ")
-    )))
+    let missing = crate::text::some_ids(&missing, 20);
+    Err(crate::error::Error::invalid_input(format!("no dead letter with id{plural} {missing}: {nothing}")))
 }
 
 /// A topic to pause or resume as the table holds it: '' for every topic.

@@ -31,6 +31,15 @@ pub fn printable(text: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// Up to `shown` of `ids`, comma-separated, and how many more there are: `1, 2, 3 and 7 more`.
+pub(crate) fn some_ids(ids: &[i64], shown: usize) -> String {
+    let listed: Vec<String> = ids.iter().take(shown).map(i64::to_string).collect();
+    match ids.len().saturating_sub(shown) {
+        0 => listed.join(", "),
+        more => format!("{} and {more} more", listed.join(", ")),
+    }
+}
+
 fn unsafe_to_show(c: char) -> bool {
     c.is_control()
         || matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
@@ -49,5 +58,12 @@ mod tests {
         assert_eq!(printable("x\u{2066}y\u{2069}\u{200f}\u{2028}"), "x\\u{2066}y\\u{2069}\\u{200f}\\u{2028}");
         assert_eq!(printable("line\nnext\ttab"), "line\\u{a}next\\u{9}tab");
         assert_eq!(printable("ünïcödé 日本 😀"), "ünïcödé 日本 😀");
+    }
+
+    #[test]
+    fn ids_are_listed_up_to_a_number() {
+        assert_eq!(some_ids(&[1, 2, 3], 3), "1, 2, 3");
+        assert_eq!(some_ids(&[1, 2, 3, 4, 5], 2), "1, 2 and 3 more");
+        assert_eq!(some_ids(&[], 2), "");
     }
 }

@@ -534,12 +534,10 @@ fn log_buried(ids: &[i64], errors: &[String]) {
             None => distinct.push((error.as_str(), 1)),
         }
     }
-    let shown: Vec<String> = ids.iter().take(BURIED_SHOWN).map(i64::to_string).collect();
-    let more = if ids.len() > BURIED_SHOWN { format!(" and {} more", ids.len() - BURIED_SHOWN) } else { String::new() };
     let causes: Vec<String> = distinct.iter().take(BURIED_SHOWN).map(|(e, n)| format!("{n} x {e}")).collect();
     tracing::warn!(
         events = ids.len(),
-        ids = %format!("{}{more}", shown.join(", ")),
+        ids = %crate::text::some_ids(ids, BURIED_SHOWN),
         errors = %causes.join(" | "),
         "events moved to the dead letters"
     );
