@@ -105,21 +105,21 @@ async fn connect(db: &Database) -> Result<Outbox, CliError> {
     Ok(outbox)
 }
 
-async fn migrate(url: &Database) -> Result<(), CliError> {
-    let outbox = url.open(1).await?;
+async fn migrate(db: &Database) -> Result<(), CliError> {
+    let outbox = db.open(1).await?;
     let report = outbox.migrate().await?;
     for (version, name) in &report.applied {
         println!("applied {version:04}_{name}");
     }
     if report.applied.is_empty() {
-        println!("nothing to apply: {} migrations already applied to {url}", report.already_applied);
+        println!("nothing to apply: {} migrations already applied to {db}", report.already_applied);
     } else {
-        println!("{} applied, {} already in place, on {url}", report.applied.len(), report.already_applied);
+        println!("{} applied, {} already in place, on {db}", report.applied.len(), report.already_applied);
     }
     Ok(())
 }
 
-async fn run_relay(url: &Database, args: RunArgs) -> Result<(), CliError> {
+async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     let shutdown = shutdown_signal()?;
     if args.backoff_max < args.backoff_base {
         return Err(UsageError(format!(
@@ -186,11 +186,11 @@ async fn run_relay(url: &Database, args: RunArgs) -> Result<(), CliError> {
     // The sink first: a bad spec is refused before anything touches the database.
     let sink = Sink::connect(&args.sink, &options).await?;
     let outbox = if args.migrate {
-        let outbox = url.open(config.workers + 2).await?;
+        let outbox = db.open(config.workers + 2).await?;
         outbox.migrate().await?;
         outbox
     } else {
-        connect(url).await?
+        connect(db).await?
     };
     let shown = sink.describe();
     let relay = Relay::new(&outbox, config, sink)?;
@@ -233,8 +233,8 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> 
 /// How many of the most common errors of pending events `status` shows.
 const STATUS_ERRORS: i64 = 5;
 
-async fn status(url: &Database, json: bool) -> Result<(), CliError> {
-    let outbox = connect(url).await?;
+async fn status(db: &Database, json: bool) -> Result<(), CliError> {
+    let outbox = connect(db).await?;
     let stats = outbox.queue_stats().await?;
     let errors = outbox.pending_errors(STATUS_ERRORS).await?;
     let relays = outbox.connected_relays().await?;
@@ -319,8 +319,8 @@ async fn status(url: &Database, json: bool) -> Result<(), CliError> {
     Ok(())
 }
 
-async fn dead_letters(url: &Database, command: DeadLetterCommand) -> Result<(), CliError> {
-    let outbox = connect(url).await?;
+async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), CliError> {
+    let outbox = connect(db).await?;
     match command {
         DeadLetterCommand::List { json, limit } => {
             let letters = outbox.dead_letters(limit).await?;
