@@ -72,7 +72,7 @@ async fn bound_queue_for(exchange: &str, pattern: &str) -> (Connection, lapin::C
     (connection, consumer)
 }
 
-async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
+pub async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
     let delivery = tokio::time::timeout(PATIENCE, consumer.next()).await.expect("a message within the patience limit");
     let delivery = delivery.expect("the consumer ended").expect("a delivery");
     delivery.ack(BasicAckOptions::default()).await.unwrap();

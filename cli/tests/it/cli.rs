@@ -115,11 +115,11 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     assert!(dead[0].last_error.contains("400"), "{}", dead[0].last_error);
 }
 
-fn nats_url() -> String {
+pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string())
 }
 
-async fn nats() -> async_nats::jetstream::Context {
+pub async fn nats() -> async_nats::jetstream::Context {
     let url = nats_url();
     let client = async_nats::connect(&url).await.unwrap_or_else(|e| {
         panic!("no NATS server at {url} ({e}); start one with `nats-server -js` or set NATS_URL (.ci/run does this)")
@@ -127,8 +127,18 @@ async fn nats() -> async_nats::jetstream::Context {
     async_nats::jetstream::new(client)
 }
 
-fn unique(prefix: &str) -> String {
+pub fn unique(prefix: &str) -> String {
     format!("{prefix}{}_{}", std::process::id(), rand::random::<u32>())
+}
+
+/// A JetStream stream named `prefix` that captures every subject under it.
+pub async fn stream_for(js: &async_nats::jetstream::Context, prefix: &str) -> async_nats::jetstream::stream::Stream {
+    let config = async_nats::jetstream::stream::Config {
+        name: prefix.to_string(),
+        subjects: vec![format!("{prefix}.>")],
+        ..Default::default()
+    };
+    js.create_stream(config).await.unwrap()
 }
 
 #[tokio::test]
@@ -136,14 +146,7 @@ async fn run_nats_publishes_to_jetstream_once_per_event_id() {
     let db = TestDb::new().await;
     let js = nats().await;
     let prefix = unique("outboxtest");
-    let mut stream = js
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: prefix.clone(),
-            subjects: vec![format!("{prefix}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
+    let mut stream = stream_for(&js, &prefix).await;
 
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
     let first = publish(&db, "order.placed", json!({"n": 1})).await;
@@ -203,13 +206,7 @@ async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_
     let db = TestDb::new().await;
     let js = nats().await;
     let prefix = unique("outboxbig");
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: prefix.clone(),
-        subjects: vec![format!("{prefix}.>")],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
+    stream_for(&js, &prefix).await;
     let largest = json!("x".repeat(outbox_relay::MAX_PAYLOAD_BYTES - 2));
     let big =
         db.outbox.publish(&outbox_relay::NewEvent::new("order.placed", largest).key("k".repeat(255))).await.unwrap();

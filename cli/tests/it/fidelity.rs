@@ -4,19 +4,15 @@
 //! `jsonb`, and nothing is dead-lettered.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 
-use axum::body::Bytes;
-use axum::routing::post;
-use futures::StreamExt;
-use lapin::options::BasicAckOptions;
 use outbox_relay::NewEvent;
 use serde_json::json;
 use serde_json::value::RawValue;
 
 use crate::binary::{spawn_run, stdout, terminate_with_output};
+use crate::cli::{nats, nats_url, stream_for, unique};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
+use crate::relay_support::eventually;
 
 /// JSON texts as a writer gives them, each a trap for a parser that reads numbers into `f64`.
 const WRITTEN: &[&str] = &[
@@ -137,18 +133,7 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
     assert_same("stdout", &envelopes(text.lines().map(str::as_bytes)), &stored);
 
     // HTTP, in its three formats
-    let seen: Arc<Mutex<Vec<(axum::http::HeaderMap, Bytes)>>> = Arc::default();
-    let app = axum::Router::new().route(
-        "/hook",
-        post({
-            let seen = seen.clone();
-            move |headers: axum::http::HeaderMap, body: Bytes| async move {
-                seen.lock().unwrap().push((headers, body));
-                axum::http::StatusCode::OK
-            }
-        }),
-    );
-    let url = format!("http://{}/hook", crate::binary::serve(app).await);
+    let (url, seen) = crate::webhooks::receiver().await;
     for format in ["raw", "cloudevents", "cloudevents-structured"] {
         redeliver(&db).await;
         seen.lock().unwrap().clear();
@@ -184,19 +169,10 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
 
     // NATS JetStream
     redeliver(&db).await;
-    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let nats = async_nats::connect(&nats_url).await.expect("a NATS server on NATS_URL (.ci/run starts one)");
-    let js = async_nats::jetstream::new(nats);
-    let prefix = format!("fidelity{}_{}", std::process::id(), rand::random::<u32>());
-    let stream = js
-        .create_stream(async_nats::jetstream::stream::Config {
-            name: prefix.clone(),
-            subjects: vec![format!("{prefix}.>")],
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    let child = spawn_run(&db.url, &["--sink", &nats_url, "--subject-prefix", &prefix]);
+    let js = nats().await;
+    let prefix = unique("fidelity");
+    let stream = stream_for(&js, &prefix).await;
+    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
     all_processed(&db, stored.len()).await;
     terminate_with_output(child).await;
     let mut bodies = Vec::new();
@@ -214,10 +190,7 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
     let child = spawn_run(&db.url, &["--sink", &amqp_url, "--exchange", &exchange]);
     let mut bodies = Vec::new();
     while bodies.len() < stored.len() {
-        let delivery = tokio::time::timeout(PATIENCE, consumer.next()).await.expect("a message in time");
-        let delivery = delivery.expect("the consumer ended").expect("a delivery");
-        delivery.ack(BasicAckOptions::default()).await.unwrap();
-        bodies.push(delivery.data);
+        bodies.push(crate::amqp::next(&mut consumer).await.data);
     }
     all_processed(&db, stored.len()).await;
     terminate_with_output(child).await;

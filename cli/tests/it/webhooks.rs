@@ -16,9 +16,10 @@ use crate::relay_support::eventually;
 const SECRET_A: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const SECRET_B: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
 
-type Seen = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
+pub type Seen = Arc<Mutex<Vec<(HeaderMap, Bytes)>>>;
 
-async fn receiver() -> (String, Seen) {
+/// A receiver at `/hook` that answers 200 and keeps every request's headers and body.
+pub async fn receiver() -> (String, Seen) {
     let seen: Seen = Arc::default();
     let app = axum::Router::new().route(
         "/hook",
