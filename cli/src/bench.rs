@@ -7,7 +7,8 @@ use std::time::Duration;
 use outbox_relay::Completion;
 use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
 use outbox_relay_testkit::bench::{
-    self, BenchDb, ClaimDeleteLoop, DrainSetup, NotifyMode, Percentiles, ServerInfo, Trickle, TrickleReport, WakePath,
+    self, BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ServerInfo, Trickle,
+    TrickleReport, WakePath,
 };
 use serde_json::json;
 
@@ -19,7 +20,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Concurrent writers of the write-throughput measurement.
 const WRITERS: usize = 16;
 /// Steps, for the progress lines.
-const STEPS: usize = 10;
+const STEPS: usize = 11;
 /// Keys of the keyed drain (each delivered in order).
 const KEYS: usize = 100;
 /// The HTTP receiver's latency.
@@ -63,6 +64,17 @@ pub(crate) struct BenchArgs {
     /// How long the trickle (40 events/s to an `outbox-relay run` process) is measured.
     #[arg(long, value_name = "DUR", value_parser = crate::duration_in(Duration::from_millis(100), Duration::from_secs(3600)), allow_hyphen_values = true, default_value = "10s")]
     trickle_duration: Duration,
+    /// How long each phase of the held-snapshot stage lasts: events published at --held-rate with
+    /// a key each to an `outbox-relay run --sink stdout` process, first with nothing held, then
+    /// while another session holds a transaction (and its snapshot) open.
+    #[arg(long, value_name = "DUR", value_parser = crate::duration_in(Duration::from_secs(1), Duration::from_secs(24 * 3600)), allow_hyphen_values = true, default_value = "20s")]
+    held_duration: Duration,
+    /// Events per second of the held-snapshot stage.
+    #[arg(long, value_name = "N", default_value_t = 800.0)]
+    held_rate: f64,
+    /// Run only the held-snapshot stage.
+    #[arg(long)]
+    held_only: bool,
     /// NATS server for the JetStream drain (skipped, with a note, when none answers).
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", value_name = "URL")]
     nats_url: String,
@@ -81,6 +93,9 @@ impl BenchArgs {
         }
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return Err(format!("--batch-size is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size).into());
+        }
+        if !(self.held_rate >= 1.0 && self.held_rate <= 10_000.0) {
+            return Err(format!("--held-rate is {}; it must be 1 to 10000 events/s", self.held_rate).into());
         }
         Ok(())
     }
@@ -118,6 +133,7 @@ struct Report {
     tps_trigger: f64,
     tps_notify_every_commit: f64,
     tps_no_trigger: f64,
+    held: HeldReport,
 }
 
 /// Runs the measurements on the server `database_url` names, or on an embedded durable cluster.
@@ -128,25 +144,102 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
         eprintln!("starting an embedded PostgreSQL (durable: fsync on)...");
     }
     let server = tokio::task::spawn_blocking(move || BenchDb::start(url.as_deref())).await??;
-    let measured = measure(&args, &server).await;
+    let measured = if args.held_only {
+        measure_held_only(&args, &server).await
+    } else {
+        measure(&args, &server).await.map(|report| {
+            if args.json {
+                to_json(&args, &report)
+            } else {
+                print_table(&args, &report);
+                serde_json::Value::Null
+            }
+        })
+    };
     if !server.is_embedded()
-        && let Err(e) = server.drop_database(DATABASE).await
+        && let Err(e) = server.drop_database(database(&args)).await
     {
         eprintln!("warning: could not drop the benchmark database: {e}");
     }
     // Stopping an embedded cluster blocks for a moment.
     tokio::task::spawn_blocking(move || drop(server)).await?;
-    let report = measured?;
+    let json = measured?;
     if args.json {
-        println!("{}", to_json(&args, &report));
-    } else {
-        print_table(&args, &report);
+        println!("{json}");
     }
     Ok(())
 }
 
+/// The held-snapshot stage alone: its JSON (with `--json`) or its table, printed.
+async fn measure_held_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_json::Value, BenchError> {
+    let (_, outbox) = server.fresh_database(database(args)).await?;
+    let info = bench::server_info(&outbox).await?;
+    eprintln!("measuring on the {}, PostgreSQL {}", server.describe(), info.version);
+    eprintln!("[1/1] {}...", held_step(args));
+    let held = held_stage(args, &outbox).await?;
+    outbox.pool().close();
+    if args.json {
+        let mut figures = held_json(args, &held);
+        if let serde_json::Value::Object(figures) = &mut figures {
+            figures.insert("server".into(), json!(if server.is_embedded() { "embedded" } else { "external" }));
+            figures.insert("fsync".into(), json!(info.fsync));
+            figures.insert("postgres_version".into(), json!(info.version));
+        }
+        Ok(figures)
+    } else {
+        println!("outbox-relay bench on the {}", server.describe());
+        println!("PostgreSQL {}, fsync {}, synchronous_commit {}", info.version, info.fsync, info.synchronous_commit);
+        println!();
+        print_held(args, &held);
+        Ok(serde_json::Value::Null)
+    }
+}
+
+fn held_step(args: &BenchArgs) -> String {
+    format!(
+        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process (default settings), {} with nothing held, then {} with a transaction held open",
+        args.held_rate,
+        humantime::format_duration(args.held_duration),
+        humantime::format_duration(args.held_duration)
+    )
+}
+
+/// Runs the held-snapshot stage on an emptied outbox.
+async fn held_stage(args: &BenchArgs, outbox: &outbox_relay::Outbox) -> Result<HeldReport, BenchError> {
+    let db = outbox.connection().await?;
+    for sql in ["truncate outbox_relay.outbox", "vacuum analyze outbox_relay.outbox"] {
+        db.batch_execute(sql).await.map_err(|e| match e.as_db_error() {
+            Some(e) => format!("{sql}: {}", e.message()),
+            None => format!("{sql}: {e}"),
+        })?;
+    }
+    let held = bench::held_snapshot(
+        outbox,
+        relay_command(outbox)?,
+        HeldSnapshot { rate: args.held_rate, phase: args.held_duration },
+    )
+    .await?;
+    Ok(held)
+}
+
+/// `outbox-relay run --sink stdout` for `outbox`'s database, with default settings.
+fn relay_command(outbox: &outbox_relay::Outbox) -> Result<tokio::process::Command, BenchError> {
+    let mut relay = tokio::process::Command::new(std::env::current_exe()?);
+    relay
+        .args(["run", "--sink", "stdout"])
+        .env("DATABASE_URL", outbox.url().to_connection_string())
+        .env("RUST_LOG", "error");
+    Ok(relay)
+}
+
 /// The name hint of the run's database (`outbox_bench_cli`).
 const DATABASE: &str = "cli";
+
+/// The database of a run: `outbox_bench_cli_held` for the held stage alone, so that it can run
+/// beside a full run on one server.
+fn database(args: &BenchArgs) -> &'static str {
+    if args.held_only { "cli_held" } else { DATABASE }
+}
 
 async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchError> {
     let (_, outbox) = server.fresh_database(DATABASE).await?;
@@ -231,13 +324,12 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         humantime::format_duration(args.trickle_duration)
     ));
     outbox.connection().await?.batch_execute("truncate outbox_relay.outbox").await?;
-    let mut relay = tokio::process::Command::new(std::env::current_exe()?);
-    relay
-        .args(["run", "--sink", "stdout"])
-        .env("DATABASE_URL", outbox.url().to_connection_string())
-        .env("RUST_LOG", "error");
-    let trickle =
-        bench::trickle(&outbox, relay, Trickle { rate: TRICKLE_RATE, duration: args.trickle_duration }).await?;
+    let trickle = bench::trickle(
+        &outbox,
+        relay_command(&outbox)?,
+        Trickle { rate: TRICKLE_RATE, duration: args.trickle_duration },
+    )
+    .await?;
     let trickle_latency =
         Percentiles::from_samples(&mut trickle.latencies.clone()).ok_or("the trickle delivered nothing")?;
 
@@ -253,6 +345,8 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     }
     let (tps_trigger, tps_notify_every_commit, tps_no_trigger) =
         (median(&mut trigger), median(&mut notify_all), median(&mut none));
+    progress(held_step(args));
+    let held = held_stage(args, &outbox).await?;
     outbox.pool().close();
 
     Ok(Report {
@@ -276,6 +370,7 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         tps_trigger,
         tps_notify_every_commit,
         tps_no_trigger,
+        held,
     })
 }
 
@@ -355,10 +450,83 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "synchronous_commit": r.info.synchronous_commit,
         "postgres_version": r.info.version,
     });
-    if let (Some(figures), serde_json::Value::Object(settings)) = (figures.as_object_mut(), settings) {
-        figures.extend(settings);
+    for more in [settings, held_json(args, &r.held)] {
+        if let (Some(figures), serde_json::Value::Object(more)) = (figures.as_object_mut(), more) {
+            figures.extend(more);
+        }
     }
     figures
+}
+
+/// The held-snapshot stage's figures: each phase, and the ratios its goals are stated in.
+fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Value {
+    let phase = |p: &bench::Phase| {
+        let share = |cpu: Option<Duration>| cpu.map(|cpu| rounded(p.share(cpu), 4));
+        json!({
+            "seconds": rounded(p.elapsed.as_secs_f64(), 3),
+            "published_per_s": rounded(p.per_second(p.published), 1),
+            "delivered_per_s": rounded(p.per_second(p.delivered), 1),
+            "latency_ms": latencies(p).as_ref().map(percentiles_json),
+            "backlog_max": p.backlog_max,
+            "backlog_end": p.backlog_end,
+            "relay_cpu_share": share(p.relay_cpu),
+            "backend_cpu_share": share(p.backend_cpu),
+            "relay_and_backends_cpu_share": share(p.relay_cpu.zip(p.backend_cpu).map(|(a, b)| a + b)),
+            "machine_cpu_share": share(p.machine_cpu),
+        })
+    };
+    let ratio = |held: Option<f64>, clear: Option<f64>| match (held, clear) {
+        (Some(held), Some(clear)) if clear > 0.0 => Some(rounded(held / clear, 3)),
+        _ => None,
+    };
+    let p99 = |p: &bench::Phase| latencies(p).map(|l| ms(l.p99));
+    let machine = |p: &bench::Phase| p.machine_cpu.map(|cpu| p.share(cpu));
+    json!({
+        "held_rate": args.held_rate,
+        "held_writers": 4,
+        "held_phase_seconds": args.held_duration.as_secs_f64(),
+        "held_clear": phase(&held.clear),
+        "held_held": phase(&held.held),
+        "held_p99_ratio": ratio(p99(&held.held), p99(&held.clear)),
+        "held_machine_cpu_ratio": ratio(machine(&held.held), machine(&held.clear)),
+        "held_backlog_max_seconds": rounded(held.held.backlog_max as f64 / args.held_rate, 3),
+        "held_duplicates": held.duplicates,
+    })
+}
+
+fn latencies(p: &bench::Phase) -> Option<Percentiles> {
+    Percentiles::from_samples(&mut p.latencies.clone())
+}
+
+fn print_held(args: &BenchArgs, held: &HeldReport) {
+    println!(
+        "{} events/s, a key each, to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
+        args.held_rate,
+        humantime::format_duration(args.held_duration)
+    );
+    println!(
+        "  {:<22}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
+        "phase", "published/s", "delivered/s", "p50", "p99", "backlog", "relay+backends", "machine"
+    );
+    for (name, p) in [("nothing held", &held.clear), ("a transaction held", &held.held)] {
+        let percent =
+            |cpu: Option<Duration>| cpu.map_or_else(|| "?".to_string(), |cpu| format!("{:.0} %", p.share(cpu) * 100.0));
+        let l = latencies(p);
+        println!(
+            "  {name:<22}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
+            grouped(p.per_second(p.published)),
+            grouped(p.per_second(p.delivered)),
+            l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p50)),
+            l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p99)),
+            format!("{}", p.backlog_max),
+            percent(p.relay_cpu.zip(p.backend_cpu).map(|(a, b)| a + b)),
+            percent(p.machine_cpu),
+        );
+    }
+    println!(
+        "  (backlog: the largest sampled; CPU as a share of one core; events delivered twice: {})",
+        held.duplicates
+    );
 }
 
 fn print_table(args: &BenchArgs, r: &Report) {
@@ -470,6 +638,8 @@ fn print_table(args: &BenchArgs, r: &Report) {
             r.tps_notify_every_commit / r.tps_no_trigger * 100.0
         );
     }
+    println!();
+    print_held(args, &r.held);
 }
 
 fn format_ms(d: Duration) -> String {

@@ -399,6 +399,10 @@ async fn bench_json_prints_one_object_with_every_figure() {
         "300ms",
         "--trickle-duration",
         "1s",
+        "--held-duration",
+        "1s",
+        "--held-rate",
+        "200",
     ];
     let output = cli(&server, &args).await;
     let out = stdout(&output);
@@ -433,5 +437,37 @@ async fn bench_json_prints_one_object_with_every_figure() {
     }
     assert_eq!(report["claim_delete_loop_clients"], 4);
     assert_eq!(report["claim_delete_loop_batch"], 100);
-    assert!(stderr(&output).contains("[1/10]"), "progress goes to stderr");
+    assert_held_figures(&report);
+    assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
+}
+
+/// The held-snapshot stage's figures: both phases published and delivered, with latencies.
+fn assert_held_figures(report: &Value) {
+    for phase in ["held_clear", "held_held"] {
+        for field in ["published_per_s", "delivered_per_s", "machine_cpu_share", "relay_and_backends_cpu_share"] {
+            assert!(report[phase][field].as_f64().is_some_and(|v| v > 0.0), "{phase}.{field}: {report}");
+        }
+        assert!(report[phase]["latency_ms"]["p99"].as_f64().is_some_and(|v| v > 0.0), "{phase}: {report}");
+        assert!(report[phase]["backlog_max"].as_u64().is_some(), "{phase}: {report}");
+    }
+    assert!(report["held_p99_ratio"].as_f64().is_some_and(|v| v > 0.0), "{report}");
+    assert_eq!(report["held_duplicates"], 0, "{report}");
+}
+
+/// `--held-only` runs that stage alone and prints its figures; a rate out of range is refused
+/// before anything runs.
+#[tokio::test]
+async fn bench_held_only_measures_the_held_snapshot_stage() {
+    let server = crate::harness::server().url_for("postgres").to_connection_string();
+    let args = ["bench", "--json", "--held-only", "--held-duration", "1s", "--held-rate", "200"];
+    let output = cli(&server, &args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    let report: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_held_figures(&report);
+    assert!(report.get("drain_events_per_s").is_none(), "only the held stage ran: {report}");
+
+    let output = cli(&server, &["bench", "--held-only", "--held-rate", "0"]).await;
+    assert!(!output.status.success());
+    assert!(stderr(&output).contains("--held-rate is 0; it must be 1 to 10000 events/s"), "{}", stderr(&output));
 }

@@ -152,20 +152,7 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
             }
         }
     }
-    // SIGTERM, so that the relay removes its row (a row left marked waiting would make the next
-    // measurement's writers notify).
-    let stopped = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
-    if !stopped.is_ok_and(|status| status.success()) || tokio::time::timeout(TAIL_TIMEOUT, child.wait()).await.is_err()
-    {
-        child.kill().await.ok();
-        monitor
-            .execute(
-                "delete from outbox_relay.relays where listener_pid not in (select pid from pg_stat_activity)",
-                &[],
-            )
-            .await
-            .map_err(db("removing the stopped relay's row"))?;
-    }
+    stop_child(&mut child, pid, &monitor).await?;
     reader.abort();
 
     let delta = |before: Option<Duration>, after: Option<Duration>| Some(after?.saturating_sub(before?));
@@ -183,8 +170,30 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
     })
 }
 
+/// Stops the relay with SIGTERM, so that it removes its row (a row left marked waiting would make
+/// the next measurement's writers notify); kills it and removes the row when it does not stop.
+pub(super) async fn stop_child(
+    child: &mut tokio::process::Child,
+    pid: u32,
+    monitor: &tokio_postgres::Client,
+) -> Result<(), BoxError> {
+    let stopped = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+    if !stopped.is_ok_and(|status| status.success()) || tokio::time::timeout(TAIL_TIMEOUT, child.wait()).await.is_err()
+    {
+        child.kill().await.ok();
+        monitor
+            .execute(
+                "delete from outbox_relay.relays where listener_pid not in (select pid from pg_stat_activity)",
+                &[],
+            )
+            .await
+            .map_err(db("removing the stopped relay's row"))?;
+    }
+    Ok(())
+}
+
 /// User and system CPU time of a process (all its threads), from `/proc/<pid>/stat`.
-fn process_cpu(pid: u32) -> Option<Duration> {
+pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) is in parentheses and may hold spaces: count from after it.
     let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
@@ -193,7 +202,7 @@ fn process_cpu(pid: u32) -> Option<Duration> {
 }
 
 /// The unit of `/proc`'s CPU times (`getconf CLK_TCK`; 100 on Linux unless it says otherwise).
-fn clock_ticks_per_second() -> u64 {
+pub(super) fn clock_ticks_per_second() -> u64 {
     static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *TICKS.get_or_init(|| {
         std::process::Command::new("getconf")
@@ -208,7 +217,7 @@ fn clock_ticks_per_second() -> u64 {
 
 /// CPU time of each backend of this database but `own`, or `None` when they are not processes
 /// of this machine (a remote server).
-async fn backend_cpu(
+pub(super) async fn backend_cpu(
     monitor: &tokio_postgres::Client,
     own: &[i32],
 ) -> Result<Option<HashMap<i32, Duration>>, BoxError> {

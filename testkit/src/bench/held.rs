@@ -1,0 +1,299 @@
+//! Delivery while a transaction elsewhere holds its snapshot: events published at a steady rate
+//! with distinct keys to an `outbox-relay run --sink stdout` process, first with nothing held,
+//! then with one session sitting in `begin; select txid_current();` (a report, `pg_dump`, a
+//! forgotten `psql`). While that session is open, vacuum can remove no row version deleted or
+//! updated after it began; a storage that lives on vacuum slows down phase after phase.
+//!
+//! Each phase reports what a user sees: events published and delivered per second, the latency
+//! from each commit to the event's line on the relay's stdout, the backlog (published, not yet
+//! on stdout) sampled every 100 ms, the relay's CPU and its backends' (from `/proc`), and the
+//! whole machine's (`/proc/stat`, the writers and this process included).
+
+use std::collections::HashMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_relay::Outbox;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::Mutex;
+
+use super::latency::STATEMENT_TIMEOUT;
+use super::trickle::{backend_cpu, process_cpu, stop_child};
+use super::{BoxError, db};
+
+/// Connections that publish, each at an equal share of the rate.
+const WRITERS: usize = 4;
+/// How long the relay gets to deliver a first event.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the last events may take to show up once the writers stopped.
+const TAIL_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often the backlog is sampled.
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// The rate and length of a held-snapshot measurement.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HeldSnapshot {
+    /// Events per second, one per transaction, each with a key of its own.
+    pub rate: f64,
+    /// How long each phase lasts: first nothing held, then the snapshot held.
+    pub phase: Duration,
+}
+
+/// What one phase found.
+#[derive(Debug, Clone, Default)]
+pub struct Phase {
+    /// The phase's length.
+    pub elapsed: Duration,
+    /// Events committed in the phase.
+    pub published: usize,
+    /// Event lines that reached the relay's stdout in the phase (whenever committed).
+    pub delivered: usize,
+    /// From just before each COMMIT of the phase to its event's line on stdout.
+    pub latencies: Vec<Duration>,
+    /// The largest backlog sampled in the phase (published, not yet on stdout).
+    pub backlog_max: usize,
+    /// The last backlog sampled in the phase.
+    pub backlog_end: usize,
+    /// CPU time of the relay process in the phase (`None` where `/proc` cannot tell).
+    pub relay_cpu: Option<Duration>,
+    /// CPU time of the relay's PostgreSQL backends in the phase (the writers' and the held
+    /// session's excluded; `None` for a server on another machine).
+    pub backend_cpu: Option<Duration>,
+    /// Busy CPU time of the whole machine in the phase, all cores together.
+    pub machine_cpu: Option<Duration>,
+}
+
+impl Phase {
+    /// A CPU time as a share of one core over the phase (0.75: 75 %).
+    pub fn share(&self, cpu: Duration) -> f64 {
+        cpu.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
+
+    /// Events per second, of a count in this phase.
+    pub fn per_second(&self, count: usize) -> f64 {
+        count as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// What the measurement found.
+#[derive(Debug, Clone)]
+pub struct HeldReport {
+    /// The phase with nothing held.
+    pub clear: Phase,
+    /// The phase with the snapshot held.
+    pub held: Phase,
+    /// Events that reached stdout more than once (none should: nothing crashed).
+    pub duplicates: usize,
+}
+
+/// The counters the writers, the stdout reader and the sampler share.
+#[derive(Default)]
+struct Counters {
+    published: AtomicUsize,
+    delivered: AtomicUsize,
+    /// The largest backlog since the last [`Counters::take_backlog_max`].
+    backlog_max: AtomicUsize,
+    backlog: AtomicUsize,
+}
+
+impl Counters {
+    fn take_backlog_max(&self) -> usize {
+        self.backlog_max.swap(self.backlog.load(Ordering::Relaxed), Ordering::Relaxed)
+    }
+}
+
+/// Starts `relay` (an `outbox-relay run --sink stdout` command for `outbox`'s database), runs
+/// both phases and measures. The outbox should be empty; the relay is stopped with SIGTERM at
+/// the end.
+pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnapshot) -> Result<HeldReport, BoxError> {
+    if !(setup.rate >= 1.0 && setup.rate <= 10_000.0) {
+        return Err(format!("the rate is {}; it must be 1 to 10000 events/s", setup.rate).into());
+    }
+    let monitor = outbox.connection().await?;
+    let mut own = vec![monitor.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0)];
+    let mut writers = Vec::with_capacity(WRITERS);
+    for _ in 0..WRITERS {
+        let writer = outbox.url().connect().await?;
+        writer
+            .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
+            .await
+            .map_err(db("configuring a writer connection"))?;
+        own.push(writer.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0));
+        writers.push(writer);
+    }
+    let holder = outbox.url().connect().await?;
+    own.push(holder.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0));
+
+    let mut child = relay.stdout(Stdio::piped()).stderr(Stdio::null()).kill_on_drop(true).spawn()?;
+    let pid = child.id().ok_or("the relay exited at once")?;
+    let counters = Arc::new(Counters::default());
+    // Every delivered id with the instant its line arrived (a second arrival is a duplicate).
+    let seen: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+    let duplicates = Arc::new(AtomicUsize::new(0));
+    let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+    let reader = tokio::spawn({
+        let (seen, counters, duplicates) = (seen.clone(), counters.clone(), duplicates.clone());
+        async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                let at = Instant::now();
+                let Some(id) = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["id"].as_i64())
+                else {
+                    continue;
+                };
+                if seen.lock().await.insert(id, at).is_some() {
+                    duplicates.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    counters.delivered.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    });
+
+    // Writers publish from the start; the relay must catch up at once.
+    let committed: Arc<Mutex<Vec<(i64, Instant)>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::with_capacity(WRITERS);
+    let period = Duration::from_secs_f64(WRITERS as f64 / setup.rate);
+    for (w, writer) in writers.into_iter().enumerate() {
+        let (counters, committed, stop) = (counters.clone(), committed.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let publish = writer
+                .prepare("select outbox_relay.publish('bench.held', $1::jsonb, $2)")
+                .await
+                .map_err(db("preparing the publish statement"))?;
+            tokio::time::sleep(period.mul_f64(w as f64 / WRITERS as f64)).await;
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut n = w as u64;
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let key = format!("order-{n}");
+                writer.batch_execute("begin").await.map_err(db("starting a transaction"))?;
+                let id: i64 = writer
+                    .query_one(&publish, &[&json!({"order": n, "total": 42.5}), &key])
+                    .await
+                    .map_err(db("publishing"))?
+                    .get(0);
+                let committing = Instant::now();
+                writer.batch_execute("commit").await.map_err(db("committing"))?;
+                committed.lock().await.push((id, committing));
+                counters.published.fetch_add(1, Ordering::Relaxed);
+                n += WRITERS as u64;
+            }
+            Ok::<_, BoxError>(())
+        }));
+    }
+    let sampler = tokio::spawn({
+        let counters = counters.clone();
+        async move {
+            let mut tick = tokio::time::interval(SAMPLE_EVERY);
+            loop {
+                tick.tick().await;
+                let backlog = counters
+                    .published
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(counters.delivered.load(Ordering::Relaxed));
+                counters.backlog.store(backlog, Ordering::Relaxed);
+                counters.backlog_max.fetch_max(backlog, Ordering::Relaxed);
+            }
+        }
+    });
+
+    let started = Instant::now();
+    while counters.delivered.load(Ordering::Relaxed) == 0 {
+        if started.elapsed() > START_TIMEOUT {
+            return Err("the relay delivered nothing within 30 s of starting".into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A second of warm-up, then the phases.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let phase = async || -> Result<(Phase, usize), BoxError> {
+        let relay_before = process_cpu(pid);
+        let backends_before = backend_cpu(&monitor, &own).await?;
+        let machine_before = machine_cpu();
+        let (published, delivered) =
+            (counters.published.load(Ordering::Relaxed), counters.delivered.load(Ordering::Relaxed));
+        counters.take_backlog_max();
+        let began = Instant::now();
+        tokio::time::sleep(setup.phase).await;
+        let elapsed = began.elapsed();
+        let relay_after = process_cpu(pid);
+        let backends_after = backend_cpu(&monitor, &own).await?;
+        let machine_after = machine_cpu();
+        let committed_to = committed.lock().await.len();
+        let delta = |before: Option<Duration>, after: Option<Duration>| Some(after?.saturating_sub(before?));
+        let phase = Phase {
+            elapsed,
+            published: counters.published.load(Ordering::Relaxed) - published,
+            delivered: counters.delivered.load(Ordering::Relaxed) - delivered,
+            latencies: Vec::new(),
+            backlog_max: counters.take_backlog_max(),
+            backlog_end: counters.backlog.load(Ordering::Relaxed),
+            relay_cpu: delta(relay_before, relay_after),
+            backend_cpu: match (backends_before, backends_after) {
+                (Some(before), Some(after)) => Some(
+                    after
+                        .iter()
+                        .map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default()))
+                        .sum(),
+                ),
+                _ => None,
+            },
+            machine_cpu: delta(machine_before, machine_after),
+        };
+        Ok((phase, committed_to))
+    };
+    let skip = committed.lock().await.len();
+    let (mut clear, clear_to) = phase().await?;
+    holder
+        .batch_execute("begin; select txid_current()")
+        .await
+        .map_err(db("opening the transaction that holds its snapshot"))?;
+    let (mut held, held_to) = phase().await?;
+    holder.batch_execute("rollback").await.map_err(db("ending the held transaction"))?;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await??;
+    }
+
+    // Every committed event must reach stdout; then the latencies per phase.
+    let committed = std::mem::take(&mut *committed.lock().await);
+    let deadline = Instant::now() + TAIL_TIMEOUT;
+    while counters.delivered.load(Ordering::Relaxed) < committed.len() {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "{} of {} events reached the relay's stdout within {} s of the writers stopping",
+                counters.delivered.load(Ordering::Relaxed),
+                committed.len(),
+                TAIL_TIMEOUT.as_secs()
+            )
+            .into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let seen = seen.lock().await;
+    let latency = |range: std::ops::Range<usize>| -> Vec<Duration> {
+        committed[range].iter().filter_map(|(id, at)| Some(seen.get(id)?.saturating_duration_since(*at))).collect()
+    };
+    clear.latencies = latency(skip..clear_to);
+    held.latencies = latency(clear_to..held_to);
+    sampler.abort();
+    stop_child(&mut child, pid, &monitor).await?;
+    reader.abort();
+    Ok(HeldReport { clear, held, duplicates: duplicates.load(Ordering::Relaxed) })
+}
+
+/// Busy CPU time of the whole machine (all cores: user, nice, system, irq, softirq, steal), from
+/// the first line of `/proc/stat`.
+fn machine_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> =
+        stat.lines().next()?.split_whitespace().skip(1).map(|f| f.parse().unwrap_or(0)).collect::<Vec<_>>();
+    let busy: u64 = [0, 1, 2, 5, 6, 7].iter().map(|i| fields.get(*i).copied().unwrap_or(0)).sum();
+    Some(Duration::from_secs_f64(busy as f64 / super::trickle::clock_ticks_per_second() as f64))
+}
