@@ -17,5 +17,6 @@ mod privileges;
 mod relay;
 mod sql_publish;
 mod sqlx_publish;
+mod storage;
 mod tls;
 mod write_path;

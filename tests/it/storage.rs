@@ -1,0 +1,134 @@
+//! What the storage must do whatever its design (issue 20): deliver an event whose transaction
+//! commits after later ids were delivered, never wait for an id a rolled-back transaction took,
+//! and go on delivering, each event once, while another session holds a transaction (and its
+//! snapshot) open for the whole run.
+
+use std::collections::{BTreeMap, HashMap};
+
+use outbox_relay::{Completion, NewEvent, RelayConfig, publish};
+use serde_json::json;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, Deliveries, config, eventually};
+
+/// Takes deliveries until every id of `ids` has arrived; returns them in arrival order.
+async fn until_delivered(deliveries: &mut Deliveries, ids: &[i64]) -> Vec<(i64, Option<String>)> {
+    let mut missing: std::collections::HashSet<i64> = ids.iter().copied().collect();
+    let mut arrived = Vec::new();
+    while !missing.is_empty() {
+        let delivered = deliveries.next().await;
+        missing.remove(&delivered.event.id);
+        arrived.push((delivered.event.id, delivered.event.key.clone()));
+    }
+    arrived
+}
+
+/// Commit order is not id order. Two transactions take ids first and commit last: one event
+/// without a key, one with a key of its own. Fifty later events (both kinds) are delivered
+/// meanwhile; a third transaction takes an id and rolls back. The two late events are delivered
+/// once they commit (no claim position may pass over them), the rolled-back id holds nothing
+/// up, and nothing arrives twice. Only the wake-up path runs: the fallback poll is an hour.
+#[tokio::test]
+async fn an_event_committed_after_later_ids_is_delivered() {
+    let db = TestDb::new().await;
+    let (recorder, mut deliveries) = support::recorder();
+    let relay = support::start(&db.outbox, config(), recorder);
+    let mut late = db.client().await;
+    let mut late_keyed = db.client().await;
+    let mut rolled_back = db.client().await;
+
+    let late_tx = late.transaction().await.unwrap();
+    let a = publish(&late_tx, &NewEvent::new("report.late", json!({"n": "a"}))).await.unwrap();
+    let keyed_tx = late_keyed.transaction().await.unwrap();
+    let b = publish(&keyed_tx, &NewEvent::new("report.late", json!({"n": "b"})).key("late-key")).await.unwrap();
+    let gone_tx = rolled_back.transaction().await.unwrap();
+    let gone = publish(&gone_tx, &NewEvent::new("report.gone", json!({"n": "gone"}))).await.unwrap();
+
+    let later: Vec<NewEvent> = (0..50)
+        .map(|n| {
+            let event = NewEvent::new("order.placed", json!({"n": n}));
+            if n % 2 == 0 { event.key(format!("order-{n}")) } else { event }
+        })
+        .collect();
+    let later_ids = db.outbox.publish_all(&later).await.unwrap();
+    assert!(later_ids.iter().all(|id| *id > a && *id > b && *id > gone), "the late events took the earlier ids");
+    until_delivered(&mut deliveries, &later_ids).await;
+    gone_tx.rollback().await.unwrap();
+    let after_rollback = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 50}))).await.unwrap();
+    until_delivered(&mut deliveries, &[after_rollback]).await;
+    assert!(!deliveries.counts().contains_key(&a) && !deliveries.counts().contains_key(&b), "uncommitted");
+
+    keyed_tx.commit().await.unwrap();
+    late_tx.commit().await.unwrap();
+    until_delivered(&mut deliveries, &[a, b]).await;
+    // One more event through, so that anything delivered twice by then has arrived.
+    let last = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 51}))).await.unwrap();
+    until_delivered(&mut deliveries, &[last]).await;
+    relay.stop().await;
+    let counts = deliveries.counts();
+    assert!(!counts.contains_key(&gone), "a rolled-back event is never delivered");
+    assert_eq!(counts.len(), later_ids.len() + 4, "{counts:?}");
+    assert!(counts.values().all(|n| *n == 1), "nothing delivered twice: {counts:?}");
+}
+
+/// A session holds a transaction open for the whole run (`begin; select txid_current();`, as a
+/// report or `pg_dump` would), so vacuum can remove nothing the relay deletes; another holds one
+/// that published an event at its start. Meanwhile 3,000 events, most with keys (200 keys) and
+/// the rest without, are published in 30 rounds to a relay that deletes what it delivers.
+/// Every event is delivered exactly once (nothing crashed), each key in id order, and the long
+/// writer's event arrives once it commits.
+#[tokio::test]
+async fn delivery_goes_on_while_a_transaction_holds_its_snapshot() {
+    let db = TestDb::new().await;
+    let holder = db.client().await;
+    holder.batch_execute("begin; select txid_current()").await.unwrap();
+    let mut writer = db.client().await;
+    let long_tx = writer.transaction().await.unwrap();
+    let long = publish(&long_tx, &NewEvent::new("report.nightly", json!({}))).await.unwrap();
+
+    let (recorder, mut deliveries) = support::recorder();
+    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, recorder);
+    let mut published = Vec::new();
+    for round in 0..30 {
+        let events: Vec<NewEvent> = (0..100)
+            .map(|n| {
+                let event = NewEvent::new("order.step", json!({"round": round, "n": n}));
+                let g = round * 100 + n;
+                if g % 5 == 4 { event } else { event.key(format!("order-{}", (g / 5) % 200)) }
+            })
+            .collect();
+        published.extend(db.outbox.publish_all(&events).await.unwrap());
+    }
+    let arrived = until_delivered(&mut deliveries, &published).await;
+    long_tx.commit().await.unwrap();
+    until_delivered(&mut deliveries, &[long]).await;
+    relay.stop().await;
+
+    let holder_pid: i32 = holder.query_one("select pg_backend_pid()", &[]).await.unwrap().get(0);
+    let held: bool = db
+        .client()
+        .await
+        .query_one(
+            "select backend_xid is not null and state = 'idle in transaction' from pg_stat_activity where pid = $1",
+            &[&holder_pid],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(held, "the transaction was held open to the end");
+    holder.batch_execute("rollback").await.unwrap();
+    let counts: HashMap<i64, usize> = deliveries.counts();
+    assert_eq!(counts.len(), published.len() + 1);
+    assert!(counts.values().all(|n| *n == 1), "nothing delivered twice without a crash");
+    let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (id, key) in arrived {
+        if let Some(key) = key {
+            by_key.entry(key).or_default().push(id);
+        }
+    }
+    assert_eq!(by_key.len(), 200);
+    for (key, ids) in &by_key {
+        assert!(ids.is_sorted(), "key {key} out of order: {ids:?}");
+    }
+    eventually("the delivered events are gone", || async { db.outbox.queue_stats().await.unwrap().pending == 0 }).await;
+}
