@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Storage designs under a held snapshot, at the SQL level: 800 events/s published with a key
+# each (pgbench -R 800), claims at 2,000/s from 2 clients (batches of 500), PHASE seconds with
+# nothing held, then PHASE seconds while a session holds `begin; select txid_current();`.
+# Prints per design and phase: the claim's mean latency (pgbench's), whole-box CPU, and the
+# events left unclaimed at the end of the phase.
+#
+#   bash benches/storage/run.sh 'postgresql://postgres@127.0.0.1:5432/storage_proto' [PHASE]
+#
+# DESIGNS='lanes delete' (the default) chooses which run, in that order.
+# The database must exist and hold the migrated outbox_relay schema (`outbox-relay migrate`);
+# the script creates the storage_proto schema itself and truncates outbox_relay.outbox.
+set -euo pipefail
+db=${1:?usage: run.sh DATABASE_URL [PHASE_SECONDS]}
+phase=${2:-60}
+here=$(cd "$(dirname "$0")" && pwd)
+ticks=$(getconf CLK_TCK)
+busy() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9}' /proc/stat; }
+pending() {
+    case $1 in
+        lanes) psql -XAtq "$db" -c "select (select count(*) from storage_proto.events) - (select coalesce(sum(claimed), 0) from storage_proto.positions)" ;;
+        delete) psql -XAtq "$db" -c "select count(*) from outbox_relay.outbox" ;;
+    esac
+}
+measure() { # design producer consumer
+    local design=$1 producer=$2 consumer=$3 log
+    log=$(mktemp)
+    pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase)) -f "$producer" "$db" >/dev/null 2>&1 &
+    local producing=$!
+    pgbench -n -R 2000 -c 2 -j 1 -T $((2 * phase)) -P "$phase" -D batch=500 -f "$consumer" "$db" >"$log" 2>&1 &
+    local consuming=$!
+    local before; before=$(busy)
+    sleep "$phase"
+    local middle; middle=$(busy)
+    echo "$design, nothing held: CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    psql -XAtq "$db" -c "begin; select txid_current(); select pg_sleep($phase); commit" >/dev/null &
+    sleep "$phase"
+    local after; after=$(busy)
+    echo "$design, a transaction held: CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    wait "$producing" "$consuming" || true
+    grep '^progress' "$log" | sed "s/^/  $design claims: /"
+    rm -f "$log"
+    wait
+}
+psql -XAtq "$db" -f "$here/snapshot_lanes.sql" >/dev/null
+psql -XAtq "$db" -c "truncate outbox_relay.outbox" >/dev/null
+for design in ${DESIGNS:-lanes delete}; do
+    psql -XAtq "$db" -c "vacuum analyze outbox_relay.outbox" >/dev/null
+    case $design in
+        lanes) measure lanes "$here/produce_lanes.pgbench" "$here/consume_lanes.pgbench" ;;
+        delete) measure delete "$here/produce_unkeyed.pgbench" "$here/consume_delete.pgbench" ;;
+        *) echo "unknown design $design (lanes, delete)" >&2; exit 2 ;;
+    esac
+done
