@@ -2,7 +2,8 @@
 # Storage designs under a held snapshot, at the SQL level: 800 events/s published with a key
 # each (pgbench -R 800), claims at 2,000/s from 2 clients (batches of 500), PHASE seconds with
 # nothing held, then PHASE seconds while a session holds `begin; select txid_current();`.
-# Prints per design and phase: the claim's mean latency (pgbench's), whole-box CPU, and the
+# Prints per design and phase: claims per second kept and their mean latency (pgbench's, which
+# includes its schedule lag: seconds mean the claims fell behind), whole-box CPU, and the
 # events left unclaimed at the end of the phase.
 #
 #   bash benches/storage/run.sh 'postgresql://postgres@127.0.0.1:5432/storage_proto' [PHASE]
@@ -22,25 +23,27 @@ pending() {
         delete) psql -XAtq "$db" -c "select count(*) from outbox_relay.outbox" ;;
     esac
 }
+# One consumer run of a phase: its claims per second and mean latency, from pgbench's summary.
+consume() { # consumer
+    pgbench -n -R 2000 -c 2 -j 1 -T "$phase" -D batch=500 -f "$1" "$db" 2>/dev/null |
+        awk '/^latency average/{lat=$4} /^tps/{tps=$3} END{printf "%.0f claims/s, mean latency %s ms", tps, lat}'
+}
 measure() { # design producer consumer
-    local design=$1 producer=$2 consumer=$3 log
-    log=$(mktemp)
-    pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase)) -f "$producer" "$db" >/dev/null 2>&1 &
-    local producing=$!
-    pgbench -n -R 2000 -c 2 -j 1 -T $((2 * phase)) -P "$phase" -D batch=500 -f "$consumer" "$db" >"$log" 2>&1 &
-    local consuming=$!
-    local before; before=$(busy)
-    sleep "$phase"
-    local middle; middle=$(busy)
-    echo "$design, nothing held: CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
-    psql -XAtq "$db" -c "begin; select txid_current(); select pg_sleep($phase); commit" >/dev/null &
-    sleep "$phase"
-    local after; after=$(busy)
-    echo "$design, a transaction held: CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
-    wait "$producing" "$consuming" || true
-    grep '^progress' "$log" | sed "s/^/  $design claims: /"
-    rm -f "$log"
-    wait
+    local design=$1 producer=$2 consumer=$3
+    pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase + 2)) -f "$producer" "$db" >/dev/null 2>&1 &
+    local producing=$! before middle after claims
+    sleep 1
+    before=$(busy)
+    claims=$(consume "$consumer")
+    middle=$(busy)
+    echo "$design, nothing held: $claims, CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    psql -XAtq "$db" -c "begin; select txid_current(); select pg_sleep($phase + 1); commit" >/dev/null &
+    local holding=$!
+    sleep 0.5
+    claims=$(consume "$consumer")
+    after=$(busy)
+    echo "$design, a transaction held: $claims, CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    wait "$producing" "$holding" || true
 }
 psql -XAtq "$db" -f "$here/snapshot_lanes.sql" >/dev/null
 psql -XAtq "$db" -c "truncate outbox_relay.outbox" >/dev/null

@@ -33,14 +33,21 @@ create index on storage_proto.events (lane, xid);
 create table storage_proto.lanes (lane int2 primary key);
 insert into storage_proto.lanes select generate_series(0, 15);
 
+create index on storage_proto.events (lane, id);
+
+-- A position: the lane's events of transactions visible in `snap` and not in `since` are
+-- claimed, those with ids up to `after_id` when it is set (a delta larger than a batch).
 create table storage_proto.positions (
-    lane    int2 not null,
-    n       bigint generated always as identity,
-    snap    pg_snapshot not null,
-    claimed int not null,
+    lane     int2 not null,
+    n        bigint generated always as identity,
+    since    pg_snapshot not null,
+    snap     pg_snapshot not null,
+    after_id bigint,
+    claimed  int not null,
     primary key (lane, n)
 );
-insert into storage_proto.positions (lane, snap, claimed) select lane, pg_current_snapshot(), 0 from storage_proto.lanes;
+insert into storage_proto.positions (lane, since, snap, claimed)
+select lane, pg_current_snapshot(), pg_current_snapshot(), 0 from storage_proto.lanes;
 
 create table storage_proto.parked (
     id  bigint primary key,
@@ -50,32 +57,53 @@ create table storage_proto.parked (
 create index on storage_proto.parked (key);
 
 -- Claims up to `batch` events of lane `l`, if no other claim holds it; returns how many.
+-- A new delta (the last one finished) is read through (lane, xid); a delta larger than a batch
+-- goes on in id order from `after_id` through (lane, id).
 create function storage_proto.claim(l int2, batch int) returns int
 language plpgsql as $$
 declare
+    p storage_proto.positions;
     c pg_snapshot;
     s pg_snapshot;
     got int;
+    last bigint;
 begin
     perform 1 from storage_proto.lanes where lane = l for update skip locked;
     if not found then
         return 0;
     end if;
-    select snap into c from storage_proto.positions p where p.lane = l order by p.n desc limit 1;
-    s := pg_current_snapshot();
-    select count(*), count(*) into got, got from (
-        select e.id, e.payload
-          from storage_proto.events e
-         where e.lane = l
-           and (e.xid = any (array(select pg_snapshot_xip(c)))
-                or (e.xid >= pg_snapshot_xmax(c) and e.xid < pg_snapshot_xmax(s)))
-           and pg_visible_in_snapshot(e.xid, s)
-           and not (e.key is not null and exists (select 1 from storage_proto.parked p where p.key = e.key))
-         order by e.id
-         limit batch
-    ) delta;
-    if got > 0 then
-        insert into storage_proto.positions (lane, snap, claimed) values (l, s, got);
+    select * into p from storage_proto.positions where lane = l order by n desc limit 1;
+    if p.after_id is null then
+        c := p.snap;
+        s := pg_current_snapshot();
+        select count(*), max(id) into got, last from (
+            select e.id, e.payload
+              from storage_proto.events e
+             where e.lane = l
+               and (e.xid = any (array(select pg_snapshot_xip(c)))
+                    or (e.xid >= pg_snapshot_xmax(c) and e.xid < pg_snapshot_xmax(s)))
+               and pg_visible_in_snapshot(e.xid, s)
+               and not (e.key is not null and exists (select 1 from storage_proto.parked k where k.key = e.key))
+             order by e.id
+             limit batch
+        ) delta;
+    else
+        c := p.since;
+        s := p.snap;
+        select count(*), max(id) into got, last from (
+            select e.id, e.payload
+              from storage_proto.events e
+             where e.lane = l and e.id > p.after_id
+               and pg_visible_in_snapshot(e.xid, s) and not pg_visible_in_snapshot(e.xid, c)
+               and not (e.key is not null and exists (select 1 from storage_proto.parked k where k.key = e.key))
+             order by e.id
+             limit batch
+        ) delta;
+    end if;
+    if got > 0 or p.after_id is not null then
+        -- A full batch may have more behind it; a short one ends the delta.
+        insert into storage_proto.positions (lane, since, snap, after_id, claimed)
+        values (l, c, s, case when got = batch then last end, got);
     end if;
     return got;
 end
