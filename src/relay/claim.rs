@@ -248,7 +248,9 @@ impl<H: Handler> Claimer<H> {
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let holds = config.dead_letter_holds_key;
         let walk = self.walk.next(config.batch_size, self.pauses.topics());
+        tracing::trace!("claiming");
         let client = self.pool.client().await?;
+        tracing::trace!("claiming: a connection in hand");
         let started = Instant::now();
         let (held, claimed) = if config.effective_hold().is_zero() {
             let lease = sql::Hold::Lease(config.lease, token);
@@ -370,6 +372,7 @@ impl<H: Handler> Claimer<H> {
         // Deliveries must end well inside the lease, which runs from the claim, or another worker
         // may claim the same events.
         let deadline = claimed_at + config.lease.mul_f64(0.9);
+        tracing::trace!(events = events.len(), "delivering");
         let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
         let all_failed = |error: DeliveryError| events.iter().map(|_| Err(error.clone())).collect();
         let mut results: Vec<Result<(), DeliveryError>> = tokio::select! {

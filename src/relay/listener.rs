@@ -79,6 +79,7 @@ impl Listener {
                         self.pauses_changed.notify_one();
                     }
                     Ok(AsyncMessage::Notification(_)) => {
+                        tracing::trace!("notified: events were committed");
                         self.metrics.woken();
                         self.work.notify_one();
                     }

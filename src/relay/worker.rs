@@ -57,7 +57,7 @@ impl<H: Handler> Worker<H> {
                 tokio::select! {
                     biased;
                     _ = self.stop.cancelled() => return,
-                    _ = self.work.notified() => {}
+                    _ = self.work.notified() => tracing::trace!("a worker woke"),
                 }
             }
             if let Err(e) = self.drain().await {
