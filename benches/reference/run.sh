@@ -14,6 +14,7 @@ rounds=${3:-3}
 here=$(cd "$(dirname "$0")" && pwd)
 binary=$(cd "$here/../.." && pwd)/target/release/outbox-relay
 [ -x "$binary" ] || { echo "build the release binary first: cargo build --release" >&2; exit 2; }
+[[ $admin =~ ^postgres(ql)?://[^?]*/[^/?]+$ ]] || { echo "give a URL of the form postgresql://user@host:port/database, without parameters" >&2; exit 2; }
 db=${admin%/*}/outbox_reference
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

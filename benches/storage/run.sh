@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Storage designs under a held snapshot, at the SQL level: 800 events/s published with a key
-# each (pgbench -R 800), claims at 2,000/s from 2 clients (batches of 500), PHASE seconds with
+# Storage designs under a held snapshot, at the SQL level: 800 events/s published (pgbench -R 800;
+# into the lanes prototype a plain INSERT with a key, into the shipped outbox through
+# outbox_relay.publish without a key, its delete claim's path: the write paths differ), claims
+# at 2,000/s from 2 clients (batches of 500), PHASE seconds with
 # nothing held, then PHASE seconds while a session holds `begin; select txid_current();`.
 # Prints per design and phase: claims per second kept and their mean latency (pgbench's, which
 # includes its schedule lag: seconds mean the claims fell behind), whole-box CPU, and the
@@ -16,6 +18,9 @@ db=${1:?usage: run.sh DATABASE_URL [PHASE_SECONDS]}
 phase=${2:-60}
 here=$(cd "$(dirname "$0")" && pwd)
 ticks=$(getconf CLK_TCK)
+psql() { PGOPTIONS="-c client_min_messages=warning" command psql -v ON_ERROR_STOP=1 "$@"; }
+# Whatever runs in the background ends with the script, also when a step fails.
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT
 busy() { awk '/^cpu /{print $2+$3+$4+$7+$8+$9}' /proc/stat; }
 pending() {
     case $1 in
@@ -25,24 +30,28 @@ pending() {
 }
 # One consumer run of a phase: its claims per second and mean latency, from pgbench's summary.
 consume() { # consumer
-    pgbench -n -R 2000 -c 2 -j 1 -T "$phase" -D batch=500 -f "$1" "$db" 2>/dev/null |
-        awk '/^latency average/{lat=$4} /^tps/{tps=$3} END{printf "%.0f claims/s, mean latency %s ms", tps, lat}'
+    local out
+    out=$(pgbench -n -R 2000 -c 2 -j 1 -T "$phase" -f "$1" "$db" 2>&1) || { echo "pgbench failed: $out" >&2; return 1; }
+    awk '/^latency average/{lat=$4} /^tps/{tps=$3} END{printf "%.0f claims/s, mean latency %s ms", tps, lat}' <<<"$out"
 }
 measure() { # design producer consumer
     local design=$1 producer=$2 consumer=$3
-    pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase + 2)) -f "$producer" "$db" >/dev/null 2>&1 &
-    local producing=$! before middle after claims
+    pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase + 5)) -f "$producer" "$db" >/dev/null 2>&1 &
+    local producing=$! before middle after claims unclaimed
     sleep 1
     before=$(busy)
     claims=$(consume "$consumer")
     middle=$(busy)
-    echo "$design, nothing held: $claims, CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    unclaimed=$(pending "$design")
+    echo "$design, nothing held: $claims, CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $unclaimed"
     psql -XAtq "$db" -c "begin; select txid_current(); select pg_sleep($phase + 1); commit" >/dev/null &
     local holding=$!
     sleep 0.5
+    middle=$(busy)
     claims=$(consume "$consumer")
     after=$(busy)
-    echo "$design, a transaction held: $claims, CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$design")"
+    unclaimed=$(pending "$design")
+    echo "$design, a transaction held: $claims, CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $unclaimed"
     wait "$producing" "$holding" || true
 }
 psql -XAtq "$db" -f "$here/snapshot_lanes.sql" >/dev/null

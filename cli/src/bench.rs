@@ -183,6 +183,7 @@ async fn measure_held_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_j
         if let serde_json::Value::Object(figures) = &mut figures {
             figures.insert("server".into(), json!(if server.is_embedded() { "embedded" } else { "external" }));
             figures.insert("fsync".into(), json!(info.fsync));
+            figures.insert("synchronous_commit".into(), json!(info.synchronous_commit));
             figures.insert("postgres_version".into(), json!(info.version));
         }
         Ok(figures)
@@ -483,7 +484,7 @@ fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Value {
     let machine = |p: &bench::Phase| p.machine_cpu.map(|cpu| p.share(cpu));
     json!({
         "held_rate": args.held_rate,
-        "held_writers": 4,
+        "held_writers": bench::HELD_WRITERS,
         "held_phase_seconds": args.held_duration.as_secs_f64(),
         "held_clear": phase(&held.clear),
         "held_held": phase(&held.held),
@@ -500,8 +501,9 @@ fn latencies(p: &bench::Phase) -> Option<Percentiles> {
 
 fn print_held(args: &BenchArgs, held: &HeldReport) {
     println!(
-        "{} events/s, a key each, to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
+        "{} events/s, a key each, from {} connections to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
         args.held_rate,
+        bench::HELD_WRITERS,
         humantime::format_duration(args.held_duration)
     );
     println!(

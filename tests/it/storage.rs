@@ -132,3 +132,105 @@ async fn delivery_goes_on_while_a_transaction_holds_its_snapshot() {
     }
     eventually("the delivered events are gone", || async { db.outbox.queue_stats().await.unwrap().pending == 0 }).await;
 }
+
+/// When `tests/fixtures/live_0007.sql` was written; its times are shifted by now() minus this.
+const LIVE_0007_WRITTEN_AT: &str = "2026-12-01 20:42:45+00";
+
+/// Loads the live installation of `tests/fixtures/live_0007.sql` into `db` (at migration 0007),
+/// its times shifted so that what was due later is as far ahead as it was.
+async fn load_live_0007(db: &TestDb) {
+    let client = db.client().await;
+    client.batch_execute(include_str!("../fixtures/live_0007.sql")).await.unwrap();
+    let shift = format!("(now() - '{LIVE_0007_WRITTEN_AT}'::timestamptz)");
+    client
+        .batch_execute(&format!(
+            "update outbox_relay.outbox set created_at = created_at + {shift}, available_at = available_at + {shift},
+                    processed_at = processed_at + {shift};
+             update outbox_relay.dead_letters set created_at = created_at + {shift}, failed_at = failed_at + {shift};
+             update outbox_relay.idempotency set created_at = created_at + {shift};
+             update outbox_relay.pauses set paused_at = paused_at + {shift};"
+        ))
+        .await
+        .unwrap();
+}
+
+/// A live installation written by the 0007 release (`tests/fixtures/live_0007.sql`): delivered
+/// events kept, a dead letter, retries in backoff, a follower held by its key, a delayed event,
+/// a paused topic, a lease of a killed relay, and events never claimed. Every figure survives,
+/// a relay delivers exactly what is due (after the pause is lifted, the paused event too) and
+/// nothing that waits, a retried dead letter is delivered, and the receipts replay. (The storage
+/// of issue 20 must pass this after migrating the fixture.)
+#[tokio::test]
+async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
+    let db = TestDb::new().await;
+    load_live_0007(&db).await;
+    let stats = db.outbox.queue_stats().await.unwrap();
+    // Ready: 15, 17, 18, 19; held by its key: 7; delayed: the retries 6 and 8 and the event 14;
+    // leased: 16.
+    assert_eq!(
+        (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight, stats.processed, stats.dead_letters),
+        (4, 1, 3, 1, 9, 1),
+        "{stats:?}"
+    );
+    let dead = db.outbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].id, dead[0].key.as_deref(), dead[0].attempts), (5, Some("acct-7"), 1));
+    assert!(dead[0].last_error.contains("answered 400"), "{}", dead[0].last_error);
+    assert_eq!(db.outbox.pauses().await.unwrap().len(), 1);
+
+    let (recorder, mut deliveries) = support::recorder();
+    let relay = support::start(&db.outbox, config(), recorder);
+    // Due now: the three never claimed. The paused one once resumed, the dead letter once retried.
+    until_delivered(&mut deliveries, &[17, 18, 19]).await;
+    assert!(db.outbox.resume(Some("report.daily")).await.unwrap());
+    until_delivered(&mut deliveries, &[15]).await;
+    assert_eq!(db.outbox.retry_dead_letters(&[5]).await.unwrap(), vec![5]);
+    until_delivered(&mut deliveries, &[5]).await;
+    let sentinel = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": "last"}))).await.unwrap();
+    until_delivered(&mut deliveries, &[sentinel]).await;
+    relay.stop().await;
+    let mut delivered: Vec<i64> = deliveries.counts().into_keys().collect();
+    delivered.sort_unstable();
+    assert_eq!(
+        delivered,
+        vec![5, 15, 17, 18, 19, sentinel],
+        "what waits (retries, the held key, the delay, the lease) waits"
+    );
+    assert!(deliveries.counts().values().all(|n| *n == 1));
+
+    // Still waiting, as they were: the retries (attempts and errors kept), the follower of mail-1,
+    // the delayed event, the lease of the killed relay.
+    let waiting = db
+        .client()
+        .await
+        .query(
+            "select id, attempts, last_error is not null, lease_token is not null from outbox_relay.outbox
+              where processed_at is null order by id",
+            &[],
+        )
+        .await
+        .unwrap();
+    let waiting: Vec<(i64, i32, bool, bool)> =
+        waiting.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get(3))).collect();
+    assert_eq!(
+        waiting,
+        vec![
+            (6, 1, true, false),
+            (7, 0, false, false),
+            (8, 1, true, false),
+            (14, 0, false, false),
+            (16, 1, false, true)
+        ]
+    );
+
+    // The receipts replay their responses.
+    let replay = db
+        .outbox
+        .execute("order-req-1", &json!({"customer": "Ada", "total": 42.5}), async |_| {
+            Ok::<_, outbox_relay::Error>(json!({"order_id": "never"}))
+        })
+        .await
+        .unwrap();
+    assert!(replay.replayed);
+    assert_eq!(replay.response, json!({"order_id": 1}));
+}

@@ -26,7 +26,7 @@ use super::trickle::{backend_cpu, process_cpu, stop_child};
 use super::{BoxError, db};
 
 /// Connections that publish, each at an equal share of the rate.
-const WRITERS: usize = 4;
+pub const HELD_WRITERS: usize = 4;
 /// How long the relay gets to deliver a first event.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the last events may take to show up once the writers stopped.
@@ -90,6 +90,17 @@ pub struct HeldReport {
     pub duplicates: usize,
 }
 
+/// Aborts the measurement's tasks when it ends early (an error): no writer goes on publishing
+/// into a database the caller is about to drop.
+#[derive(Default)]
+struct Tasks(Vec<tokio::task::AbortHandle>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        self.0.iter().for_each(tokio::task::AbortHandle::abort);
+    }
+}
+
 /// The counters the writers, the stdout reader and the sampler share.
 #[derive(Default)]
 struct Counters {
@@ -115,8 +126,8 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
     }
     let monitor = outbox.connection().await?;
     let mut own = vec![monitor.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0)];
-    let mut writers = Vec::with_capacity(WRITERS);
-    for _ in 0..WRITERS {
+    let mut writers = Vec::with_capacity(HELD_WRITERS);
+    for _ in 0..HELD_WRITERS {
         let writer = outbox.url().connect().await?;
         writer
             .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
@@ -135,6 +146,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
     let seen: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
     let duplicates = Arc::new(AtomicUsize::new(0));
     let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+    let mut running = Tasks::default();
     let reader = tokio::spawn({
         let (seen, counters, duplicates) = (seen.clone(), counters.clone(), duplicates.clone());
         async move {
@@ -144,20 +156,26 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
                 else {
                     continue;
                 };
-                if seen.lock().await.insert(id, at).is_some() {
-                    duplicates.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    counters.delivered.fetch_add(1, Ordering::Relaxed);
+                match seen.lock().await.entry(id) {
+                    std::collections::hash_map::Entry::Occupied(_) => {
+                        duplicates.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // The first arrival: its latency.
+                    std::collections::hash_map::Entry::Vacant(first) => {
+                        first.insert(at);
+                        counters.delivered.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
         }
     });
 
+    running.0.push(reader.abort_handle());
     // Writers publish from the start; the relay must catch up at once.
     let committed: Arc<Mutex<Vec<(i64, Instant)>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
-    let mut tasks = Vec::with_capacity(WRITERS);
-    let period = Duration::from_secs_f64(WRITERS as f64 / setup.rate);
+    let mut tasks = Vec::with_capacity(HELD_WRITERS);
+    let period = Duration::from_secs_f64(HELD_WRITERS as f64 / setup.rate);
     for (w, writer) in writers.into_iter().enumerate() {
         let (counters, committed, stop) = (counters.clone(), committed.clone(), stop.clone());
         tasks.push(tokio::spawn(async move {
@@ -165,7 +183,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
                 .prepare("select outbox_relay.publish('bench.held', $1::jsonb, $2)")
                 .await
                 .map_err(db("preparing the publish statement"))?;
-            tokio::time::sleep(period.mul_f64(w as f64 / WRITERS as f64)).await;
+            tokio::time::sleep(period.mul_f64(w as f64 / HELD_WRITERS as f64)).await;
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut n = w as u64;
@@ -182,10 +200,11 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
                 writer.batch_execute("commit").await.map_err(db("committing"))?;
                 committed.lock().await.push((id, committing));
                 counters.published.fetch_add(1, Ordering::Relaxed);
-                n += WRITERS as u64;
+                n += HELD_WRITERS as u64;
             }
             Ok::<_, BoxError>(())
         }));
+        running.0.push(tasks.last().expect("just pushed").abort_handle());
     }
     let sampler = tokio::spawn({
         let counters = counters.clone();
@@ -202,17 +221,19 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             }
         }
     });
+    running.0.push(sampler.abort_handle());
 
     let started = Instant::now();
     while counters.delivered.load(Ordering::Relaxed) == 0 {
         if started.elapsed() > START_TIMEOUT {
-            return Err("the relay delivered nothing within 30 s of starting".into());
+            return Err(format!("the relay delivered nothing within {} s of starting", START_TIMEOUT.as_secs()).into());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // A second of warm-up, then the phases.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let phase = async || -> Result<(Phase, usize), BoxError> {
+    // A phase: its figures, and the range of `committed` it covers (from its start to its end).
+    let phase = async || -> Result<(Phase, std::ops::Range<usize>), BoxError> {
         let relay_before = process_cpu(pid);
         let backends_before = backend_cpu(&monitor, &own).await?;
         let machine_before = machine_cpu();
@@ -220,6 +241,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             (counters.published.load(Ordering::Relaxed), counters.delivered.load(Ordering::Relaxed));
         counters.take_backlog_max();
         let began = Instant::now();
+        let committed_from = committed.lock().await.len();
         tokio::time::sleep(setup.phase).await;
         let elapsed = began.elapsed();
         let relay_after = process_cpu(pid);
@@ -246,15 +268,14 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             },
             machine_cpu: delta(machine_before, machine_after),
         };
-        Ok((phase, committed_to))
+        Ok((phase, committed_from..committed_to))
     };
-    let skip = committed.lock().await.len();
-    let (mut clear, clear_to) = phase().await?;
+    let (mut clear, clear_range) = phase().await?;
     holder
         .batch_execute("begin; select txid_current()")
         .await
         .map_err(db("opening the transaction that holds its snapshot"))?;
-    let (mut held, held_to) = phase().await?;
+    let (mut held, held_range) = phase().await?;
     holder.batch_execute("rollback").await.map_err(db("ending the held transaction"))?;
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
@@ -276,15 +297,19 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    sampler.abort();
+    // Stopped before its output is read to the end, so that a line written on the way out (a
+    // duplicate) is counted.
+    stop_child(&mut child, pid, &monitor).await?;
+    tokio::time::timeout(TAIL_TIMEOUT, reader)
+        .await
+        .map_err(|_| "the relay's stdout stayed open after it stopped")??;
     let seen = seen.lock().await;
     let latency = |range: std::ops::Range<usize>| -> Vec<Duration> {
         committed[range].iter().filter_map(|(id, at)| Some(seen.get(id)?.saturating_duration_since(*at))).collect()
     };
-    clear.latencies = latency(skip..clear_to);
-    held.latencies = latency(clear_to..held_to);
-    sampler.abort();
-    stop_child(&mut child, pid, &monitor).await?;
-    reader.abort();
+    clear.latencies = latency(clear_range);
+    held.latencies = latency(held_range);
     Ok(HeldReport { clear, held, duplicates: duplicates.load(Ordering::Relaxed) })
 }
 

@@ -99,7 +99,7 @@ pub use outbox_relay::Percentiles;
 pub use self::drain::{
     ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_with,
 };
-pub use self::held::{HeldReport, HeldSnapshot, Phase, held_snapshot};
+pub use self::held::{HELD_WRITERS, HeldReport, HeldSnapshot, Phase, held_snapshot};
 pub use self::latency::{LatencyProbe, WakePath, latency};
 pub use self::notify::{NotifyMode, reset_notify, set_notify_mode, set_notify_trigger};
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};

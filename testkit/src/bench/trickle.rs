@@ -215,14 +215,19 @@ pub(super) fn clock_ticks_per_second() -> u64 {
     })
 }
 
-/// CPU time of each backend of this database but `own`, or `None` when they are not processes
-/// of this machine (a remote server).
+/// CPU time of each client backend of this database but `own` (autovacuum workers are not
+/// counted), or `None` when they are not processes of this machine (a remote server). A backend
+/// that ended since it was listed is left out.
 pub(super) async fn backend_cpu(
     monitor: &tokio_postgres::Client,
     own: &[i32],
 ) -> Result<Option<HashMap<i32, Duration>>, BoxError> {
     let mut pids: Vec<i32> = monitor
-        .query("select pid from pg_stat_activity where datname = current_database() and pid <> pg_backend_pid()", &[])
+        .query(
+            "select pid from pg_stat_activity
+              where datname = current_database() and backend_type = 'client backend' and pid <> pg_backend_pid()",
+            &[],
+        )
         .await
         .map_err(db("listing the relay's backends"))?
         .iter()
@@ -230,14 +235,19 @@ pub(super) async fn backend_cpu(
         .collect();
     pids.retain(|pid| !own.contains(pid));
     let mut cpu = HashMap::new();
+    let listed = pids.len();
     for pid in pids {
-        let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-        if comm.trim() != "postgres" {
-            return Ok(None);
+        match std::fs::read_to_string(format!("/proc/{pid}/comm")) {
+            Ok(comm) if comm.trim() == "postgres" => {}
+            Ok(_) => return Ok(None), // another process of this machine: the server is elsewhere
+            Err(_) => continue,       // gone since it was listed, or not of this machine
         }
         if let Some(time) = process_cpu(u32::try_from(pid)?) {
             cpu.insert(pid, time);
         }
+    }
+    if cpu.is_empty() && listed > 0 {
+        return Ok(None); // none of them is a process of this machine
     }
     Ok(Some(cpu))
 }
