@@ -34,24 +34,24 @@ consume() { # consumer
     out=$(pgbench -n -R 2000 -c 2 -j 1 -T "$phase" -f "$1" "$db" 2>&1) || { echo "pgbench failed: $out" >&2; return 1; }
     awk '/^latency average/{lat=$4} /^tps/{tps=$3} END{printf "%.0f claims/s, mean latency %s ms", tps, lat}' <<<"$out"
 }
+# One phase: the claims, the whole box's CPU over them, and what is left unclaimed.
+phase() { # design consumer label
+    local before after claims
+    before=$(busy)
+    claims=$(consume "$2")
+    after=$(busy)
+    echo "$1, $3: $claims, CPU $(( (after - before) * 100 / ticks / phase )) % of a core, unclaimed $(pending "$1")"
+}
 measure() { # design producer consumer
     local design=$1 producer=$2 consumer=$3
     pgbench -n -R 800 -c 2 -j 1 -T $((2 * phase + 5)) -f "$producer" "$db" >/dev/null 2>&1 &
-    local producing=$! before middle after claims unclaimed
+    local producing=$!
     sleep 1
-    before=$(busy)
-    claims=$(consume "$consumer")
-    middle=$(busy)
-    unclaimed=$(pending "$design")
-    echo "$design, nothing held: $claims, CPU $(( (middle - before) * 100 / ticks / phase )) % of a core, unclaimed $unclaimed"
+    phase "$design" "$consumer" "nothing held"
     psql -XAtq "$db" -c "begin; select txid_current(); select pg_sleep($phase + 1); commit" >/dev/null &
     local holding=$!
     sleep 0.5
-    middle=$(busy)
-    claims=$(consume "$consumer")
-    after=$(busy)
-    unclaimed=$(pending "$design")
-    echo "$design, a transaction held: $claims, CPU $(( (after - middle) * 100 / ticks / phase )) % of a core, unclaimed $unclaimed"
+    phase "$design" "$consumer" "a transaction held"
     wait "$producing" "$holding" || true
 }
 psql -XAtq "$db" -f "$here/snapshot_lanes.sql" >/dev/null

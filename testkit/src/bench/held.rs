@@ -22,7 +22,7 @@ use tokio::process::Command;
 use tokio::sync::Mutex;
 
 use super::latency::STATEMENT_TIMEOUT;
-use super::trickle::{backend_cpu, process_cpu, stop_child};
+use super::trickle::{backend_cpu, backend_cpu_spent, process_cpu, stop_child};
 use super::{BoxError, db};
 
 /// Connections that publish, each at an equal share of the rate.
@@ -257,15 +257,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             backlog_max: counters.take_backlog_max(),
             backlog_end: counters.backlog.load(Ordering::Relaxed),
             relay_cpu: delta(relay_before, relay_after),
-            backend_cpu: match (backends_before, backends_after) {
-                (Some(before), Some(after)) => Some(
-                    after
-                        .iter()
-                        .map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default()))
-                        .sum(),
-                ),
-                _ => None,
-            },
+            backend_cpu: backend_cpu_spent(backends_before, backends_after),
             machine_cpu: delta(machine_before, machine_after),
         };
         Ok((phase, committed_from..committed_to))

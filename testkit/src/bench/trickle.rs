@@ -161,13 +161,18 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
         elapsed,
         latencies,
         relay_cpu: delta(relay_before, relay_after),
-        backend_cpu: match (backends_before, backends_after) {
-            (Some(before), Some(after)) => Some(
-                after.iter().map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default())).sum(),
-            ),
-            _ => None,
-        },
+        backend_cpu: backend_cpu_spent(backends_before, backends_after),
     })
+}
+
+/// The CPU the backends spent between two readings of [`backend_cpu`] (a backend that started in
+/// between counts whole).
+pub(super) fn backend_cpu_spent(
+    before: Option<HashMap<i32, Duration>>,
+    after: Option<HashMap<i32, Duration>>,
+) -> Option<Duration> {
+    let (before, after) = (before?, after?);
+    Some(after.iter().map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default())).sum())
 }
 
 /// Stops the relay with SIGTERM, so that it removes its row (a row left marked waiting would make
