@@ -179,18 +179,9 @@ async fn measure_held_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_j
     let held = held_stage(args, &outbox).await?;
     outbox.pool().close();
     if args.json {
-        let mut figures = held_json(args, &held);
-        if let serde_json::Value::Object(figures) = &mut figures {
-            figures.insert("server".into(), json!(if server.is_embedded() { "embedded" } else { "external" }));
-            figures.insert("fsync".into(), json!(info.fsync));
-            figures.insert("synchronous_commit".into(), json!(info.synchronous_commit));
-            figures.insert("postgres_version".into(), json!(info.version));
-        }
-        Ok(figures)
+        Ok(merged([held_json(args, &held), server_json(server.is_embedded(), &info)]))
     } else {
-        println!("outbox-relay bench on the {}", server.describe());
-        println!("PostgreSQL {}, fsync {}, synchronous_commit {}", info.version, info.fsync, info.synchronous_commit);
-        println!();
+        print_server(&server.describe(), &info, None);
         print_held(args, &held);
         Ok(serde_json::Value::Null)
     }
@@ -403,7 +394,7 @@ fn rounded(value: f64, decimals: i32) -> f64 {
 fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
     let share = |cpu: Option<Duration>| cpu.map(|cpu| rounded(r.trickle.share(cpu), 4));
     let total = r.trickle.relay_cpu.zip(r.trickle.backend_cpu).map(|(a, b)| a + b);
-    let mut figures = json!({
+    let figures = json!({
         "latency_notify_ms": percentiles_json(&r.notify),
         "latency_inprocess_ms": percentiles_json(&r.in_process),
         "latency_poll_ms": percentiles_json(&r.poll),
@@ -446,17 +437,40 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "write_writers": WRITERS,
         "write_seconds": args.write_duration.as_secs_f64(),
         "cores": r.cores,
-        "server": if r.embedded { "embedded" } else { "external" },
-        "fsync": r.info.fsync,
-        "synchronous_commit": r.info.synchronous_commit,
-        "postgres_version": r.info.version,
     });
-    for more in [settings, held_json(args, &r.held)] {
-        if let (Some(figures), serde_json::Value::Object(more)) = (figures.as_object_mut(), more) {
-            figures.extend(more);
+    merged([figures, settings, server_json(r.embedded, &r.info), held_json(args, &r.held)])
+}
+
+/// The members of JSON objects in one object.
+fn merged<const N: usize>(objects: [serde_json::Value; N]) -> serde_json::Value {
+    let mut all = serde_json::Map::new();
+    for object in objects {
+        if let serde_json::Value::Object(members) = object {
+            all.extend(members);
         }
     }
-    figures
+    serde_json::Value::Object(all)
+}
+
+/// The server a run measured on, as the JSON reports it.
+fn server_json(embedded: bool, info: &ServerInfo) -> serde_json::Value {
+    json!({
+        "server": if embedded { "embedded" } else { "external" },
+        "fsync": info.fsync,
+        "synchronous_commit": info.synchronous_commit,
+        "postgres_version": info.version,
+    })
+}
+
+/// The table's first lines: the server a run measured on (and the machine's cores, when known).
+fn print_server(server: &str, info: &ServerInfo, cores: Option<usize>) {
+    println!("outbox-relay bench on the {server}");
+    let cores = cores.map(|n| format!(", {n} cores")).unwrap_or_default();
+    println!(
+        "PostgreSQL {}, fsync {}, synchronous_commit {}{cores}",
+        info.version, info.fsync, info.synchronous_commit
+    );
+    println!();
 }
 
 /// The held-snapshot stage's figures: each phase, and the ratios its goals are stated in.
@@ -532,12 +546,7 @@ fn print_held(args: &BenchArgs, held: &HeldReport) {
 }
 
 fn print_table(args: &BenchArgs, r: &Report) {
-    println!("outbox-relay bench on the {}", r.server);
-    println!(
-        "PostgreSQL {}, fsync {}, synchronous_commit {}, {} cores",
-        r.info.version, r.info.fsync, r.info.synchronous_commit, r.cores
-    );
-    println!();
+    print_server(&r.server, &r.info, Some(r.cores));
     println!(
         "{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}",
         "latency, commit to handler", "samples", "p50", "p90", "p99", "max"

@@ -21,8 +21,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
-use super::latency::STATEMENT_TIMEOUT;
-use super::trickle::{backend_cpu, backend_cpu_spent, process_cpu, stop_child};
+use super::trickle::{
+    backend_cpu, backend_cpu_spent, backend_pid, event_id, measuring_connection, process_cpu, stop_child,
+};
 use super::{BoxError, db};
 
 /// Connections that publish, each at an equal share of the rate.
@@ -125,19 +126,15 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         return Err(format!("the rate is {}; it must be 1 to 10000 events/s", setup.rate).into());
     }
     let monitor = outbox.connection().await?;
-    let mut own = vec![monitor.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0)];
+    let mut own = vec![backend_pid(&monitor).await?];
     let mut writers = Vec::with_capacity(HELD_WRITERS);
     for _ in 0..HELD_WRITERS {
-        let writer = outbox.url().connect().await?;
-        writer
-            .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
-            .await
-            .map_err(db("configuring a writer connection"))?;
-        own.push(writer.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0));
+        let (writer, pid) = measuring_connection(outbox).await?;
+        own.push(pid);
         writers.push(writer);
     }
-    let holder = outbox.url().connect().await?;
-    own.push(holder.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a pid"))?.get(0));
+    let (holder, holder_pid) = measuring_connection(outbox).await?;
+    own.push(holder_pid);
 
     let mut child = relay.stdout(Stdio::piped()).stderr(Stdio::null()).kill_on_drop(true).spawn()?;
     let pid = child.id().ok_or("the relay exited at once")?;
@@ -152,8 +149,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         async move {
             while let Ok(Some(line)) = lines.next_line().await {
                 let at = Instant::now();
-                let Some(id) = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["id"].as_i64())
-                else {
+                let Some(id) = event_id(&line) else {
                     continue;
                 };
                 match seen.lock().await.entry(id) {

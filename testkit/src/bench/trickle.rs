@@ -64,20 +64,13 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
             format!("a trickle's rate is {}; it must be above 0 and at most 10000 events/s", trickle.rate).into()
         );
     }
-    let writer = outbox.url().connect().await?;
-    writer
-        .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
-        .await
-        .map_err(db("configuring the writer connection"))?;
+    let (writer, writer_pid) = measuring_connection(outbox).await?;
     let publish = writer
         .prepare("select outbox_relay.publish('bench.trickle', $1::jsonb)")
         .await
         .map_err(db("preparing the publish statement"))?;
     let monitor = outbox.connection().await?;
-    let own: Vec<i32> = vec![
-        writer.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading the writer's pid"))?.get(0),
-        monitor.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading the monitor's pid"))?.get(0),
-    ];
+    let own: Vec<i32> = vec![writer_pid, backend_pid(&monitor).await?];
 
     let mut child = relay.stdout(Stdio::piped()).stderr(Stdio::null()).kill_on_drop(true).spawn()?;
     let pid = child.id().ok_or("the relay exited at once")?;
@@ -86,7 +79,7 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
     let reader = tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
             let at = Instant::now();
-            if let Some(id) = serde_json::from_str::<serde_json::Value>(&line).ok().and_then(|v| v["id"].as_i64()) {
+            if let Some(id) = event_id(&line) {
                 seen_tx.send((id, at)).ok();
             }
         }
@@ -173,6 +166,28 @@ pub(super) fn backend_cpu_spent(
 ) -> Option<Duration> {
     let (before, after) = (before?, after?);
     Some(after.iter().map(|(pid, cpu)| cpu.saturating_sub(before.get(pid).copied().unwrap_or_default())).sum())
+}
+
+/// A connection of the measurement's own (a writer, a session that holds a transaction), with
+/// the benchmarks' statement timeout, and its backend's pid (left out of the relay's CPU).
+pub(super) async fn measuring_connection(outbox: &Outbox) -> Result<(tokio_postgres::Client, i32), BoxError> {
+    let client = outbox.url().connect().await?;
+    client
+        .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
+        .await
+        .map_err(db("configuring a connection of the measurement"))?;
+    let pid = backend_pid(&client).await?;
+    Ok((client, pid))
+}
+
+/// The pid of a connection's backend.
+pub(super) async fn backend_pid(client: &tokio_postgres::Client) -> Result<i32, BoxError> {
+    Ok(client.query_one("select pg_backend_pid()", &[]).await.map_err(db("reading a backend's pid"))?.get(0))
+}
+
+/// The event id of a line of `outbox-relay run --sink stdout`, if it is one.
+pub(super) fn event_id(line: &str) -> Option<i64> {
+    serde_json::from_str::<serde_json::Value>(line).ok()?["id"].as_i64()
 }
 
 /// Stops the relay with SIGTERM, so that it removes its row (a row left marked waiting would make
