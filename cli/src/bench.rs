@@ -393,7 +393,7 @@ fn rounded(value: f64, decimals: i32) -> f64 {
 
 fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
     let share = |cpu: Option<Duration>| cpu.map(|cpu| rounded(r.trickle.share(cpu), 4));
-    let total = r.trickle.relay_cpu.zip(r.trickle.backend_cpu).map(|(a, b)| a + b);
+    let total = r.trickle.relay_and_backends_cpu();
     let figures = json!({
         "latency_notify_ms": percentiles_json(&r.notify),
         "latency_inprocess_ms": percentiles_json(&r.in_process),
@@ -486,7 +486,7 @@ fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Value {
             "backlog_end": p.backlog_end,
             "relay_cpu_share": share(p.relay_cpu),
             "backend_cpu_share": share(p.backend_cpu),
-            "relay_and_backends_cpu_share": share(p.relay_cpu.zip(p.backend_cpu).map(|(a, b)| a + b)),
+            "relay_and_backends_cpu_share": share(p.relay_and_backends_cpu()),
             "machine_cpu_share": share(p.machine_cpu),
         })
     };
@@ -535,7 +535,7 @@ fn print_held(args: &BenchArgs, held: &HeldReport) {
             l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p50)),
             l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p99)),
             format!("{}", p.backlog_max),
-            percent(p.relay_cpu.zip(p.backend_cpu).map(|(a, b)| a + b)),
+            percent(p.relay_and_backends_cpu()),
             percent(p.machine_cpu),
         );
     }
@@ -625,7 +625,7 @@ fn print_table(args: &BenchArgs, r: &Report) {
         "  CPU, share of one core: the relay process {}, its PostgreSQL backends {}, together {}",
         percent(t.relay_cpu),
         percent(t.backend_cpu),
-        percent(t.relay_cpu.zip(t.backend_cpu).map(|(a, b)| a + b))
+        percent(t.relay_and_backends_cpu())
     );
     println!(
         "  latency, commit to the event's line on the relay's stdout: p50 {}, p90 {}, p99 {}, max {}",

@@ -22,7 +22,7 @@ use tokio::process::Command;
 use tokio::sync::Mutex;
 
 use super::trickle::{
-    backend_cpu, backend_cpu_spent, backend_pid, event_id, measuring_connection, process_cpu, stop_child,
+    backend_cpu, backend_cpu_spent, backend_pid, cpu_spent, event_id, measuring_connection, process_cpu, stop_child,
 };
 use super::{BoxError, db};
 
@@ -72,6 +72,11 @@ impl Phase {
     /// A CPU time as a share of one core over the phase (0.75: 75 %).
     pub fn share(&self, cpu: Duration) -> f64 {
         cpu.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
+
+    /// CPU time of the relay and its backends together, when both are known.
+    pub fn relay_and_backends_cpu(&self) -> Option<Duration> {
+        self.relay_cpu.zip(self.backend_cpu).map(|(relay, backends)| relay + backends)
     }
 
     /// Events per second, of a count in this phase.
@@ -244,7 +249,6 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         let backends_after = backend_cpu(&monitor, &own).await?;
         let machine_after = machine_cpu();
         let committed_to = committed.lock().await.len();
-        let delta = |before: Option<Duration>, after: Option<Duration>| Some(after?.saturating_sub(before?));
         let phase = Phase {
             elapsed,
             published: counters.published.load(Ordering::Relaxed) - published,
@@ -252,9 +256,9 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             latencies: Vec::new(),
             backlog_max: counters.take_backlog_max(),
             backlog_end: counters.backlog.load(Ordering::Relaxed),
-            relay_cpu: delta(relay_before, relay_after),
+            relay_cpu: cpu_spent(relay_before, relay_after),
             backend_cpu: backend_cpu_spent(backends_before, backends_after),
-            machine_cpu: delta(machine_before, machine_after),
+            machine_cpu: cpu_spent(machine_before, machine_after),
         };
         Ok((phase, committed_from..committed_to))
     };

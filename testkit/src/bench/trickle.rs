@@ -52,6 +52,11 @@ impl TrickleReport {
     pub fn share(&self, cpu: Duration) -> f64 {
         cpu.as_secs_f64() / self.elapsed.as_secs_f64()
     }
+
+    /// CPU time of the relay and its backends together, when both are known.
+    pub fn relay_and_backends_cpu(&self) -> Option<Duration> {
+        self.relay_cpu.zip(self.backend_cpu).map(|(relay, backends)| relay + backends)
+    }
 }
 
 /// Starts `relay` (an `outbox-relay run --sink stdout` command for `outbox`'s database, with
@@ -148,14 +153,18 @@ pub async fn trickle(outbox: &Outbox, mut relay: Command, trickle: Trickle) -> R
     stop_child(&mut child, pid, &monitor).await?;
     reader.abort();
 
-    let delta = |before: Option<Duration>, after: Option<Duration>| Some(after?.saturating_sub(before?));
     Ok(TrickleReport {
         events: committed.len(),
         elapsed,
         latencies,
-        relay_cpu: delta(relay_before, relay_after),
+        relay_cpu: cpu_spent(relay_before, relay_after),
         backend_cpu: backend_cpu_spent(backends_before, backends_after),
     })
+}
+
+/// The CPU spent between two readings of one CPU time (`None` when either is unknown).
+pub(super) fn cpu_spent(before: Option<Duration>, after: Option<Duration>) -> Option<Duration> {
+    Some(after?.saturating_sub(before?))
 }
 
 /// The CPU the backends spent between two readings of [`backend_cpu`] (a backend that started in
