@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One `outbox-relay run --sink stdout` against a fresh database while pgbench publishes events at
+# a fixed rate, each with its own key, through `outbox_relay.publish`; optionally while another
+# session holds a transaction (and its snapshot) open. Prints the publish rate pgbench kept, and
+# the latency from each event's created_at (its writer's transaction start, so the writer's own
+# commit is inside it) to its line on the relay's stdout, and the whole machine's CPU:
+#
+#   bash benches/storage/relay_at_rate.sh ADMIN_DATABASE_URL BINARY [RATE] [SECONDS] [hold]
+#
+# e.g. bash benches/storage/relay_at_rate.sh 'postgresql://postgres@127.0.0.1:5432/postgres' \
+#          target/release/outbox-relay 800 60 hold
+# Quicker than `outbox-relay bench --held-only` (no embedded cluster, one phase per run), for
+# comparing two builds one after the other (build the other in a `git worktree` with its own
+# CARGO_TARGET_DIR). Uses (and drops first) the database `outbox_rate` on that server.
+set -euo pipefail
+admin=${1:?usage: relay_at_rate.sh ADMIN_DATABASE_URL BINARY [RATE] [SECONDS] [hold]}
+binary=${2:?the outbox-relay binary}
+rate=${3:-800}
+seconds=${4:-20}
+hold=${5:-}
+db=$(python3 -c 'import sys, urllib.parse as u; p = u.urlsplit(sys.argv[1]); print(u.urlunsplit(p._replace(path="/outbox_rate")))' "$admin")
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+psql -X -q "$admin" -c "drop database if exists outbox_rate" -c "create database outbox_rate"
+DATABASE_URL=$db RUST_LOG=error "$binary" migrate >/dev/null
+cat > "$work/publish.sql" <<'SQL'
+select outbox_relay.publish('orders', '{"a": 1}'::jsonb, 'k' || (random() * 1e9)::int8::text);
+SQL
+cat > "$work/stamp.py" <<'PY'
+import sys, time, json, datetime
+with open(sys.argv[1], "w") as out:
+    for line in sys.stdin:
+        now = time.time()
+        event = json.loads(line)
+        created = datetime.datetime.fromisoformat(event["created_at"].replace("Z", "+00:00")).timestamp()
+        out.write(f"{event['id']} {(now - created) * 1000:.3f}\n")
+PY
+(DATABASE_URL=$db RUST_LOG=error "$binary" run --sink stdout | python3 "$work/stamp.py" "$work/latencies") &
+sleep 2
+if [ "$hold" = hold ]; then
+    psql -X -q "$db" -c "begin; select txid_current(); select pg_sleep($seconds + 5); commit" >/dev/null 2>&1 &
+    sleep 0.5
+fi
+busy() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
+cpu0=$(busy); t0=$(date +%s.%N)
+pgbench -n -R "$rate" -c 4 -j 2 -T "$seconds" -f "$work/publish.sql" "$db" 2>&1 | grep -E '^tps' | sed 's/ (.*//'
+cpu1=$(busy); t1=$(date +%s.%N)
+sleep 2
+pkill -f "$binary run --sink stdout" || true
+sleep 1
+python3 - "$work/latencies" "$cpu0" "$cpu1" "$t0" "$t1" "$(getconf CLK_TCK)" <<'PY'
+import sys
+path, c0, c1, t0, t1, tck = sys.argv[1], *map(float, sys.argv[2:])
+rows = [line.split() for line in open(path)]
+ids = [r[0] for r in rows]
+lat = sorted(float(r[1]) for r in rows)
+n = len(lat)
+p = lambda q: lat[min(n - 1, int(q * n))]
+print(f"delivered {n}, twice {n - len(set(ids))}; created_at to stdout p50 {p(.5):.2f} / p90 {p(.9):.2f} / p99 {p(.99):.2f} ms; "
+      f"whole machine CPU {(c1 - c0) / tck / (t1 - t0) * 100:.0f} % of a core")
+PY
+psql -X -q "$admin" -c "drop database if exists outbox_rate" 2>/dev/null || true
