@@ -11,7 +11,8 @@
 #          target/release/outbox-relay 800 60 hold
 # Quicker than `outbox-relay bench --held-only` (no embedded cluster, one phase per run), for
 # comparing two builds one after the other (build the other in a `git worktree` with its own
-# CARGO_TARGET_DIR). Uses (and drops first) the database `outbox_rate` on that server.
+# CARGO_TARGET_DIR). Uses (and drops first) the database `outbox_rate` on that server. RELAY_URL,
+# when set, is the relay's own URL for that database (to pass session settings in `options`).
 set -euo pipefail
 admin=${1:?usage: relay_at_rate.sh ADMIN_DATABASE_URL BINARY [RATE] [SECONDS] [hold]}
 binary=${2:?the outbox-relay binary}
@@ -35,7 +36,7 @@ with open(sys.argv[1], "w") as out:
         created = datetime.datetime.fromisoformat(event["created_at"].replace("Z", "+00:00")).timestamp()
         out.write(f"{event['id']} {(now - created) * 1000:.3f}\n")
 PY
-(DATABASE_URL=$db RUST_LOG=error "$binary" run --sink stdout | python3 "$work/stamp.py" "$work/latencies") &
+(DATABASE_URL=${RELAY_URL:-$db} RUST_LOG=error "$binary" run --sink stdout | python3 "$work/stamp.py" "$work/latencies") &
 sleep 2
 if [ "$hold" = hold ]; then
     psql -X -q "$db" -c "begin; select txid_current(); select pg_sleep($seconds + 5); commit" >/dev/null 2>&1 &
