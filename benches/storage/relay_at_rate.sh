@@ -36,7 +36,8 @@ with open(sys.argv[1], "w") as out:
         created = datetime.datetime.fromisoformat(event["created_at"].replace("Z", "+00:00")).timestamp()
         out.write(f"{event['id']} {(now - created) * 1000:.3f}\n")
 PY
-(DATABASE_URL=${RELAY_URL:-$db} RUST_LOG=error "$binary" run --sink stdout | python3 "$work/stamp.py" "$work/latencies") &
+DATABASE_URL=${RELAY_URL:-$db} RUST_LOG=error "$binary" run --sink stdout > >(python3 "$work/stamp.py" "$work/latencies") &
+relay=$!
 sleep 2
 if [ "$hold" = hold ]; then
     psql -X -q "$db" -c "begin; select txid_current(); select pg_sleep($seconds + 5); commit" >/dev/null 2>&1 &
@@ -47,8 +48,9 @@ cpu0=$(busy); t0=$(date +%s.%N)
 pgbench -n -R "$rate" -c 4 -j 2 -T "$seconds" -f "$work/publish.sql" "$db" 2>&1 | grep -E '^tps' | sed 's/ (.*//'
 cpu1=$(busy); t1=$(date +%s.%N)
 sleep 2
-pkill -f "$binary run --sink stdout" || true
-sleep 1
+kill -TERM "$relay"
+wait "$relay" || true
+sleep 1 # the reader's last lines
 python3 - "$work/latencies" "$cpu0" "$cpu1" "$t0" "$t1" "$(getconf CLK_TCK)" <<'PY'
 import sys
 path, c0, c1, t0, t1, tck = sys.argv[1], *map(float, sys.argv[2:])
@@ -60,4 +62,5 @@ p = lambda q: lat[min(n - 1, int(q * n))]
 print(f"delivered {n}, twice {n - len(set(ids))}; created_at to stdout p50 {p(.5):.2f} / p90 {p(.9):.2f} / p99 {p(.99):.2f} ms; "
       f"whole machine CPU {(c1 - c0) / tck / (t1 - t0) * 100:.0f} % of a core")
 PY
-psql -X -q "$admin" -c "drop database if exists outbox_rate" 2>/dev/null || true
+# (with force: the held transaction may still be sleeping)
+psql -X -q "$admin" -c "drop database if exists outbox_rate with (force)"
