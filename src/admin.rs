@@ -128,6 +128,7 @@ pub(crate) async fn cleanup(
             break;
         }
     }
+    step(bound, "deleting old claim positions", sql::prune_positions(db)).await?;
     loop {
         let n =
             step(bound, "deleting expired receipts", sql::delete_expired_receipts(db, idempotency_retention, batch))

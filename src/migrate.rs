@@ -42,6 +42,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "payloads_as_written",
         sql: include_str!("../migrations/0007_payloads_as_written.sql"),
     },
+    Migration { version: 8, name: "snapshot_reads", sql: include_str!("../migrations/0008_snapshot_reads.sql") },
 ];
 
 /// What a migration run did.

@@ -51,6 +51,8 @@ grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writ
 -- (a dead-letter retry puts the event back into the outbox under its own id).
 grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
+-- The claims' positions (migration 0008): every claim that moves one inserts a row, the janitor deletes old ones.
+grant select, insert, delete on outbox_relay.positions to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
 -- Pauses: the relay reads them; `outbox-relay pause` and `resume` write them.
 grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;

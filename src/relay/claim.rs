@@ -1,12 +1,17 @@
 //! One batch: claim it, hand it to the handler, record what became of each event.
 //!
-//! A claim holds its events in one of two ways. *Held* (the default, `hold` above zero): the
-//! claim's transaction stays open during the delivery, its row locks are the lease, and the
-//! outcomes commit with it (see `held.rs`). A delivery that outlives `hold` turns the claim into
-//! a *lease*: the rows get `available_at` moved past the lease, the attempt counted and the
-//! claim's token, the transaction commits, and the outcomes are recorded later by token. With
-//! `hold` zero every claim is leased at once, in a transaction of its own.
+//! A claim takes new events (read by transaction snapshots above the position, under the lock
+//! that one transaction at a time holds: see migration 0008) and parked ones (failed, delayed,
+//! paused, leased, behind their key: row-locked), and holds them in one of two ways. *Held* (the
+//! default, `hold` above zero): the claim's transaction stays open during the delivery, its locks
+//! are the lease, and the outcomes (and the position it moved) commit with it (see `held.rs`). A
+//! delivery that outlives `hold` turns the claim into a *lease*: the rows are parked with
+//! `available_at` moved past the lease, the attempt counted and the claim's token, the
+//! transaction commits, and the outcomes are recorded later by token. With `hold` zero every
+//! claim is leased at once, in a transaction of its own (every event is then parked: the one mode
+//! whose cost per event depends on vacuum again).
 
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,7 +26,7 @@ use super::backoff::retry_delay;
 use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::{Completion, RelayConfig};
 use super::handler::{DeliveryError, Handler, Slots, panicked};
-use super::held::Held;
+use super::held::{Held, NewLock};
 use super::idle::Idle;
 use super::metrics::RelayMetrics;
 use super::pauses::Pauses;
@@ -49,34 +54,68 @@ pub(crate) struct Claimer<H> {
     pub(crate) breaker: Arc<Breaker>,
     /// Where the breaker's state is published (the relay's row).
     pub(crate) idle: Arc<Idle>,
-    /// Where the next walk over the keys starts.
-    pub(crate) walk: KeyWalk,
+    /// Where the next claim looks first.
+    pub(crate) turns: Turns,
     /// The topics not to claim.
     pub(crate) pauses: Arc<Pauses>,
+    /// Since when a transaction of this relay holds the new events' lock.
+    pub(crate) new_lock: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// "There may be events": wakes a waiting worker.
+    pub(crate) work: Arc<tokio::sync::Notify>,
+    /// A claim found the new events' lock taken (by this relay's batch in hand, or another's):
+    /// the batch that holds it claims again once it is done.
+    pub(crate) new_wanted: std::sync::atomic::AtomicBool,
 }
 
-/// Where the next claim's walk over the keys starts (see `sql/events.rs`), and which kind of
-/// event takes the next batch first (they alternate, so neither starves the other).
+/// Where the next claim's walk over the parked keys goes on, and which kind of event takes its
+/// batch first (they alternate, so that neither starves the other).
 #[derive(Debug, Default)]
-pub(crate) struct KeyWalk {
-    after: std::sync::Mutex<String>,
-    keyed_first: std::sync::atomic::AtomicBool,
+pub(crate) struct Turns {
+    next: std::sync::atomic::AtomicU32,
+    walk_after: std::sync::Mutex<String>,
 }
 
-impl KeyWalk {
-    /// The walk of the next claim of up to `batch_size` events: twice as many keys as it may
-    /// take heads, within bounds.
-    fn next(&self, batch_size: usize, paused: Arc<[String]>) -> sql::Walk {
-        let after = self.after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
-        let keys = i32::try_from(batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
-        let keyed_first = !self.keyed_first.fetch_xor(true, std::sync::atomic::Ordering::Relaxed);
-        sql::Walk { after, keys, keyed_first, paused }
+impl Turns {
+    /// The turn of the next claim of up to `batch_size` events; the walk takes twice as many
+    /// keys as the claim may take heads, within bounds. `parked`: whether parked events may be
+    /// due (see `Timer::parked_turn`).
+    fn next(&self, batch_size: usize, paused: Arc<[String]>, new: bool, parked: bool) -> sql::Turn {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+        let walk_keys = i32::try_from(batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
+        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused }
     }
 
-    /// Where the last walk ended: the next one goes on from there.
-    fn ended(&self, end: Option<String>) {
-        *self.after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = end.unwrap_or_default();
+    /// Where the last walk over the parked keys ended: the next one goes on from there.
+    fn walked(&self, end: Option<String>) {
+        *self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = end.unwrap_or_default();
     }
+}
+
+/// How many claims in a row may only park events or move a position before the relay stops
+/// for this turn (each is a transaction of its own; a long paused backlog takes several).
+const CHANGED_CLAIMS_MAX: usize = 64;
+
+/// The rounds in which a batch (in id order) is handed over: indexes into `events`, per round
+/// every event without a key (in the first) and the next event of each key.
+fn rounds_by_key(events: &[Event]) -> Vec<Vec<usize>> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut rounds: Vec<Vec<usize>> = vec![Vec::with_capacity(events.len())];
+    for (i, event) in events.iter().enumerate() {
+        let round = match &event.key {
+            None => 0,
+            Some(key) => {
+                let n = seen.entry(key.as_str()).or_insert(0);
+                *n += 1;
+                *n - 1
+            }
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(i);
+    }
+    rounds
 }
 
 /// A claimed batch, waiting to be delivered.
@@ -88,8 +127,13 @@ pub(crate) struct Batch {
     claimed_at: Instant,
     /// Rows claimed, the unreadable ones included.
     pub(crate) count: usize,
-    /// Whether any of them has a key.
-    pub(crate) keyed: bool,
+    /// The claim holds the new events' lock.
+    held_new: bool,
+    /// It took parked events with a key: once it is done, their keys' next parked events are
+    /// their heads.
+    parked_keyed: bool,
+    /// More new events wait: the delta was cut short.
+    pub(crate) more: bool,
     events: Vec<Event>,
     ages: Vec<Duration>,
     /// What is already decided: rows no handler can be given.
@@ -247,25 +291,61 @@ impl<H: Handler> Claimer<H> {
         let token = rand::random::<i64>();
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let holds = config.dead_letter_holds_key;
-        let walk = self.walk.next(config.batch_size, self.pauses.topics());
-        tracing::trace!("claiming");
-        let client = self.pool.client().await?;
-        tracing::trace!("claiming: a connection in hand");
-        let started = Instant::now();
-        let (held, claimed) = if config.effective_hold().is_zero() {
-            let lease = sql::Hold::Lease(config.lease, token);
-            (None, sql::claim_events(&*client, size, holds, &walk, lease).await?)
-        } else {
-            let claim = async |db: &deadpool_postgres::ClientWrapper| {
-                sql::claim_events(db, size, holds, &walk, sql::Hold::Locks).await
-            };
+        let mut changed_claims = 0;
+        let (mut held, claimed, claimed_at) = loop {
+            let (parked, news) = self.timer.parked_turn();
+            let new = !NewLock::in_hand(&self.new_lock, config.poll_interval);
+            if !new {
+                // The batch that holds the lock claims again once it is done.
+                self.new_wanted.store(true, std::sync::atomic::Ordering::Release);
+            }
+            if !new && !parked {
+                // The batch in hand that holds the new events' lock claims again once it is done.
+                if probe {
+                    self.breaker.probe_found_nothing();
+                }
+                return Ok(None);
+            }
+            let turn = self.turns.next(config.batch_size, self.pauses.topics(), new, parked);
+            tracing::trace!("claiming");
+            let client = self.pool.client().await?;
+            tracing::trace!("claiming: a connection in hand");
+            let started = Instant::now();
+            let claim = async |db: &deadpool_postgres::ClientWrapper| sql::claim_events(db, size, holds, &turn).await;
             let (held, claimed) = Held::begin(client, claim).await?;
-            (Some(held), claimed)
+            let claimed_at = Instant::now();
+            self.metrics.claimed(claimed.rows.len(), claimed_at - started);
+            if claimed.parked_all {
+                self.timer.parked_taken(news);
+            }
+            self.turns.walked(claimed.walked_to.clone());
+            if claimed.rows.is_empty() && claimed.changed {
+                // New events parked (delayed, paused, behind their key) or the position moved:
+                // commit that, and look again.
+                held.commit_after(async |_: &deadpool_postgres::ClientWrapper| Ok(())).await?;
+                if claimed.parked_new {
+                    self.timer.parked_may_be_due();
+                }
+                changed_claims += 1;
+                if changed_claims < CHANGED_CLAIMS_MAX {
+                    continue;
+                }
+                break (None, claimed, claimed_at);
+            }
+            if claimed.turned_away {
+                self.new_wanted.store(true, std::sync::atomic::Ordering::Release);
+            }
+            let mut held = held;
+            if claimed.held_new && !claimed.rows.is_empty() {
+                held.holds_new_lock(&self.new_lock);
+            }
+            break (Some(held), claimed, claimed_at);
         };
-        let claimed_at = Instant::now();
-        self.metrics.claimed(claimed.rows.len(), claimed_at - started);
-        let sql::Claimed { rows: claimed, walked_to, next_due } = claimed;
-        self.walk.ended(walked_to);
+        let sql::Claimed { rows: claimed, next_due, more, held_new, parked_new, parked_keyed, .. } = claimed;
+        if parked_new {
+            // Behind a key whose head may be done by the time this batch is.
+            self.timer.parked_may_be_due();
+        }
         if claim == (Claim::Batch { schedule_next: true })
             && let Some(due) = next_due
         {
@@ -282,10 +362,10 @@ impl<H: Handler> Claimer<H> {
             }
             return Ok(None);
         }
-        if let Some(held) = &held {
+        if let Some(claim) = &held {
             // Cached after the connection's first batch: the outcomes can then be pipelined
             // before the COMMIT.
-            sql::prepare_outcomes(held.db()).await?;
+            sql::prepare_outcomes(claim.db()).await?;
         }
         let count = claimed.len();
         self.idle.rate.claimed(count);
@@ -300,17 +380,26 @@ impl<H: Handler> Claimer<H> {
             }
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
+        if config.effective_hold().is_zero()
+            && let Some(claim) = held.take()
+        {
+            // Every claim leased at once: the new events' lock is free as soon as the lease
+            // commits.
+            let mut ids: Vec<i64> = events.iter().map(|(event, _)| event.id).collect();
+            ids.extend(outcomes.events.iter().map(|(id, _, _)| *id));
+            self.lease(claim, &ids, token).await;
+        }
         tracing::debug!(count, probe, held = held.is_some(), "claimed events");
-        let keyed = events.iter().any(|(event, _)| event.key.is_some());
         let (events, ages) = events.into_iter().unzip();
-        Ok(Some(Batch { held, token, claimed_at, count, keyed, events, ages, outcomes, probe }))
+        Ok(Some(Batch { held, token, claimed_at, count, held_new, parked_keyed, more, events, ages, outcomes, probe }))
     }
 
     /// Delivers a claimed batch and records what became of it. A held claim whose delivery
     /// outlives `hold` is leased meanwhile. Returns whether the batch held events with a key:
     /// once it is done, their keys' next events may be claimable.
     pub(crate) async fn deliver_and_record(&self, batch: Batch) -> bool {
-        let Batch { mut held, token, claimed_at, keyed, events, ages, mut outcomes, probe, .. } = batch;
+        let Batch { mut held, token, claimed_at, held_new, parked_keyed, events, ages, mut outcomes, probe, .. } =
+            batch;
         if !events.is_empty() {
             if !probe && self.breaker.is_open() {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
@@ -324,7 +413,8 @@ impl<H: Handler> Claimer<H> {
                         done = &mut delivery => results = Some(done),
                         _ = tokio::time::sleep_until(claimed_at + self.config.effective_hold()) => {
                             if let Some(claim) = held.take() {
-                                self.lease(claim, &events, token).await;
+                                let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+                                self.lease(claim, &ids, token).await;
                             }
                         }
                     }
@@ -342,20 +432,37 @@ impl<H: Handler> Claimer<H> {
         } else if probe {
             self.breaker.probe_found_nothing();
         }
+        let released = outcomes.count(|outcome| matches!(outcome, Outcome::Released)) > 0;
         self.record(held, token, outcomes).await;
-        keyed
+        if parked_keyed || released {
+            // A parked key's next event is its head now, or events were given back, due at once.
+            self.timer.parked_may_be_due();
+        }
+        // Claim again now if parked events may be due, or if this batch held the new events'
+        // lock and new events may wait: a claim of this relay was turned away by the lock
+        // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
+        // relay marked waiting hears every commit, so a turned-away claim of its own says so.
+        parked_keyed
+            || released
+            || (held_new
+                && (!self.idle.is_marked() || self.new_wanted.swap(false, std::sync::atomic::Ordering::AcqRel)))
     }
 
     /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.
-    async fn lease(&self, held: Held, events: &[Event], token: i64) {
-        let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+    async fn lease(&self, held: Held, ids: &[i64], token: i64) {
         let lease = self.config.lease;
+        let had_new_lock = held.has_new_lock();
         let leased = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
-            sql::lease_held_events(db, &ids, lease, token).await
+            sql::lease_held_events(db, ids, lease, token).await
         });
         match leased.await {
             Ok(_) => {
-                tracing::debug!(events = ids.len(), hold = ?self.config.effective_hold(), "a delivery outlived the hold; its claim is leased")
+                tracing::debug!(events = ids.len(), hold = ?self.config.effective_hold(), "a delivery outlived the hold; its claim is leased");
+                if had_new_lock {
+                    // The new events' lock is free while this delivery goes on: another worker
+                    // takes the new events committed meanwhile.
+                    self.work.notify_one();
+                }
             }
             // The transaction is gone, and with it the claim: the events are claimable again,
             // and what this delivery achieves is not recorded (they are delivered again).
@@ -365,32 +472,80 @@ impl<H: Handler> Claimer<H> {
         }
     }
 
-    /// Hands `events` to the handler, bounded by the lease; `None` when the shutdown's abort cut
-    /// it off.
-    async fn deliver(&self, events: &[Event], claimed_at: Instant) -> Option<Vec<Result<(), DeliveryError>>> {
+    /// Hands `events` to the handler, bounded by the lease: in rounds, so that the handler never
+    /// has two events of one key at once. The first round has every event without a key and the
+    /// first of each key; each next round the next event of every key whose last one was
+    /// delivered. An event left untried (behind a failure of its key) has no result. `None` when
+    /// the shutdown's abort cut the delivery off.
+    async fn deliver(&self, events: &[Event], claimed_at: Instant) -> Option<Vec<Option<Result<(), DeliveryError>>>> {
         let config = &self.config;
         // Deliveries must end well inside the lease, which runs from the claim, or another worker
         // may claim the same events.
         let deadline = claimed_at + config.lease.mul_f64(0.9);
         tracing::trace!(events = events.len(), "delivering");
-        let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
-        let all_failed = |error: DeliveryError| events.iter().map(|_| Err(error.clone())).collect();
-        let mut results: Vec<Result<(), DeliveryError>> = tokio::select! {
-            results = delivery => match results {
-                Ok(results) => results,
-                Err(panic) => all_failed(panicked(&*panic)),
-            },
-            _ = tokio::time::sleep_until(deadline) => all_failed(DeliveryError::transient(format!(
+        let rounds = rounds_by_key(events);
+        let results = std::sync::Mutex::new(vec![None; events.len()]);
+        let in_round = std::sync::Mutex::new(Vec::new());
+        let run = async {
+            let mut failed_keys: HashSet<&str> = HashSet::new();
+            for round in &rounds {
+                let now: Vec<usize> = round
+                    .iter()
+                    .copied()
+                    .filter(|&i| events[i].key.as_deref().is_none_or(|key| !failed_keys.contains(key)))
+                    .collect();
+                if now.is_empty() {
+                    break;
+                }
+                in_round.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone_from(&now);
+                let delivered = if now.len() == events.len() {
+                    self.hand_over(events).await
+                } else {
+                    let part: Vec<Event> = now.iter().map(|&i| events[i].clone()).collect();
+                    self.hand_over(&part).await
+                };
+                let mut results = results.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                for (&i, result) in now.iter().zip(delivered) {
+                    if let (Err(_), Some(key)) = (&result, &events[i].key) {
+                        failed_keys.insert(key.as_str());
+                    }
+                    results[i] = Some(result);
+                }
+            }
+            in_round.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+        };
+        let cut = tokio::select! {
+            () = run => None,
+            _ = tokio::time::sleep_until(deadline) => Some(DeliveryError::transient(format!(
                 "delivery did not finish within 90% of the {:?} lease",
                 config.lease
             ))),
             _ = self.abort.cancelled() => return None,
         };
+        let mut results = results.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(error) = cut {
+            for i in in_round.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()) {
+                results[i] = Some(Err(error.clone()));
+            }
+        }
+        Some(results)
+    }
+
+    /// One call of the handler: one result per event, a panic failing them all.
+    async fn hand_over(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+        let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
+        let mut results = match delivery.await {
+            Ok(results) => results,
+            Err(panic) => {
+                let error = panicked(&*panic);
+                events.iter().map(|_| Err(error.clone())).collect()
+            }
+        };
         if results.len() != events.len() {
             let message = format!("the handler returned {} results for {} events", results.len(), events.len());
             results.resize_with(events.len(), || Err(DeliveryError::transient(&message)));
         }
-        Some(results)
+        results
     }
 
     /// Turns a batch's results into outcomes, asking the breaker whether the destination is down.
@@ -399,7 +554,7 @@ impl<H: Handler> Claimer<H> {
         events: &[Event],
         ages: &[Duration],
         claimed_at: Instant,
-        results: Vec<Result<(), DeliveryError>>,
+        results: Vec<Option<Result<(), DeliveryError>>>,
         probe: bool,
         outcomes: &mut Outcomes,
     ) {
@@ -407,18 +562,24 @@ impl<H: Handler> Claimer<H> {
         let seen: Vec<Seen> = events
             .iter()
             .zip(&results)
-            .map(|(event, result)| match result {
-                Err(e) if e.may_be_an_outage() => Seen::Failed(event.id),
-                _ => Seen::Answered,
+            .filter_map(|(event, result)| match result.as_ref()? {
+                Err(e) if e.may_be_an_outage() => Some(Seen::Failed(event.id)),
+                _ => Some(Seen::Answered),
             })
             .collect();
-        let retry_after = results.iter().filter_map(|r| r.as_ref().err()?.requested_delay()).max();
+        let errors = || results.iter().flatten().filter_map(|r| r.as_ref().err());
+        let retry_after = errors().filter_map(DeliveryError::requested_delay).max();
         let (verdict, change) = self.breaker.observe(&seen, retry_after, probe);
-        let first_failure = results.iter().find_map(|r| r.as_ref().err().filter(|e| !e.is_permanent()));
+        let first_failure = errors().find(|e| !e.is_permanent());
         if let Some(change) = change {
             self.announce(change, first_failure).await;
         }
         for ((event, age), result) in events.iter().zip(ages).zip(results) {
+            let Some(result) = result else {
+                // Behind an event of its key that was not delivered: it waits for it, untried.
+                outcomes.push(event, Outcome::Released);
+                continue;
+            };
             match result {
                 Ok(()) => {
                     outcomes.push(event, Outcome::Delivered);

@@ -118,9 +118,10 @@ pub trait Handler: Send + Sync + 'static {
     /// Delivers a batch, returning one result per event, in the order of `events`; the relay
     /// records them together once the future completes.
     ///
-    /// The relay never hands a batch two events of one key (a key's next event is claimed only
-    /// once the one before it is done), so the events of a batch may be delivered in any order
-    /// and at once. `slots` bounds the deliveries the whole relay has in progress
+    /// The relay never hands a batch two events of one key (a claim may hold several; they are
+    /// handed over in rounds, a key's next event only once the one before it was delivered), so
+    /// the events of a batch may be delivered in any order and at once. `slots` bounds the
+    /// deliveries the whole relay has in progress
     /// ([`RelayConfig::concurrency`](super::RelayConfig::concurrency)): take a slot for each
     /// request, write or round trip in flight.
     ///

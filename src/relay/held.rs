@@ -13,11 +13,36 @@
 //! and when a `Held` is dropped unfinished (a worker abandoned at shutdown), the connection is
 //! taken out of the pool and closed: the server then rolls the transaction back.
 
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
 use crate::error::{Error, Result};
 
 /// An open transaction holding claimed rows, on a pooled connection.
 pub(crate) struct Held {
     client: Option<deadpool_postgres::Object>,
+    /// Set while the transaction holds the new events' lock.
+    new_lock: Option<NewLock>,
+}
+
+/// While a relay's transaction holds the new events' lock, its other claims need not look for
+/// new events: the lock would turn them away. Cleared when the transaction ends (the `Held` is
+/// finished or dropped).
+pub(crate) struct NewLock(Arc<Mutex<Option<Instant>>>);
+
+impl NewLock {
+    /// Whether a transaction of this relay has held the lock for less than `patience`. (Past
+    /// it claims look again: the transaction's session may be gone, the server having
+    /// terminated it, and with it the lock.)
+    pub(crate) fn in_hand(taken: &Mutex<Option<Instant>>, patience: Duration) -> bool {
+        taken.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() < patience)
+    }
+}
+
+impl Drop for NewLock {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
 }
 
 impl Held {
@@ -27,11 +52,25 @@ impl Held {
     where
         F: AsyncFnOnce(&deadpool_postgres::ClientWrapper) -> Result<T>,
     {
-        let held = Held { client: Some(client) };
-        // BEGIN is sent on the first poll, before the claim's first message.
-        let (begun, claimed) = futures::join!(held.db().batch_execute("begin"), claim(held.db()));
+        let held = Held { client: Some(client), new_lock: None };
+        // BEGIN is sent on the first poll, before the claim's first message. READ COMMITTED
+        // whatever the session's default: each claim statement reads the position and the new
+        // events with a snapshot of its own, and must see what the last claim committed.
+        let (begun, claimed) =
+            futures::join!(held.db().batch_execute("begin isolation level read committed"), claim(held.db()));
         begun.map_err(|e| Error::database("beginning a claim's transaction", e))?;
         Ok((held, claimed?))
+    }
+
+    /// Notes in `taken` that this transaction holds the new events' lock, until it ends.
+    pub(crate) fn holds_new_lock(&mut self, taken: &Arc<Mutex<Option<Instant>>>) {
+        *taken.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        self.new_lock = Some(NewLock(taken.clone()));
+    }
+
+    /// Whether this transaction holds the new events' lock.
+    pub(crate) fn has_new_lock(&self) -> bool {
+        self.new_lock.is_some()
     }
 
     /// The connection, inside the transaction.

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::backoff::retry_delay;
 use super::idle::Idle;
 use super::metrics::RelayMetrics;
+use super::timer::Timer;
 use crate::connect::{DatabaseUrl, connect_error};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sql;
@@ -39,6 +40,8 @@ pub(crate) struct Listener {
     pub(crate) metrics: Arc<RelayMetrics>,
     /// Woken by the notification a pause or resume sends, so that it applies at once.
     pub(crate) pauses_changed: Arc<Notify>,
+    /// Told when parked events may be due (a dead letter retried, a reconnect).
+    pub(crate) timer: Arc<Timer>,
     /// Told the listener's backend pid while it listens (the waiting mark carries it).
     pub(crate) idle: Arc<Idle>,
     pub(crate) stop: CancellationToken,
@@ -78,6 +81,11 @@ impl Listener {
                     Ok(AsyncMessage::Notification(n)) if n.payload() == sql::PAUSES_CHANGED => {
                         self.pauses_changed.notify_one();
                     }
+                    Ok(AsyncMessage::Notification(n)) if n.payload() == sql::PARKED_DUE => {
+                        tracing::trace!("notified: parked events are due");
+                        self.timer.parked_may_be_due();
+                        self.work.notify_one();
+                    }
                     Ok(AsyncMessage::Notification(_)) => {
                         tracing::trace!("notified: events were committed");
                         self.metrics.woken();
@@ -105,6 +113,7 @@ impl Listener {
         *connected_before = true;
         *failures = 0;
         // Anything committed while we were not listening sent its notification to nobody.
+        self.timer.parked_may_be_due();
         self.work.notify_one();
 
         // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)

@@ -13,18 +13,21 @@
 //!   hints) and at the earliest retry or delayed event it knows of;
 //! - the **workers** (`worker.rs`) drain the queue batch by batch and, when it runs dry at a
 //!   high rate, linger before they mark the relay waiting (`idle.rs`); each batch is claimed
-//!   with `FOR UPDATE SKIP LOCKED`, delivered while the claim's transaction holds it (or under a
-//!   lease, past `hold`) and its outcomes recorded (`claim.rs`, `held.rs`);
+//!   (new events by transaction snapshots under a lock one transaction holds at a time, parked
+//!   ones with `FOR UPDATE SKIP LOCKED`: migration 0008), delivered while the claim's transaction
+//!   holds it (or under a lease, past `hold`) and its outcomes recorded (`claim.rs`, `held.rs`);
 //! - the **race closure** (`idle.rs`) waits for the transactions open at each waiting mark;
-//! - the **janitor** (`janitor.rs`) deletes old processed events and idempotency receipts in small
-//!   batches, and the **reporter** (`report.rs`) logs failures and summaries.
+//! - the **janitor** (`janitor.rs`) deletes old processed events, old claim positions and
+//!   idempotency receipts in small batches, and the **reporter** (`report.rs`) logs failures and summaries.
 //!
 //! Notifications are only hints: the table is the truth, so a lost notification costs at most
 //! one poll interval, never an event.
 //!
 //! # Failure handling
-//! A claim sets a lease (`available_at` moves forward by `lease`) and a fresh lease token. If the
-//! worker dies, the event becomes claimable again when the lease ends. Outcomes are recorded only
+//! A held claim ends with its transaction: a worker that dies gives its events back at once (the
+//! position it moved rolls back with it). A leased claim parks its events with `available_at`
+//! moved forward by `lease` and a fresh lease token; if the worker dies, they become claimable
+//! again when the lease ends. Outcomes are recorded only
 //! where the token still matches, so a stale worker never overwrites a newer attempt. A transient
 //! failure reschedules with capped, jittered exponential backoff; a permanent failure, or the last
 //! allowed attempt, moves the event to the dead letters.
@@ -150,6 +153,8 @@ impl<H: Handler> Relay<H> {
         let woken_by_commits = Arc::new(crate::wake::WakeTarget { work: work.clone(), metrics: metrics.clone() });
         outbox.wakeup().register(&woken_by_commits);
         let timer = Arc::new(timer::Timer::default());
+        // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
+        timer.parked_may_be_due();
         let reporter = Arc::new(report::Reporter::default());
         let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
         let pauses = Arc::new(pauses::Pauses::default());
@@ -170,7 +175,10 @@ impl<H: Handler> Relay<H> {
                 config.breaker_probe_max,
             )),
             idle: idle.clone(),
-            walk: claim::KeyWalk::default(),
+            turns: claim::Turns::default(),
+            new_lock: Arc::default(),
+            new_wanted: Default::default(),
+            work: work.clone(),
             pauses: pauses.clone(),
         });
 
@@ -181,6 +189,7 @@ impl<H: Handler> Relay<H> {
             work: work.clone(),
             metrics: metrics.clone(),
             pauses_changed: pauses_changed.clone(),
+            timer: timer.clone(),
             idle: idle.clone(),
             stop: stop.clone(),
         };
@@ -193,8 +202,16 @@ impl<H: Handler> Relay<H> {
             idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
         );
         services.spawn(
-            pauses::run(pauses, pool.clone(), work.clone(), pauses_changed, metrics.clone(), stop.clone())
-                .instrument(tracing::info_span!("pauses")),
+            pauses::run(
+                pauses,
+                pool.clone(),
+                work.clone(),
+                pauses_changed,
+                metrics.clone(),
+                timer.clone(),
+                stop.clone(),
+            )
+            .instrument(tracing::info_span!("pauses")),
         );
         services.spawn(
             report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),

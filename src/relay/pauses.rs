@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::RelayPool;
 use super::metrics::RelayMetrics;
+use super::timer::Timer;
 use crate::sql;
 
 /// How often the pauses are re-read.
@@ -70,6 +71,7 @@ pub(crate) async fn run(
     work: Arc<Notify>,
     changed: Arc<Notify>,
     metrics: Arc<RelayMetrics>,
+    timer: Arc<Timer>,
     stop: CancellationToken,
 ) {
     loop {
@@ -94,6 +96,8 @@ pub(crate) async fn run(
                     }
                 }
                 if update.widened {
+                    // A resumed topic's events are parked (migration 0008).
+                    timer.parked_may_be_due();
                     work.notify_waiters();
                     work.notify_one();
                 }

@@ -1,6 +1,7 @@
 //! The fallback poll, and wake-ups at the earliest retry or delayed event the relay knows of.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,6 +16,10 @@ use tokio_util::sync::CancellationToken;
 pub(crate) struct Timer {
     due: Mutex<BTreeSet<Instant>>,
     changed: Notify,
+    /// Bumped whenever parked events may have become due (see `parked_turn`).
+    parked_news: AtomicU64,
+    /// `parked_news` as it was when a claim of parked events last took all it could.
+    parked_seen: AtomicU64,
 }
 
 /// The most moments kept; past it the latest are dropped and the fallback poll (and the empty
@@ -33,6 +38,25 @@ impl Timer {
         if earliest {
             self.changed.notify_one();
         }
+    }
+
+    /// Parked events may be due now: a moment came, the poll, a resume, an event parked or given
+    /// back, a parked batch done (a key's next parked event is its head now).
+    pub(crate) fn parked_may_be_due(&self) {
+        self.parked_news.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Whether the next claim looks at the parked events, and the news it acts on: only when
+    /// something may have made one due since a claim of them last took all it could. (A parked
+    /// event that another process makes due is found by the poll.)
+    pub(crate) fn parked_turn(&self) -> (bool, u64) {
+        let news = self.parked_news.load(Ordering::Acquire);
+        (news != self.parked_seen.load(Ordering::Acquire), news)
+    }
+
+    /// A claim of parked events that began at `news` took all it could.
+    pub(crate) fn parked_taken(&self, news: u64) {
+        self.parked_seen.fetch_max(news, Ordering::AcqRel);
     }
 
     fn earliest(&self) -> Option<Instant> {
@@ -61,6 +85,7 @@ pub(crate) async fn run(timer: Arc<Timer>, interval: Duration, work: Arc<Notify>
         }
         let now = Instant::now();
         timer.take_passed(now);
+        timer.parked_may_be_due();
         work.notify_one();
         if next_poll <= now {
             next_poll = now + interval;
@@ -71,6 +96,25 @@ pub(crate) async fn run(timer: Arc<Timer>, interval: Duration, work: Arc<Notify>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parked_events_are_looked_at_until_a_claim_that_began_after_the_news_took_all() {
+        let timer = Timer::default();
+        assert!(!timer.parked_turn().0, "nothing said yet");
+        timer.parked_may_be_due();
+        let (look, news) = timer.parked_turn();
+        assert!(look);
+        timer.parked_may_be_due(); // while that claim runs
+        timer.parked_taken(news);
+        let (look, news) = timer.parked_turn();
+        assert!(look, "news that came during the claim is not lost");
+        timer.parked_taken(news);
+        assert!(!timer.parked_turn().0);
+        timer.parked_taken(0); // a claim that began long ago and ended late changes nothing
+        assert!(!timer.parked_turn().0);
+        timer.parked_may_be_due();
+        assert!(timer.parked_turn().0);
+    }
 
     #[test]
     fn every_moment_is_kept_until_it_passes() {

@@ -83,12 +83,14 @@ impl<H: Handler> Worker<H> {
         }
     }
 
-    /// Claims until a claim comes back empty and no batch in delivery holds events with a key,
-    /// or (while writers notify the relay) a short batch without keys took everything: then the
-    /// queue is drained, for now. (A key's next event becomes claimable only once its
-    /// head is done, and no notification says so: so when a batch with keyed events is done, the
-    /// worker claims again.) The next batch is claimed while the last is being delivered, so
-    /// the database's round trips overlap the destination's; a worker has at most
+    /// Claims until a claim comes back empty and no batch in delivery asks for another claim
+    /// once it is done, or (while writers notify the relay) a short batch took everything: then
+    /// the queue is drained, for now. (New events are claimed by one transaction at a time, so a
+    /// batch that holds their lock claims again once it is done if new ones may wait; and a
+    /// parked key's next event becomes claimable only once its head is done, which no
+    /// notification says: see `Claimer::deliver_and_record`.) The next batch is claimed while
+    /// the last is being delivered, so the database's round trips overlap the destination's (parked
+    /// events only, while the last batch holds the new events' lock); a worker has at most
     /// [`DELIVERING_PER_WORKER`] batches in delivery, and holds no more batches than that.
     async fn drain(&self) -> Result<()> {
         let batch_size = self.claimer.config.batch_size;
@@ -97,7 +99,7 @@ impl<H: Handler> Worker<H> {
             if self.stop.is_cancelled() {
                 break Ok(());
             }
-            // Whether a batch with keyed events was done while this claim ran.
+            // Whether a batch that asks for another claim was done while this claim ran.
             let mut unblocked = false;
             let claim = self.claimer.claim(Claim::Batch { schedule_next: true });
             tokio::pin!(claim);
@@ -121,10 +123,12 @@ impl<H: Handler> Worker<H> {
                 Err(e) => break Err(e),
             };
             let full = batch.count == batch_size;
-            // A short batch of events without keys took everything claimable; while the relay
-            // is marked waiting, whatever is committed later notifies it. So no claim is needed
-            // until then (a quiet service pays no empty claim per event).
-            let took_all = !full && !batch.keyed;
+            // A short batch whose delta was not cut short took everything claimable; while the
+            // relay is marked waiting, whatever is committed later notifies it. So no claim is
+            // needed until then, but one once the batch is done if it asks for one (see below):
+            // a quiet service pays one claim per event.
+            let more = batch.more;
+            let took_all = !full && !more;
             delivering.push(self.claimer.deliver_and_record(batch));
             if self.idle.is_marked() && self.idle.rate.is_busy() {
                 // Busy: writers need not notify until this relay is idle again. (The batch is
@@ -141,11 +145,21 @@ impl<H: Handler> Worker<H> {
                     break Err(e);
                 }
             }
-            if full {
-                // More may be waiting: let an idle worker help while this one claims again.
+            if full || more {
+                // More may be waiting: let an idle worker help (with parked events: the new ones
+                // are this batch's until it is done) while this one claims again.
                 self.work.notify_one();
             }
             if took_all && self.idle.is_marked() {
+                // A parked key's next event, or a new one that a claim turned away by this
+                // batch's lock found, is claimable once the batch is done.
+                let mut unblocked = false;
+                while let Some(keyed) = delivering.next().await {
+                    unblocked |= keyed;
+                }
+                if unblocked {
+                    continue;
+                }
                 break Ok(());
             }
             while delivering.len() >= DELIVERING_PER_WORKER {

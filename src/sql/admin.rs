@@ -126,7 +126,9 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
         .collect())
 }
 
-/// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset.
+/// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset:
+/// parked, so that a revived event is claimed as its key's head (its id is older than the key's
+/// later events).
 /// With `$2`, every dead letter; otherwise the ids `$1`, all or none: when one of them is not a
 /// dead letter, nothing is revived.
 const DEAD_LETTER_RETRY: &str = "\
@@ -137,10 +139,14 @@ revived as (
                   and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted))
                       = (select count(*) from wanted))
     returning id, topic, key, payload, created_at
+),
+inserted as (
+    insert into outbox_relay.outbox (id, topic, key, payload, created_at, parked)
+    select id, topic, key, payload, created_at, true from revived
+    returning id
 )
-insert into outbox_relay.outbox (id, topic, key, payload, created_at)
-select id, topic, key, payload, created_at from revived
-returning id";
+select i.id from inserted i
+ cross join (select pg_notify('outbox_relay', 'parked') where exists (select 1 from inserted)) n(v)";
 
 /// Puts the dead letters `ids` (all or none of them), or every one, back into the outbox;
 /// returns their ids.
@@ -178,6 +184,10 @@ pub(crate) async fn purge_dead_letters_by_id(db: &impl Db, ids: &[i64]) -> Resul
     let rows = all(db, DEAD_LETTER_PURGE_IDS, &[&ids], "purging dead letters").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
+
+/// The payload of the notification a dead letter retry sends on the relays' channel: parked
+/// events are due (the relays claim parked events only when something may have made one due).
+pub(crate) const PARKED_DUE: &str = "parked";
 
 /// The payload of the notification a pause or resume sends on the relays' channel (the
 /// trigger's are empty): the listeners have the pauses re-read at once.

@@ -1,6 +1,7 @@
 //! Events: adding them, claiming them, recording what became of them, cleaning them up.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
 use super::{Db, all, count, micros, one};
@@ -94,180 +95,19 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
 
-// The claim. SKIP LOCKED lets many workers and processes claim side by side without waiting on
-// each other: a row another claim holds (locked, or leased: its `available_at` moved past now)
-// is passed over.
-//
-// Events without a key have no order: they are taken in (`available_at`, id) order from their
-// own partial index, which holds nothing else.
-//
-// Events with a key are delivered one at a time per key, in id order: only a key's *head*, its
-// pending event with the lowest id, may be claimed; the next becomes claimable once the head is
-// done. Scanning pending rows for heads would pass over every event queued behind a head that
-// is in flight or waiting for a retry, on every claim: with a backlog on few keys, nearly the
-// whole table. So the claim *walks the keys* instead: from `$3` (where the relay's last walk
-// ended), the next key of the pending-key index and its lowest pending id, one index probe per
-// key, for up to `$4` keys. That costs the same whatever waits behind each head. A head is taken
-// when it is due, not held by another claim and, with `$2` set, no earlier event of its key is in
-// the dead letters. The walk's end comes back in one marker row (`walked_to`, `walked`), so that
-// the next claim goes on from there and every key gets its turn.
-//
-// Events of the paused topics `$5` are not claimed; a key whose head is paused waits whole. The
-// test is wrapped in coalesce() (topic is never null, so it means the same) because the relay's
-// generic plans cannot see the array: `topic <> all($5)` bare is estimated to keep almost no
-// row, and the planner then reads the whole table and sorts it instead of walking the index
-// (measured: 50 ms per claim of 500 against 0.3 ms); a function's result is estimated to keep
-// half, and the index scan stays.
-//
-// A batch of `$1`: the keyed heads and the unkeyed events share it, whichever comes first taking
-// up to all of it (the relay alternates, so that neither kind starves the other).
+// The claims: of new events (`claim_new.sql`), read by transaction snapshots above the
+// position, so that no claim ever reads an entry of an event delivered before it and a held
+// snapshot cannot slow it down; and of parked events (`claim_parked.sql`: failed, delayed,
+// paused, leased, behind their key), from small indexes of their own. Each ends with a marker
+// row (id null). Both run in the caller's READ COMMITTED transaction, which holds what they took
+// until it ends: the new events by the advisory lock that only one transaction at a time holds,
+// the parked ones by row locks.
 
-/// The walk over the keys, and the claimable heads it found (locked), as CTEs.
-macro_rules! keyed_heads {
-    ($columns:expr, $limit:literal) => {
-        concat!(
-            "walk(key, id, n) as (
-    (select e.key, e.id, 1 from outbox_relay.outbox e
-      where e.processed_at is null and e.key is not null and e.key > $3
-      order by e.key, e.id limit 1)
-  union all
-    (select next.key, next.id, w.n + 1 from walk w, lateral (
-        select e.key, e.id from outbox_relay.outbox e
-         where e.processed_at is null and e.key is not null and e.key > w.key
-         order by e.key, e.id limit 1) next
-      where w.n < $4)
-),
-keyed as (
-    select ",
-            $columns,
-            " from outbox_relay.outbox o join walk w on o.id = w.id
-     where o.processed_at is null and o.available_at <= now() and coalesce(o.topic <> all($5::text[]), true)
-       and not ($2 and exists (select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id))
-     order by o.available_at, o.id
-     limit ",
-            $limit,
-            "
-       for update of o skip locked
-)"
-        )
-    };
-}
+const CLAIM_NEW: &str = include_str!("claim_new.sql");
+const CLAIM_PARKED: &str = include_str!("claim_parked.sql");
 
-/// The due events without a key (locked), as a CTE.
-macro_rules! unkeyed_events {
-    ($columns:expr, $limit:literal) => {
-        concat!(
-            "unkeyed as (
-    select ",
-            $columns,
-            " from outbox_relay.outbox o
-     where o.processed_at is null and o.key is null and o.available_at <= now() and coalesce(o.topic <> all($5::text[]), true)
-     order by o.available_at, o.id
-     limit ",
-            $limit,
-            "
-       for update of o skip locked
-)"
-        )
-    };
-}
-
-/// Both CTEs, the keyed heads first (`true`) or the unkeyed events first.
-macro_rules! claimable {
-    ($columns:expr, true) => {
-        concat!(
-            "with recursive ",
-            keyed_heads!($columns, "$1"),
-            ",\n",
-            unkeyed_events!($columns, "$1 - (select count(*) from keyed)")
-        )
-    };
-    ($columns:expr, false) => {
-        concat!(
-            "with recursive ",
-            unkeyed_events!($columns, "$1"),
-            ",\n",
-            keyed_heads!($columns, "$1 - (select count(*) from unkeyed)")
-        )
-    };
-}
-
-/// What a claim returns of each row: `attempt` is the number of the attempt the claim starts
-/// (it stops short of the integer's end, so no row can fail the statement), `age_us` the
-/// event's age on the server's clock (no clock skew), null for a `created_at` outside 1970 to
-/// 9999 (such an event is dead-lettered).
-macro_rules! claimed_columns {
-    ($attempt:literal) => {
-        concat!(
-            "o.id, o.topic, o.key, o.payload, o.created_at, ",
-            $attempt,
-            " as attempt,
-          case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
-               then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us"
-        )
-    };
-}
-
-/// The marker row that ends every claim's result (its id is null): where the walk over the keys
-/// ended, and how long until the next pending event is due, when one is due later (a retry, a
-/// delayed event, a lease that ends), for the relay's timer. (An infinite `available_at`,
-/// possible in rows older than migration 0003, is no moment to wake at.)
-macro_rules! walk_and_next_due {
-    () => {
-        "
-union all
-select null, null, null, null, null, null, null,
-       (select key from walk order by n desc limit 1), (select count(*) from walk)::int4,
-       (select (extract(epoch from min(available_at) - now()) * 1000000)::int8 from outbox_relay.outbox
-         where processed_at is null and available_at > now() and isfinite(available_at))"
-    };
-}
-
-/// The leased claim, a transaction of its own, under lease `$6` (microseconds) and token `$7`.
-/// The lease moves `available_at` forward, so an event whose worker died comes back when it
-/// ends; `attempts` counts claims, so an event that crashes its worker still runs out of
-/// attempts.
-macro_rules! leased_claim {
-    ($keyed_first:tt) => {
-        concat!(
-            claimable!("o.id", $keyed_first),
-            ",
-leased as (
-    update outbox_relay.outbox o
-       set available_at = now() + $6::int8 * interval '1 microsecond',
-           attempts = least(o.attempts, 2147483646) + 1,
-           lease_token = $7
-      from (select id from keyed union all select id from unkeyed) c
-     where o.id = c.id
-    returning ",
-            claimed_columns!("o.attempts"),
-            "
-)
-select *, null::text as walked_to, null::int4 as walked, null::int8 as next_due_us from leased",
-            walk_and_next_due!()
-        )
-    };
-}
-
-/// The held claim, inside a transaction that stays open while the batch is delivered: its row
-/// locks are the lease, so the claim writes nothing, and the outcomes are written in the same
-/// transaction (the rows' one change is the completion). A worker that dies ends its session,
-/// and its events are claimable at once.
-macro_rules! held_claim {
-    ($keyed_first:tt) => {
-        concat!(
-            claimable!(claimed_columns!("least(o.attempts, 2147483646) + 1"), $keyed_first),
-            "
-select *, null::text as walked_to, null::int4 as walked, null::int8 as next_due_us from keyed
-union all
-select *, null, null, null from unkeyed",
-            walk_and_next_due!()
-        )
-    };
-}
-
-const EVENT_CLAIM_LEASED: [&str; 2] = [leased_claim!(false), leased_claim!(true)];
-const EVENT_CLAIM_HELD: [&str; 2] = [held_claim!(false), held_claim!(true)];
+/// Parks new events that cannot be handed over now (delayed, paused, behind their key).
+const EVENT_PARK_NEW: &str = "update outbox_relay.outbox set parked = true where id = any($1) and not parked";
 
 /// A claimed event as the claim returns it.
 pub(crate) struct ClaimedRow {
@@ -283,24 +123,32 @@ pub(crate) struct ClaimedRow {
     pub(crate) age: Option<Duration>,
 }
 
-/// How a claim holds its events.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Hold {
-    /// By a lease of this length under this token, the claim committed.
-    Lease(Duration, i64),
-    /// By row locks, the claim's transaction open (the caller began it).
-    Locks,
+fn claimed_row(row: &tokio_postgres::Row, id: i64) -> ClaimedRow {
+    ClaimedRow {
+        id,
+        topic: row.get(1),
+        key: row.get(2),
+        payload: row.try_get::<_, Payload>(3).map_err(|e| crate::error::chain(&e)),
+        created_at: row.get(4),
+        attempts: row.get(5),
+        age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
+    }
 }
 
-/// Where a claim's walk over the keys starts and how far it goes.
+/// What a claim looks at, and in which order.
 #[derive(Debug, Clone)]
-pub(crate) struct Walk {
-    /// Keys after this one are walked ('' for the first key).
-    pub(crate) after: String,
-    /// At most this many keys.
-    pub(crate) keys: i32,
-    /// The keyed heads take the batch first, or the unkeyed events do.
-    pub(crate) keyed_first: bool,
+pub(crate) struct Turn {
+    /// Whether to look for new events (not while another transaction of this relay holds their
+    /// lock).
+    pub(crate) new: bool,
+    /// Whether parked events may be due: only then is their claim run.
+    pub(crate) parked: bool,
+    /// Parked events take the batch first, or the new events do (the relay alternates, so that
+    /// neither starves the other).
+    pub(crate) parked_first: bool,
+    /// Where the walk over the parked keys goes on (after this key), and how many it walks.
+    pub(crate) walk_after: String,
+    pub(crate) walk_keys: i32,
     /// Topics not to claim (paused). A paused head holds its key's later events back.
     pub(crate) paused: std::sync::Arc<[String]>,
 }
@@ -308,61 +156,152 @@ pub(crate) struct Walk {
 /// What a claim found.
 pub(crate) struct Claimed {
     pub(crate) rows: Vec<ClaimedRow>,
-    /// Where the walk over the keys ended: the key to go on after, or `None` when it reached
-    /// the last key (the next walk starts from the first).
-    pub(crate) walked_to: Option<String>,
-    /// How long until the next pending event is due, when one is due later.
+    /// How long until the next parked event is due, when one is due later.
     pub(crate) next_due: Option<Duration>,
+    /// The claim parked new events or moved the position without returning an event: its
+    /// transaction must commit, and there may be more to claim.
+    pub(crate) changed: bool,
+    /// The claim parked new events (they may be due at once: behind a key whose head is done).
+    pub(crate) parked_new: bool,
+    /// More new events wait: the delta was cut short.
+    pub(crate) more: bool,
+    /// The claim of parked events ran and took all it could: none other is due now but those
+    /// that other claims hold.
+    pub(crate) parked_all: bool,
+    /// Where the walk over the parked keys ended, when it walked as far as it may (the next
+    /// one goes on from there); `None` when it reached the last key or did not run.
+    pub(crate) walked_to: Option<String>,
+    /// The claim of parked events took some with a key.
+    pub(crate) parked_keyed: bool,
+    /// The claim holds the new events' lock (until its transaction ends): a claim turned away
+    /// meanwhile relies on this one's relay to claim again once it is done.
+    pub(crate) held_new: bool,
+    /// Another transaction held the new events' lock: this claim took none.
+    pub(crate) turned_away: bool,
 }
 
-/// Claims up to `batch` deliverable events, walking the keys as `walk` says; with
-/// `dead_letters_hold`, a key with an earlier event in the dead letters is held.
-pub(crate) async fn claim_events(
-    db: &impl Db,
-    batch: i64,
-    dead_letters_hold: bool,
-    walk: &Walk,
-    hold: Hold,
-) -> Result<Claimed> {
-    let order = usize::from(walk.keyed_first);
-    let rows = match hold {
-        Hold::Lease(lease, token) => {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &&*walk.paused, &micros(lease), &token];
-            all(db, EVENT_CLAIM_LEASED[order], &params, "claiming events").await?
-        }
-        Hold::Locks => {
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                [&batch, &dead_letters_hold, &walk.after, &walk.keys, &&*walk.paused];
-            all(db, EVENT_CLAIM_HELD[order], &params, "claiming events").await?
-        }
+/// How many times a claim of new events reads the position again after another claim's commit
+/// overtook its read (each time another claim moved it: they take turns).
+const OVERTAKEN_MAX: usize = 4;
+
+/// Claims up to `batch` deliverable events, looking as `turn` says; with `dead_letters_hold`, a
+/// key with an earlier event in the dead letters is held. Runs inside the caller's READ
+/// COMMITTED transaction, which holds the events until it ends. New events that cannot be
+/// handed over now are parked in it, with every later new event of their key.
+pub(crate) async fn claim_events(db: &impl Db, batch: i64, dead_letters_hold: bool, turn: &Turn) -> Result<Claimed> {
+    let mut claimed = Claimed {
+        rows: Vec::new(),
+        next_due: None,
+        changed: false,
+        parked_new: false,
+        more: false,
+        parked_all: false,
+        walked_to: None,
+        parked_keyed: false,
+        held_new: false,
+        turned_away: false,
     };
-    let mut claimed = Claimed { rows: Vec::with_capacity(rows.len()), walked_to: None, next_due: None };
-    for row in &rows {
-        if let Some(walked) = row.get::<_, Option<i32>>(8) {
-            claimed.walked_to = if walked < walk.keys { None } else { row.get::<_, Option<String>>(7) };
-            claimed.next_due =
-                row.get::<_, Option<i64>>(9).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
-            continue;
-        }
-        claimed.rows.push(ClaimedRow {
-            id: row.get(0),
-            topic: row.get(1),
-            key: row.get(2),
-            payload: row.try_get::<_, Payload>(3).map_err(|e| crate::error::chain(&e)),
-            created_at: row.get(4),
-            attempts: row.get(5),
-            age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
-        });
+    if turn.parked && turn.parked_first {
+        claim_parked(db, batch, dead_letters_hold, turn, &mut claimed).await?;
+    }
+    let room = batch - claimed.rows.len() as i64;
+    if turn.new && room > 0 {
+        claim_new(db, room, dead_letters_hold, turn, &mut claimed).await?;
+    }
+    let room = batch - claimed.rows.len() as i64;
+    if turn.parked && !turn.parked_first && room > 0 {
+        claim_parked(db, room, dead_letters_hold, turn, &mut claimed).await?;
     }
     Ok(claimed)
 }
 
-/// Turns held events (locked by this transaction) into leased ones, counting the attempt, so
-/// that the transaction can commit while their delivery goes on.
+async fn claim_new(
+    db: &impl Db,
+    batch: i64,
+    dead_letters_hold: bool,
+    turn: &Turn,
+    claimed: &mut Claimed,
+) -> Result<()> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&batch, &dead_letters_hold, &&*turn.paused];
+    for _ in 0..OVERTAKEN_MAX {
+        let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
+        let mut fresh = Vec::with_capacity(rows.len());
+        let mut moved = false;
+        for row in &rows {
+            let Some(id) = row.get::<_, Option<i64>>(0) else {
+                claimed.next_due =
+                    row.get::<_, Option<i64>>(8).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
+                claimed.held_new = row.get::<_, Option<bool>>(9).unwrap_or(false);
+                moved = row.get::<_, Option<bool>>(10).unwrap_or(false);
+                claimed.more = row.get::<_, Option<bool>>(11).unwrap_or(false);
+                continue;
+            };
+            fresh.push((claimed_row(row, id), row.get::<_, Option<bool>>(7).unwrap_or(false)));
+        }
+        claimed.turned_away = !claimed.held_new;
+        if claimed.held_new && !moved && (claimed.more || !fresh.is_empty()) {
+            continue; // overtaken: read the position again
+        }
+        // A key whose event waits holds its later ones back too (they are in id order).
+        let mut waiting_keys: HashSet<&str> = HashSet::new();
+        let mut park = Vec::new();
+        for (row, ready) in &fresh {
+            let wait = match row.key.as_deref() {
+                None => !ready,
+                Some(key) => {
+                    if !ready {
+                        waiting_keys.insert(key);
+                    }
+                    waiting_keys.contains(key)
+                }
+            };
+            if wait {
+                park.push(row.id);
+            }
+        }
+        if !park.is_empty() {
+            count(db, EVENT_PARK_NEW, &[&park], "parking new events that wait").await?;
+            claimed.parked_new = true;
+        }
+        let parked: HashSet<i64> = park.into_iter().collect();
+        claimed.rows.extend(fresh.into_iter().map(|(row, _)| row).filter(|row| !parked.contains(&row.id)));
+        claimed.changed |= moved && claimed.rows.is_empty();
+        return Ok(());
+    }
+    // Overtaken every time: other claims are moving the position; theirs will claim again.
+    claimed.turned_away = true;
+    Ok(())
+}
+
+async fn claim_parked(
+    db: &impl Db,
+    limit: i64,
+    dead_letters_hold: bool,
+    turn: &Turn,
+    claimed: &mut Claimed,
+) -> Result<()> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused];
+    let rows = all(db, CLAIM_PARKED, &params, "claiming parked events").await?;
+    let before = claimed.rows.len();
+    for row in &rows {
+        let Some(id) = row.get::<_, Option<i64>>(0) else {
+            claimed.walked_to = row.get(7);
+            continue;
+        };
+        let row = claimed_row(row, id);
+        claimed.parked_keyed |= row.key.is_some();
+        claimed.rows.push(row);
+    }
+    claimed.parked_all = ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to.is_none();
+    Ok(())
+}
+
+/// Turns held events (new ones held by this transaction's lock, parked ones by its row locks) into leased parked ones, counting
+/// the attempt, so that the transaction can commit while their delivery goes on.
 const EVENT_LEASE_HELD: &str = "\
 update outbox_relay.outbox
-   set available_at = now() + $2::int8 * interval '1 microsecond',
+   set parked = true, available_at = now() + $2::int8 * interval '1 microsecond',
        attempts = least(attempts, 2147483646) + 1,
        lease_token = $3
  where id = any($1)";
@@ -372,8 +311,9 @@ pub(crate) async fn lease_held_events(db: &impl Db, ids: &[i64], lease: Duration
     count(db, EVENT_LEASE_HELD, &[&ids, &micros(lease), &token], "turning a held claim into a lease").await
 }
 
-// The outcome statements take `$2`, the claim's token, or null for a held claim (its row locks
-// already say the rows are this claim's). `attempts` are set as the relay counted them: the
+// The outcome statements take `$2`, the claim's token, or null for a held claim (its locks
+// already say the rows are this claim's). An event that is not done goes to the parked
+// events (a retry, or given back). `attempts` are set as the relay counted them: the
 // attempt just made, or one fewer where it is given back.
 
 const EVENT_MARK_PROCESSED: &str = "\
@@ -403,7 +343,8 @@ pub(crate) async fn complete_events(
 
 const EVENT_RESCHEDULE: &str = "\
 update outbox_relay.outbox o
-   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error, lease_token = null,
+   set parked = true, available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error,
+       lease_token = null,
        attempts = f.attempts
   from unnest($1::int8[], $3::int8[], $4::text[], $5::int4[]) as f(id, delay_us, error, attempts)
  where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
@@ -423,12 +364,13 @@ pub(crate) async fn reschedule_events(
 
 const EVENT_RELEASE: &str = "\
 update outbox_relay.outbox o
-   set available_at = now(), lease_token = null, attempts = f.attempts, last_error = coalesce($4, o.last_error)
+   set parked = true, available_at = now(), lease_token = null, attempts = f.attempts,
+       last_error = coalesce($4, o.last_error)
   from unnest($1::int8[], $3::int4[]) as f(id, attempts)
  where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
 
-/// Gives back claimed events that were not delivered (shutdown, an open breaker): deliverable
-/// at once, with the attempts they had before the claim, and `why` as their `last_error` when
+/// Gives back claimed events that were not delivered (shutdown, an open breaker, behind an
+/// event of their key that was not delivered): parked, due at once, with the attempts they had before the claim, and `why` as their `last_error` when
 /// given.
 pub(crate) async fn release_events(
     db: &impl Db,
@@ -488,67 +430,17 @@ pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: 
     count(db, EVENT_DELETE_EXPIRED, &[&micros(age), &batch], "deleting old processed events").await
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::Value;
+/// Every position but the newest (the one that counts; a claim reads it from the end of the
+/// index, so the dead rows this leaves are never on its path).
+///
+/// Only rows older than ten minutes go: a claim detects that another overtook its read of the
+/// position by the next row's key, so that row must outlive any claim statement in flight.
+const POSITIONS_PRUNE: &str = "\
+delete from outbox_relay.positions p
+ where p.at < now() - interval '10 minutes'
+   and p.n < (select max(q.n) from outbox_relay.positions q)";
 
-    /// Every `Seq Scan` of the outbox that filters pending rows (a claim's search) in an
-    /// EXPLAIN (FORMAT JSON) plan. (The leased claim's UPDATE may hash-join its few ids against
-    /// a small table read whole; that scan has no filter and is left to the planner.)
-    fn outbox_seq_scans(plan: &Value, found: &mut Vec<String>) {
-        match plan {
-            Value::Object(node) => {
-                if node.get("Node Type") == Some(&Value::from("Seq Scan"))
-                    && node.get("Relation Name") == Some(&Value::from("outbox"))
-                    && node.get("Filter").and_then(Value::as_str).is_some_and(|f| f.contains("processed_at"))
-                {
-                    found.push(plan.to_string());
-                }
-                node.values().for_each(|v| outbox_seq_scans(v, found));
-            }
-            Value::Array(items) => items.iter().for_each(|v| outbox_seq_scans(v, found)),
-            _ => {}
-        }
-    }
-
-    /// The relay runs its claims with generic plans (`plan_cache_mode = force_generic_plan`):
-    /// with a backlog, every variant, with no topic paused and with one, must walk the pending
-    /// indexes, never read the whole outbox (a bare `topic <> all($5)` once made the planner do
-    /// just that, a hundred times slower).
-    #[tokio::test]
-    async fn every_claim_walks_the_indexes_with_generic_plans() {
-        let db = outbox_relay_testkit::harness::TestDb::new().await;
-        let client = db.client().await;
-        client
-            .batch_execute(
-                "insert into outbox_relay.outbox (topic, payload) select 'bench', '{}' from generate_series(1, 200000);
-                 insert into outbox_relay.outbox (topic, key, payload) select 'bench', 'k' || (g % 100), '{}' from generate_series(1, 20000) g;
-                 analyze outbox_relay.outbox;
-                 set plan_cache_mode = force_generic_plan",
-            )
-            .await
-            .unwrap();
-        let variants =
-            EVENT_CLAIM_HELD.iter().map(|sql| (sql, false)).chain(EVENT_CLAIM_LEASED.iter().map(|sql| (sql, true)));
-        for (n, (sql, leased)) in variants.enumerate() {
-            client.batch_execute(&format!("prepare claim_{n} as {sql}")).await.unwrap();
-            for paused in ["{}", "{mail.send}"] {
-                let args = if leased {
-                    format!("500, false, '', 1000, '{paused}', 30000000, 7")
-                } else {
-                    format!("500, false, '', 1000, '{paused}'")
-                };
-                let row =
-                    client.query_one(&format!("explain (format json) execute claim_{n}({args})"), &[]).await.unwrap();
-                let plan: Value = row.get(0);
-                let mut scans = Vec::new();
-                outbox_seq_scans(&plan, &mut scans);
-                assert!(
-                    scans.is_empty(),
-                    "claim {n} (leased: {leased}, paused {paused}) reads the whole outbox: {plan}"
-                );
-            }
-        }
-    }
+/// Deletes the old positions; returns how many.
+pub(crate) async fn prune_positions(db: &impl Db) -> Result<u64> {
+    count(db, POSITIONS_PRUNE, &[], "deleting old claim positions").await
 }

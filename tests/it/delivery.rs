@@ -137,6 +137,12 @@ async fn a_failing_key_holds_back_only_itself() {
     let log = Log::default();
     let relay = support::start(&db.outbox, RelayConfig { max_attempts: 1000, ..config() }, OneKeyStuck(log.clone()));
     eventually("the 200 events of the other keys delivered", || async { log.len() >= 200 }).await;
+    // (A batch hands a key's events over in rounds and records them when it is done.)
+    eventually("their deliveries recorded", || async {
+        let done = "select count(*) from outbox_relay.outbox where processed_at is not null";
+        client.query_one(done, &[]).await.unwrap().get::<_, i64>(0) == 200
+    })
+    .await;
     let stuck: Vec<(i64, i32)> = client
         .query(
             "select id, attempts from outbox_relay.outbox where key = 'stuck' and processed_at is null order by id",

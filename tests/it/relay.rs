@@ -455,7 +455,8 @@ async fn a_stale_worker_does_not_overwrite_a_newer_claim() {
             Ok(())
         }
     });
-    let relay = support::start(&db.outbox, RelayConfig { workers: 1, ..config() }, handler);
+    // Leased at once (a held claim's new events are locked: no other claim can take them).
+    let relay = support::start(&db.outbox, RelayConfig { workers: 1, hold: Duration::ZERO, ..config() }, handler);
     let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
     assert_eq!(started.recv().await.unwrap(), id);
     // Meanwhile another worker claimed the event (its lease had ended): a new token.

@@ -162,7 +162,10 @@ async fn run_nats_publishes_to_jetstream_once_per_event_id() {
     // dropped by the stream: Nats-Msg-Id is the event id.
     db.client()
         .await
-        .execute("update outbox_relay.outbox set processed_at = null, available_at = now() where id = $1", &[&first])
+        .execute(
+            "update outbox_relay.outbox set processed_at = null, available_at = now(), parked = true where id = $1",
+            &[&first],
+        )
         .await
         .unwrap();
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);

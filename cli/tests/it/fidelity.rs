@@ -82,7 +82,10 @@ async fn publish_everything(db: &TestDb) -> HashMap<i64, String> {
 async fn redeliver(db: &TestDb) {
     let client = db.client().await;
     client
-        .execute("update outbox_relay.outbox set processed_at = null, available_at = now(), attempts = 0", &[])
+        .execute(
+            "update outbox_relay.outbox set processed_at = null, available_at = now(), attempts = 0, parked = true",
+            &[],
+        )
         .await
         .unwrap();
 }
