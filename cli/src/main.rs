@@ -132,7 +132,7 @@ pub(crate) struct RunArgs {
     /// amqp://user:pass@host:5672/vhost (RabbitMQ).
     #[arg(long, value_name = "SINK")]
     sink: String,
-    /// Concurrent claimers (each claims its own batches).
+    /// Concurrent claimers (each claims its own batches; new events one claim at a time).
     #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
     workers: usize,
     /// Deliveries in progress at once, across all workers (HTTP requests in flight; a NATS or
