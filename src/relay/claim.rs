@@ -62,6 +62,8 @@ pub(crate) struct Claimer<H> {
     pub(crate) new_lock: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
     /// "There may be events": wakes a waiting worker.
     pub(crate) work: Arc<tokio::sync::Notify>,
+    /// Held by the claim of new events in progress (see `claim`).
+    pub(crate) new_gate: tokio::sync::Mutex<()>,
     /// A claim found the new events' lock taken (by this relay's batch in hand, or another's):
     /// the batch that holds it claims again once it is done.
     pub(crate) new_wanted: std::sync::atomic::AtomicBool,
@@ -292,9 +294,18 @@ impl<H: Handler> Claimer<H> {
         let size = if probe { 1 } else { i64::try_from(config.batch_size).unwrap_or(i64::MAX) };
         let holds = config.dead_letter_holds_key;
         let mut changed_claims = 0;
+        // This relay's claims of new events take turns: two at once would race for the lock, and
+        // the one turned away by the other's empty claim would leave events committed in between
+        // to nobody (the gate is held until the claim's transaction is over or holds the lock for
+        // its batch, which claims again when it is done).
+        let gate = if NewLock::in_hand(&self.new_lock, config.poll_interval) {
+            None
+        } else {
+            Some(self.new_gate.lock().await)
+        };
         let (mut held, claimed, claimed_at) = loop {
             let (parked, news) = self.timer.parked_turn();
-            let new = !NewLock::in_hand(&self.new_lock, config.poll_interval);
+            let new = gate.is_some() && !NewLock::in_hand(&self.new_lock, config.poll_interval);
             if !new {
                 // The batch that holds the lock claims again once it is done.
                 self.new_wanted.store(true, std::sync::atomic::Ordering::Release);

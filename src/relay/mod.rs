@@ -179,6 +179,7 @@ impl<H: Handler> Relay<H> {
             new_lock: Arc::default(),
             new_wanted: Default::default(),
             work: work.clone(),
+            new_gate: tokio::sync::Mutex::new(()),
             pauses: pauses.clone(),
         });
 

@@ -65,7 +65,9 @@ moved as (
 -- snapshot has an `available_at` past now()), not paused, not behind a parked event of its key,
 -- not held by an earlier dead letter of its key (with $2). Then one marker row (id null): how
 -- long until the next parked event is due (when one is due later), whether this transaction holds
--- the lock, whether it moved the position, and whether more new events wait (cut short).
+-- the lock, whether it moved the position, whether more new events wait (cut short), and whether
+-- another claim's commit overtook its read of the position (it found new events or a cut delta's
+-- end but could not move the position: it claimed nothing, and must look again).
 -- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
 -- one primary key probe each: no plan may choose to walk an index from its start, past the
 -- dead entries a held snapshot keeps.)
@@ -79,7 +81,8 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
              order by b.key, b.id limit 1) is null)
        and not ($2 and o.key is not null and exists (
             select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id)) as ready,
-       null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more
+       null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
+       null::boolean as overtaken
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
@@ -88,5 +91,7 @@ select null, null, null, null, null, null, null, null,
          where e.parked and e.processed_at is null and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),
        exists (select 1 from moved),
-       (select count(*) from cand) > $1::int8
+       (select count(*) from cand) > $1::int8,
+       exists (select 1 from pos k where k.after_id is not null or exists (select 1 from cand))
+         and not exists (select 1 from moved)
 order by 1

@@ -226,7 +226,7 @@ async fn claim_new(
     for _ in 0..OVERTAKEN_MAX {
         let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
         let mut fresh = Vec::with_capacity(rows.len());
-        let mut moved = false;
+        let (mut moved, mut overtaken) = (false, false);
         for row in &rows {
             let Some(id) = row.get::<_, Option<i64>>(0) else {
                 claimed.next_due =
@@ -234,13 +234,14 @@ async fn claim_new(
                 claimed.held_new = row.get::<_, Option<bool>>(9).unwrap_or(false);
                 moved = row.get::<_, Option<bool>>(10).unwrap_or(false);
                 claimed.more = row.get::<_, Option<bool>>(11).unwrap_or(false);
+                overtaken = row.get::<_, Option<bool>>(12).unwrap_or(false);
                 continue;
             };
             fresh.push((claimed_row(row, id), row.get::<_, Option<bool>>(7).unwrap_or(false)));
         }
         claimed.turned_away = !claimed.held_new;
-        if claimed.held_new && !moved && (claimed.more || !fresh.is_empty()) {
-            continue; // overtaken: read the position again
+        if claimed.held_new && overtaken {
+            continue; // another claim moved the position after this one read it: read it again
         }
         // A key whose event waits holds its later ones back too (they are in id order).
         let mut waiting_keys: HashSet<&str> = HashSet::new();
@@ -265,6 +266,8 @@ async fn claim_new(
         }
         let parked: HashSet<i64> = park.into_iter().collect();
         claimed.rows.extend(fresh.into_iter().map(|(row, _)| row).filter(|row| !parked.contains(&row.id)));
+        // The position moved but the claim returns no event (all parked, or the end of a cut
+        // delta): its transaction must commit, and there may be more.
         claimed.changed |= moved && claimed.rows.is_empty();
         return Ok(());
     }
