@@ -307,11 +307,10 @@ impl<H: Handler> Claimer<H> {
             let (parked, news) = self.timer.parked_turn();
             let new = gate.is_some() && !NewLock::in_hand(&self.new_lock, config.poll_interval);
             if !new {
-                // The batch that holds the lock claims again once it is done.
+                // The batch in hand that holds the new events' lock claims again once it is done.
                 self.new_wanted.store(true, std::sync::atomic::Ordering::Release);
             }
             if !new && !parked {
-                // The batch in hand that holds the new events' lock claims again once it is done.
                 if probe {
                     self.breaker.probe_found_nothing();
                 }
@@ -406,8 +405,8 @@ impl<H: Handler> Claimer<H> {
     }
 
     /// Delivers a claimed batch and records what became of it. A held claim whose delivery
-    /// outlives `hold` is leased meanwhile. Returns whether the batch held events with a key:
-    /// once it is done, their keys' next events may be claimable.
+    /// outlives `hold` is leased meanwhile. Returns whether the worker should claim again now
+    /// (see the end of this function).
     pub(crate) async fn deliver_and_record(&self, batch: Batch) -> bool {
         let Batch { mut held, token, claimed_at, held_new, parked_keyed, events, ages, mut outcomes, probe, .. } =
             batch;

@@ -106,15 +106,15 @@ impl<H: Handler> Worker<H> {
             let claimed = loop {
                 tokio::select! {
                     claimed = &mut claim => break claimed,
-                    Some(keyed) = delivering.next(), if !delivering.is_empty() => unblocked |= keyed,
+                    Some(again) = delivering.next(), if !delivering.is_empty() => unblocked |= again,
                 }
             };
             let batch = match claimed {
                 Ok(Some(batch)) => batch,
                 Ok(None) if unblocked => continue,
                 Ok(None) => {
-                    while let Some(keyed) = delivering.next().await {
-                        if keyed {
+                    while let Some(again) = delivering.next().await {
+                        if again {
                             continue 'claiming;
                         }
                     }
@@ -154,8 +154,8 @@ impl<H: Handler> Worker<H> {
                 // A parked key's next event, or a new one that a claim turned away by this
                 // batch's lock found, is claimable once the batch is done.
                 let mut unblocked = false;
-                while let Some(keyed) = delivering.next().await {
-                    unblocked |= keyed;
+                while let Some(again) = delivering.next().await {
+                    unblocked |= again;
                 }
                 if unblocked {
                     continue;
