@@ -328,7 +328,9 @@ impl<H: Handler> Claimer<H> {
             if claimed.parked_all {
                 self.timer.parked_taken(news);
             }
-            self.turns.walked(claimed.walked_to.clone());
+            if let Some(end) = &claimed.walked_to {
+                self.turns.walked(end.clone());
+            }
             if claimed.rows.is_empty() && claimed.changed {
                 // New events parked (delayed, paused, behind their key) or the position moved:
                 // commit that, and look again.

@@ -169,9 +169,10 @@ pub(crate) struct Claimed {
     /// The claim of parked events ran and took all it could: none other is due now but those
     /// that other claims hold.
     pub(crate) parked_all: bool,
-    /// Where the walk over the parked keys ended, when it walked as far as it may (the next
-    /// one goes on from there); `None` when it reached the last key or did not run.
-    pub(crate) walked_to: Option<String>,
+    /// Where the walk over the parked keys ended, when the claim of parked events ran: the key
+    /// to go on after when it walked as far as it may, `None` when it reached the last key (the
+    /// next walk starts from the first). `None` outside: the next walk goes on where it was.
+    pub(crate) walked_to: Option<Option<String>>,
     /// The claim of parked events took some with a key.
     pub(crate) parked_keyed: bool,
     /// The claim holds the new events' lock (until its transaction ends): a claim turned away
@@ -280,14 +281,14 @@ async fn claim_parked(
     let before = claimed.rows.len();
     for row in &rows {
         let Some(id) = row.get::<_, Option<i64>>(0) else {
-            claimed.walked_to = row.get(7);
+            claimed.walked_to = Some(row.get(7));
             continue;
         };
         let row = claimed_row(row, id);
         claimed.parked_keyed |= row.key.is_some();
         claimed.rows.push(row);
     }
-    claimed.parked_all = ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to.is_none();
+    claimed.parked_all = ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to == Some(None);
     Ok(())
 }
 
