@@ -17,6 +17,34 @@ use crate::binary::{cli, publish, spawn_run, stderr, terminate, terminate_with_o
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
+/// The local ports of the TCP connections that process `pid` holds to the broker's port, read
+/// from /proc (the socket inodes of its descriptors, matched in /proc/net/tcp and tcp6).
+fn broker_ports(pid: u32) -> Vec<u16> {
+    let broker_port =
+        amqp_url().rsplit_once(':').and_then(|(_, rest)| rest.split('/').next()?.parse::<u16>().ok()).unwrap_or(5672);
+    let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the relay's descriptors")
+        .filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+        .filter_map(|link| Some(link.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned()))
+        .collect();
+    let port_of = |address: &str| u16::from_str_radix(address.rsplit_once(':')?.1, 16).ok();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let (local, remote, inode) = (fields.get(1)?, fields.get(2)?, fields.get(9)?);
+                    (port_of(remote)? == broker_port && inodes.contains(*inode)).then(|| port_of(local))?
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
@@ -227,16 +255,19 @@ async fn a_connection_closed_by_the_broker_is_opened_again() {
     );
     let first = publish(&db, "order.placed", json!({})).await;
     assert_eq!(next(&mut consumer).await.properties.message_id().as_ref().unwrap().as_str(), first.to_string());
-    // The broker closes every connection named outbox-relay (the relay's), as on a restart. A
-    // connection still in its handshake (another test's) has no client properties yet, and one
-    // may close between the listing and the question: both are skipped, not an error.
+    // The broker closes the relay's connections, as on a restart: only this relay's (found by the
+    // ports its process holds open to the broker), since other tests run relays beside it.
+    let ports = broker_ports(relay.id().expect("running"));
+    assert!(!ports.is_empty(), "the relay holds no connection to the broker");
+    let ports = ports.iter().map(u16::to_string).collect::<Vec<_>>().join(",");
     let closed = tokio::process::Command::new("rabbitmqctl")
         .args([
             "eval",
-            "[rabbit_networking:close_connection(P, \"test\") || P <- rabbit_networking:connections(), \
-             lists:member({<<\"connection_name\">>, longstr, <<\"outbox-relay\">>}, \
-             case catch rabbit_networking:connection_info(P, [client_properties]) of \
-             [{client_properties, Properties}] when is_list(Properties) -> Properties; _ -> [] end)].",
+            &format!(
+                "[rabbit_networking:close_connection(P, \"test\") || P <- rabbit_networking:connections(), \
+                 lists:member(case catch rabbit_networking:connection_info(P, [peer_port]) of \
+                 [{{peer_port, Port}}] -> Port; _ -> none end, [{ports}])]."
+            ),
         ])
         .output()
         .await
