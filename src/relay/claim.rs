@@ -26,7 +26,7 @@ use super::backoff::retry_delay;
 use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::{Completion, RelayConfig};
 use super::handler::{DeliveryError, Handler, Slots, panicked};
-use super::held::{Held, NewLock};
+use super::held::{Held, NewLock, SharedNewLock};
 use super::idle::Idle;
 use super::metrics::RelayMetrics;
 use super::pauses::Pauses;
@@ -58,15 +58,13 @@ pub(crate) struct Claimer<H> {
     pub(crate) turns: Turns,
     /// The topics not to claim.
     pub(crate) pauses: Arc<Pauses>,
-    /// Since when a transaction of this relay holds the new events' lock.
-    pub(crate) new_lock: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+    /// The new events' lock: whether a transaction of this relay holds it, and whether a
+    /// claim turned away by it wants the holder to claim again once done.
+    pub(crate) new_lock: SharedNewLock,
     /// "There may be events": wakes a waiting worker.
     pub(crate) work: Arc<tokio::sync::Notify>,
     /// Held by the claim of new events in progress (see `claim`).
     pub(crate) new_gate: tokio::sync::Mutex<()>,
-    /// A claim found the new events' lock taken (by this relay's batch in hand, or another's):
-    /// the batch that holds it claims again once it is done.
-    pub(crate) new_wanted: std::sync::atomic::AtomicBool,
 }
 
 /// Where the next claim's walk over the parked keys goes on, and which kind of event takes its
@@ -298,18 +296,15 @@ impl<H: Handler> Claimer<H> {
         // the one turned away by the other's empty claim would leave events committed in between
         // to nobody (the gate is held until the claim's transaction is over or holds the lock for
         // its batch, which claims again when it is done).
-        let gate = if NewLock::in_hand(&self.new_lock, config.poll_interval) {
+        let gate = if NewLock::in_hand_or_wanted(&self.new_lock, config.poll_interval) {
             None
         } else {
             Some(self.new_gate.lock().await)
         };
         let (mut held, claimed, claimed_at) = loop {
             let (parked, news) = self.timer.parked_turn();
-            let new = gate.is_some() && !NewLock::in_hand(&self.new_lock, config.poll_interval);
-            if !new {
-                // The batch in hand that holds the new events' lock claims again once it is done.
-                self.new_wanted.store(true, std::sync::atomic::Ordering::Release);
-            }
+            // Taken by a batch in hand: it claims again once it is done.
+            let new = gate.is_some() && !NewLock::in_hand_or_wanted(&self.new_lock, config.poll_interval);
             if !new && !parked {
                 if probe {
                     self.breaker.probe_found_nothing();
@@ -345,7 +340,7 @@ impl<H: Handler> Claimer<H> {
                 break (None, claimed, claimed_at);
             }
             if claimed.turned_away {
-                self.new_wanted.store(true, std::sync::atomic::Ordering::Release);
+                NewLock::wanted(&self.new_lock);
             }
             let mut held = held;
             if claimed.held_new && !claimed.rows.is_empty() {
@@ -454,10 +449,7 @@ impl<H: Handler> Claimer<H> {
         // lock and new events may wait: a claim of this relay was turned away by the lock
         // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
         // relay marked waiting hears every commit, so a turned-away claim of its own says so.
-        parked_keyed
-            || released
-            || (held_new
-                && (!self.idle.is_marked() || self.new_wanted.swap(false, std::sync::atomic::Ordering::AcqRel)))
+        parked_keyed || released || (held_new && (!self.idle.is_marked() || NewLock::take_wanted(&self.new_lock)))
     }
 
     /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.

@@ -25,23 +25,55 @@ pub(crate) struct Held {
     new_lock: Option<NewLock>,
 }
 
+/// The new events' lock as this relay sees it: since when one of its transactions holds it, and
+/// whether a claim of the relay's was turned away meanwhile. One mutex guards both, so that a
+/// claim that finds the lock taken and says so cannot fall between the holder's release and its
+/// look at what was wanted: either the claim finds the lock free and claims itself, or the
+/// holder, once done, finds the claim's word and claims again.
+#[derive(Debug, Default)]
+pub(crate) struct NewLockState {
+    since: Option<Instant>,
+    wanted: bool,
+}
+
+/// Shared by a relay's claims.
+pub(crate) type SharedNewLock = Arc<Mutex<NewLockState>>;
+
 /// While a relay's transaction holds the new events' lock, its other claims need not look for
 /// new events: the lock would turn them away. Cleared when the transaction ends (the `Held` is
 /// finished or dropped).
-pub(crate) struct NewLock(Arc<Mutex<Option<Instant>>>);
+pub(crate) struct NewLock(SharedNewLock);
 
 impl NewLock {
-    /// Whether a transaction of this relay has held the lock for less than `patience`. (Past
-    /// it claims look again: the transaction's session may be gone, the server having
-    /// terminated it, and with it the lock.)
-    pub(crate) fn in_hand(taken: &Mutex<Option<Instant>>, patience: Duration) -> bool {
-        taken.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|at| at.elapsed() < patience)
+    fn state(shared: &SharedNewLock) -> std::sync::MutexGuard<'_, NewLockState> {
+        shared.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a transaction of this relay has held the lock for less than `patience` (past it
+    /// claims look again: the transaction's session may be gone, the server having terminated
+    /// it, and with it the lock); if so, notes that a claim wanted new events, for the holder.
+    pub(crate) fn in_hand_or_wanted(shared: &SharedNewLock, patience: Duration) -> bool {
+        let mut state = Self::state(shared);
+        let in_hand = state.since.is_some_and(|at| at.elapsed() < patience);
+        state.wanted |= in_hand;
+        in_hand
+    }
+
+    /// Notes that a claim was turned away by the lock (held by another relay's transaction).
+    pub(crate) fn wanted(shared: &SharedNewLock) {
+        Self::state(shared).wanted = true;
+    }
+
+    /// Whether a claim wanted new events since this was last asked; asked by the holder after
+    /// its transaction ended.
+    pub(crate) fn take_wanted(shared: &SharedNewLock) -> bool {
+        std::mem::take(&mut Self::state(shared).wanted)
     }
 }
 
 impl Drop for NewLock {
     fn drop(&mut self) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        Self::state(&self.0).since = None;
     }
 }
 
@@ -63,8 +95,8 @@ impl Held {
     }
 
     /// Notes in `taken` that this transaction holds the new events' lock, until it ends.
-    pub(crate) fn holds_new_lock(&mut self, taken: &Arc<Mutex<Option<Instant>>>) {
-        *taken.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+    pub(crate) fn holds_new_lock(&mut self, taken: &SharedNewLock) {
+        NewLock::state(taken).since = Some(Instant::now());
         self.new_lock = Some(NewLock(taken.clone()));
     }
 

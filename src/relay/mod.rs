@@ -177,7 +177,6 @@ impl<H: Handler> Relay<H> {
             idle: idle.clone(),
             turns: claim::Turns::default(),
             new_lock: Arc::default(),
-            new_wanted: Default::default(),
             work: work.clone(),
             new_gate: tokio::sync::Mutex::new(()),
             pauses: pauses.clone(),
