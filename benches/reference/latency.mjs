@@ -2,9 +2,13 @@
 // one driver: one job (event) every 20 ms, each in its own transaction; the interval runs from
 // just before COMMIT is sent to the instant the no-op task starts (graphile-worker, in this
 // process) or the event's line arrives on `outbox-relay run --sink stdout`'s stdout (which adds
-// a pipe hop to outbox-relay's figure). Usage (run.sh installs graphile-worker first):
+// a pipe hop to outbox-relay's figure). `floor` measures what no relay woken by NOTIFY can beat
+// on this server: the same commit, of a transaction that inserts a row (so that its commit
+// flushes WAL as the others' do) and calls pg_notify, to the instant a second client of this
+// process that LISTENs has the notification (no claim, no delivery).
+// Usage (run.sh installs graphile-worker first):
 //
-//   node latency.mjs graphile|outbox DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
+//   node latency.mjs graphile|outbox|floor DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
 import { spawn } from "node:child_process";
 import { createInterface } from "node:readline";
 import pg from "pg";
@@ -65,8 +69,21 @@ if (mode === "graphile") {
     return n;
   };
   stop = async () => relay.kill("SIGTERM");
+} else if (mode === "floor") {
+  const listener = new pg.Client({ connectionString: url });
+  await listener.connect();
+  listener.on("notification", (message) => arrived(Number(message.payload)));
+  await listener.query("listen outbox_reference_floor");
+  await writer.query("create table if not exists outbox_reference_floor (n int)");
+  enqueue = async (n) => {
+    await writer.query("begin");
+    await writer.query("insert into outbox_reference_floor values ($1)", [n]);
+    await writer.query("select pg_notify('outbox_reference_floor', $1::text)", [n]);
+    return n;
+  };
+  stop = () => listener.end();
 } else {
-  throw new Error(`mode is ${mode}; it must be graphile or outbox`);
+  throw new Error(`mode is ${mode}; it must be graphile, outbox or floor`);
 }
 
 for (let n = 0; n < warmup + samples; n++) {
