@@ -142,3 +142,27 @@ impl Drop for Held {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A claim that finds the lock in hand leaves word that the holder reads once it let go; one
+    /// that comes after the release finds the lock free and leaves none.
+    #[test]
+    fn a_claim_turned_away_by_the_relays_own_lock_is_heard_by_the_holder() {
+        let shared = SharedNewLock::default();
+        let patience = Duration::from_secs(60);
+        assert!(!NewLock::in_hand_or_wanted(&shared, patience), "nobody holds it");
+        NewLock::state(&shared).since = Some(Instant::now());
+        let holder = NewLock(shared.clone());
+        assert!(NewLock::in_hand_or_wanted(&shared, patience), "held by the batch in hand");
+        drop(holder);
+        assert!(!NewLock::in_hand_or_wanted(&shared, patience), "free once the transaction ended");
+        assert!(NewLock::take_wanted(&shared), "the holder hears the claim it turned away");
+        assert!(!NewLock::take_wanted(&shared), "once");
+        NewLock::state(&shared).since = Some(Instant::now() - patience);
+        assert!(!NewLock::in_hand_or_wanted(&shared, patience), "held past the patience: look again");
+        assert!(!NewLock::take_wanted(&shared));
+    }
+}
