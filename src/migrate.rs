@@ -43,6 +43,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0007_payloads_as_written.sql"),
     },
     Migration { version: 8, name: "snapshot_reads", sql: include_str!("../migrations/0008_snapshot_reads.sql") },
+    Migration {
+        version: 9,
+        name: "xid_is_the_inserters",
+        sql: include_str!("../migrations/0009_xid_is_the_inserters.sql"),
+    },
 ];
 
 /// What a migration run did.

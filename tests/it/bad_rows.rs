@@ -78,3 +78,40 @@ async fn the_table_refuses_rows_no_relay_could_deliver() {
         assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION), "{row}: {err}");
     }
 }
+
+/// An event's `xid` is its inserting transaction's (migration 0009): one naming a transaction
+/// committed before the relays' position would be in no claim's delta, pending and never
+/// delivered. Naming the inserting transaction, or leaving the column to its default, passes.
+#[tokio::test]
+async fn an_event_naming_another_transaction_is_refused() {
+    let db = TestDb::new().await;
+    let owner = db.client().await;
+    for statement in [
+        "insert into outbox_relay.outbox (topic, payload, xid) values ('t', '{}', '2')",
+        "insert into outbox_relay.outbox (topic, payload, xid) values ('t', '{}', (pg_current_xact_id()::text::int8 + 1)::text::xid8)",
+    ] {
+        let err = owner.batch_execute(statement).await.unwrap_err();
+        let db_err = err.as_db_error().unwrap_or_else(|| panic!("{statement}: {err}"));
+        assert_eq!(db_err.code(), &tokio_postgres::error::SqlState::CHECK_VIOLATION, "{statement}: {err}");
+        assert!(db_err.message().contains("names transaction"), "{}", db_err.message());
+        assert!(db_err.hint().is_some_and(|h| h.contains("Leave xid out")), "{db_err:?}");
+    }
+    owner
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload, xid) values ('by.hand', '{}', pg_current_xact_id());
+             insert into outbox_relay.outbox (topic, payload) values ('by.default', '{}')",
+        )
+        .await
+        .unwrap();
+    // An update that moves an event to another transaction is refused as well.
+    let err =
+        owner.batch_execute("update outbox_relay.outbox set xid = '2' where topic = 'by.hand'").await.unwrap_err();
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION), "{err}");
+
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    let mut topics: Vec<String> = deliveries.take(2).await.into_iter().map(|d| d.event.topic).collect();
+    topics.sort();
+    assert_eq!(topics, ["by.default", "by.hand"]);
+    relay.stop().await;
+}
