@@ -412,24 +412,9 @@ impl<H: Handler> Claimer<H> {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
                 outcomes.release_all(&events);
             } else {
-                let delivery = self.deliver(&events, claimed_at);
+                let delivery = self.deliver(&events);
                 tokio::pin!(delivery);
-                let mut results = None;
-                if held.is_some() {
-                    tokio::select! {
-                        done = &mut delivery => results = Some(done),
-                        _ = tokio::time::sleep_until(claimed_at + self.config.effective_hold()) => {
-                            if let Some(claim) = held.take() {
-                                let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
-                                self.lease(claim, &ids, token).await;
-                            }
-                        }
-                    }
-                }
-                let results = match results {
-                    Some(results) => results,
-                    None => delivery.await,
-                };
+                let results = self.while_delivering(delivery, &mut held, &events, token, claimed_at).await;
                 match results {
                     // Cut off at shutdown: the events go back, the attempt not counted.
                     None => outcomes.release_all(&events),
@@ -452,8 +437,69 @@ impl<H: Handler> Claimer<H> {
         parked_keyed || released || (held_new && (!self.idle.is_marked() || NewLock::take_wanted(&self.new_lock)))
     }
 
+    /// Waits for `delivery`, keeping its events this claim's for as long as it runs: a held
+    /// claim is turned into a lease once it outlives `hold`, and the lease is renewed every half
+    /// lease, so that no claim takes events whose requests may still succeed (a delivery's time
+    /// limit is the handler's own, the HTTP sink's timeout say, never the lease).
+    async fn while_delivering<F: std::future::Future + Unpin>(
+        &self,
+        mut delivery: F,
+        held: &mut Option<Held>,
+        events: &[Event],
+        token: i64,
+        claimed_at: Instant,
+    ) -> F::Output {
+        let renew_every = self.config.lease / 2;
+        // With `hold` zero the claim was leased when it was claimed.
+        let mut next = claimed_at + if held.is_some() { self.config.effective_hold() } else { renew_every };
+        let mut leased = held.is_none();
+        let mut ids: Vec<i64> = Vec::new();
+        loop {
+            tokio::select! {
+                done = &mut delivery => return done,
+                () = tokio::time::sleep_until(next) => {
+                    if ids.is_empty() {
+                        ids = events.iter().map(|e| e.id).collect();
+                    }
+                    match held.take() {
+                        Some(claim) => leased = self.lease(claim, &ids, token).await,
+                        None if leased => leased = self.renew(&ids, token).await,
+                        None => {}
+                    }
+                    next = Instant::now() + renew_every;
+                }
+            }
+        }
+    }
+
+    /// Extends the lease of a delivery still running; returns whether the lease is still this
+    /// claim's (a failed renewal is tried again at the next turn).
+    async fn renew(&self, ids: &[i64], token: i64) -> bool {
+        let renewed = async { sql::renew_lease(&*self.pool.client().await?, ids, self.config.lease, token).await };
+        match renewed.await {
+            Ok(n) if n as usize == ids.len() => {
+                tracing::debug!(events = ids.len(), "a delivery goes on; its lease is renewed");
+                true
+            }
+            Ok(n) => {
+                tracing::warn!(
+                    events = ids.len(),
+                    still_held = n,
+                    "a delivery outlived its lease before the relay could renew it: another claim took some of its events, \
+                     which will be delivered again"
+                );
+                n > 0
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, events = ids.len(), "renewing the lease of a delivery still running failed; trying again");
+                true
+            }
+        }
+    }
+
     /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.
-    async fn lease(&self, held: Held, ids: &[i64], token: i64) {
+    /// Returns whether the lease was written.
+    async fn lease(&self, held: Held, ids: &[i64], token: i64) -> bool {
         let lease = self.config.lease;
         let had_new_lock = held.has_new_lock();
         let leased = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
@@ -467,30 +513,27 @@ impl<H: Handler> Claimer<H> {
                     // takes the new events committed meanwhile.
                     self.work.notify_one();
                 }
+                true
             }
             // The transaction is gone, and with it the claim: the events are claimable again,
             // and what this delivery achieves is not recorded (they are delivered again).
             Err(e) => {
-                tracing::warn!(error = %e, events = ids.len(), "turning a held claim into a lease failed; its events will be delivered again")
+                tracing::warn!(error = %e, events = ids.len(), "turning a held claim into a lease failed; its events will be delivered again");
+                false
             }
         }
     }
 
-    /// Hands `events` to the handler, bounded by the lease: in rounds, so that the handler never
-    /// has two events of one key at once. The first round has every event without a key and the
-    /// first of each key; each next round the next event of every key whose last one was
-    /// delivered. An event left untried (behind a failure of its key) has no result. `None` when
-    /// the shutdown's abort cut the delivery off.
-    async fn deliver(&self, events: &[Event], claimed_at: Instant) -> Option<Vec<Option<Result<(), DeliveryError>>>> {
-        let config = &self.config;
-        // Deliveries must end well inside the lease, which runs from the claim, or another worker
-        // may claim the same events.
-        let deadline = claimed_at + config.lease.mul_f64(0.9);
+    /// Hands `events` to the handler in rounds, so that the handler never has two events of one
+    /// key at once. The first round has every event without a key and the first of each key;
+    /// each next round the next event of every key whose last one was delivered. An event left
+    /// untried (behind a failure of its key) has no result. `None` when the shutdown's abort cut
+    /// the delivery off.
+    async fn deliver(&self, events: &[Event]) -> Option<Vec<Option<Result<(), DeliveryError>>>> {
         tracing::trace!(events = events.len(), "delivering");
         let rounds = rounds_by_key(events);
-        let results = std::sync::Mutex::new(vec![None; events.len()]);
-        let in_round = std::sync::Mutex::new(Vec::new());
         let run = async {
+            let mut results = vec![None; events.len()];
             let mut failed_keys: HashSet<&str> = HashSet::new();
             for round in &rounds {
                 let now: Vec<usize> = round
@@ -501,14 +544,12 @@ impl<H: Handler> Claimer<H> {
                 if now.is_empty() {
                     break;
                 }
-                in_round.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone_from(&now);
                 let delivered = if now.len() == events.len() {
                     self.hand_over(events).await
                 } else {
                     let part: Vec<Event> = now.iter().map(|&i| events[i].clone()).collect();
                     self.hand_over(&part).await
                 };
-                let mut results = results.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
                 for (&i, result) in now.iter().zip(delivered) {
                     if let (Err(_), Some(key)) = (&result, &events[i].key) {
                         failed_keys.insert(key.as_str());
@@ -516,23 +557,12 @@ impl<H: Handler> Claimer<H> {
                     results[i] = Some(result);
                 }
             }
-            in_round.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clear();
+            results
         };
-        let cut = tokio::select! {
-            () = run => None,
-            _ = tokio::time::sleep_until(deadline) => Some(DeliveryError::transient(format!(
-                "delivery did not finish within 90% of the {:?} lease",
-                config.lease
-            ))),
-            _ = self.abort.cancelled() => return None,
-        };
-        let mut results = results.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(error) = cut {
-            for i in in_round.into_inner().unwrap_or_else(|poisoned| poisoned.into_inner()) {
-                results[i] = Some(Err(error.clone()));
-            }
+        tokio::select! {
+            results = run => Some(results),
+            _ = self.abort.cancelled() => None,
         }
-        Some(results)
     }
 
     /// One call of the handler: one result per event, a panic failing them all.

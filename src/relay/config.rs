@@ -110,9 +110,13 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Fallback poll for lost notifications. Defaults to 1 s.
     pub poll_interval: Duration,
-    /// How long a claimed event belongs to its worker. A worker that dies gives its events back
-    /// when the lease ends (a held claim's at once: its session ends); a delivery that is still
-    /// running then is cut off as a failure. Defaults to 30 s.
+    /// How long a claimed event belongs to its worker without word from it. A worker that dies
+    /// gives its events back when the lease ends (a held claim's at once: its session ends); a
+    /// delivery still running has its lease renewed every half lease, and is never cut off by
+    /// it: its time limit is the handler's own (the HTTP sink's timeout), so a [`Handler`] of
+    /// your own must bound its calls. Defaults to 30 s.
+    ///
+    /// [`Handler`]: crate::Handler
     pub lease: Duration,
     /// How long a claim's transaction may stay open while its batch is delivered, its row locks
     /// holding the events: then the claim writes nothing and the outcome commits with it, the

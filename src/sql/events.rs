@@ -307,6 +307,16 @@ pub(crate) async fn lease_held_events(db: &impl Db, ids: &[i64], lease: Duration
     count(db, EVENT_LEASE_HELD, &[&ids, &micros(lease), &token], "turning a held claim into a lease").await
 }
 
+const EVENT_RENEW_LEASE: &str = "\
+update outbox_relay.outbox set available_at = now() + $3::int8 * interval '1 microsecond'
+ where id = any($1) and lease_token = $2 and processed_at is null";
+
+/// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery
+/// that goes on); returns how many still carry the token.
+pub(crate) async fn renew_lease(db: &impl Db, ids: &[i64], lease: Duration, token: i64) -> Result<u64> {
+    count(db, EVENT_RENEW_LEASE, &[&ids, &token, &micros(lease)], "renewing a lease").await
+}
+
 // The outcome statements take `$2`, the claim's token, or null for a held claim (its locks
 // already say the rows are this claim's). An event that is not done goes to the parked
 // events (a retry, or given back). `attempts` are set as the relay counted them: the

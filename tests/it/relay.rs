@@ -209,6 +209,71 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
     assert!(got.iter().all(|e| e.attempts == 2), "the leased claim counts as an attempt: {got:?}");
 }
 
+/// A delivery that outlives its lease is not cut off and not given back while it runs: the
+/// lease is renewed, so that a second relay polling all along takes none of its events, and
+/// once the receiver answers each event is recorded delivered after its one attempt.
+#[tokio::test]
+async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let slow = handler_fn(move |event: Event| {
+        let started_tx = started_tx.clone();
+        let mut go = go_rx.clone();
+        async move {
+            started_tx.send(event.id).ok();
+            go.wait_for(|go| *go).await.ok();
+            Ok(())
+        }
+    });
+    let cfg = RelayConfig {
+        batch_size: 10,
+        lease: Duration::from_millis(300),
+        hold: Duration::from_millis(50),
+        poll_interval: Duration::from_millis(50),
+        ..config()
+    };
+    let relays = [support::start(&db.outbox, cfg.clone(), slow.clone()), support::start(&db.outbox, cfg, slow)];
+    let ids: Vec<i64> =
+        db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
+    let mut seen = Vec::new();
+    while seen.len() < ids.len() {
+        seen.push(started.recv().await.unwrap());
+    }
+    // The lease's end moves on, past several leases' length.
+    let lease_end = "select extract(epoch from max(available_at))::float8 from outbox_relay.outbox
+                      where lease_token is not null";
+    eventually("the claim leased", || async {
+        client.query_one(lease_end, &[]).await.unwrap().get::<_, Option<f64>>(0).is_some()
+    })
+    .await;
+    let first: f64 = client.query_one(lease_end, &[]).await.unwrap().get(0);
+    eventually("the lease renewed for more than two leases' length", || async {
+        client.query_one(lease_end, &[]).await.unwrap().get::<_, f64>(0) - first > 0.6
+    })
+    .await;
+    assert!(started.try_recv().is_err(), "an event was handed over again while its delivery went on");
+    go_tx.send(true).unwrap();
+    eventually("every event recorded", || async {
+        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 5
+    })
+    .await;
+    for relay in relays {
+        relay.stop().await;
+    }
+    assert!(started.try_recv().is_err(), "an event was handed over twice");
+    let row = client
+        .query_one(
+            "select count(*) filter (where attempts = 1 and last_error is null and lease_token is null), count(*)
+               from outbox_relay.outbox",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (5, 5), "one attempt each, no failure recorded");
+}
+
 #[tokio::test]
 async fn a_transient_failure_is_recorded_and_rescheduled_within_the_backoff_bounds() {
     let db = TestDb::new().await;
