@@ -201,6 +201,13 @@ fn register(registry: &mut Registry, database: Option<&(QueueStats, Health, usiz
     counter(registry, "outbox_relay_breaker_opens", "Times the outage breaker opened", relay.breaker_opens);
     gauge(
         registry,
+        "outbox_relay_delivery_limit",
+        "Deliveries allowed at once: the concurrency limit learnt from the destination's answers, or the fixed one",
+        relay.delivery_limit as f64,
+    );
+    gauge(registry, "outbox_relay_deliveries_in_flight", "Deliveries in progress", relay.deliveries_in_flight as f64);
+    gauge(
+        registry,
         "outbox_relay_listening",
         "1 while the listener listens for notifications",
         f64::from(u8::from(relay.listening)),

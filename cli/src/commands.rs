@@ -140,6 +140,8 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     let config = RelayConfig {
         workers: args.workers,
         concurrency: args.concurrency,
+        fixed_concurrency: args.fixed_concurrency,
+        rate_limit: args.rate_limit,
         dead_letter_holds_key: args.dead_letter_holds_key,
         breaker_threshold: args.breaker_threshold,
         breaker_probe_min: args.breaker_probe_min,

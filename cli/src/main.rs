@@ -135,10 +135,18 @@ pub(crate) struct RunArgs {
     /// Concurrent claimers (each claims its own batches; new events one claim at a time).
     #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
     workers: usize,
-    /// Deliveries in progress at once, across all workers (HTTP requests in flight; a NATS or
-    /// stdout batch counts once).
+    /// The most deliveries in progress at once, across all workers (HTTP requests in flight; a
+    /// NATS or stdout batch counts once). The relay learns how many the destination takes, up to
+    /// this, unless --fixed-concurrency.
     #[arg(long, default_value_t = defaults::DEFAULT_CONCURRENCY, value_parser = parse_concurrency)]
     concurrency: usize,
+    /// Keep --concurrency as a fixed limit instead of learning one up to it.
+    #[arg(long)]
+    fixed_concurrency: bool,
+    /// At most so many events go to the destination, e.g. 200/s, 6000/m or 100000/h (a 429
+    /// lowers it for a while). By default none.
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+    rate_limit: Option<f64>,
     /// When the head event of a key goes to the dead letters, hold the key's later events until
     /// the dead letter is retried or purged (by default they go on).
     #[arg(long)]
@@ -146,9 +154,9 @@ pub(crate) struct RunArgs {
     /// Distinct events failing transiently in a row that open the outage breaker (0: never).
     #[arg(long, default_value_t = defaults::DEFAULT_BREAKER_THRESHOLD)]
     breaker_threshold: u32,
-    /// First wait before the open breaker probes the destination; doubles per failed probe
-    /// (10ms to 1h).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1s")]
+    /// First wait before the open breaker probes the destination; doubles per failed probe,
+    /// except after a refused connection (10ms to 1h).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "250ms")]
     breaker_probe_min: Duration,
     /// Longest wait between probes (10ms to 1h, at least --breaker-probe-min).
     #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1m")]
@@ -280,6 +288,25 @@ fn db_timeout() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sy
 
 fn parse_workers(text: &str) -> Result<usize, String> {
     parse_count(text, 1, defaults::MAX_WORKERS)
+}
+
+/// A rate as events per second: `N/s`, `N/m` (or `N/min`), `N/h`.
+fn parse_rate(text: &str) -> Result<f64, String> {
+    let expected = "expected events per unit of time, such as 200/s, 6000/m or 100000/h";
+    let (count, unit) = text.trim().split_once('/').ok_or_else(|| format!("{text:?}: {expected}"))?;
+    let per = match unit.trim() {
+        "s" | "sec" => 1.0,
+        "m" | "min" => 60.0,
+        "h" | "hour" => 3600.0,
+        other => return Err(format!("{other:?} is no unit of time: {expected}")),
+    };
+    let count: f64 = count.trim().parse().map_err(|_| format!("{count:?} is no number: {expected}"))?;
+    let rate = count / per;
+    if rate.is_finite() && rate > 0.0 && rate <= defaults::MAX_RATE_LIMIT {
+        Ok(rate)
+    } else {
+        Err(format!("{text} is out of range: above 0 and at most {} events a second", defaults::MAX_RATE_LIMIT))
+    }
 }
 
 fn parse_concurrency(text: &str) -> Result<usize, String> {

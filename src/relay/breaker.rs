@@ -108,6 +108,7 @@ impl Breaker {
         &self,
         results: &[Seen],
         retry_after: Option<Duration>,
+        refused: bool,
         probe: bool,
     ) -> (Verdict, Option<Change>) {
         let mut phase = self.lock();
@@ -126,7 +127,10 @@ impl Breaker {
                     return (Verdict::Closed, Some(Change::Closed { after }));
                 }
                 if !results.is_empty() {
-                    *delay = self.next_delay(*delay * 2, retry_after);
+                    // A refused connection costs nothing to try again: the probes stay at their
+                    // shortest interval, so the relay delivers soon after the receiver listens.
+                    let wanted = if refused { self.probe_min } else { *delay * 2 };
+                    *delay = self.next_delay(wanted, retry_after);
                 }
                 *next_probe = Instant::now() + *delay;
                 drop(phase);
@@ -229,36 +233,36 @@ mod tests {
     fn distinct_failures_in_a_row_open_it() {
         let b = breaker();
         assert_eq!(
-            b.observe(&[Seen::Failed(1), Seen::Failed(1), Seen::Failed(2)], None, false),
+            b.observe(&[Seen::Failed(1), Seen::Failed(1), Seen::Failed(2)], None, false, false),
             (Verdict::Closed, None)
         );
-        let (verdict, change) = b.observe(&[Seen::Failed(3)], None, false);
+        let (verdict, change) = b.observe(&[Seen::Failed(3)], None, false, false);
         assert_eq!(verdict, Verdict::Open);
         assert_eq!(change, Some(Change::Opened { failures: 3, probe_in: Duration::from_secs(1) }));
         assert!(b.is_open());
         // a batch still in flight when it opened is covered by the outage
-        assert_eq!(b.observe(&[Seen::Answered], None, false), (Verdict::Open, None));
+        assert_eq!(b.observe(&[Seen::Answered], None, false, false), (Verdict::Open, None));
     }
 
     #[test]
     fn an_answer_ends_the_streak() {
         let b = breaker();
-        b.observe(&[Seen::Failed(1), Seen::Failed(2)], None, false);
-        b.observe(&[Seen::Answered], None, false);
-        assert_eq!(b.observe(&[Seen::Failed(3), Seen::Failed(4)], None, false).0, Verdict::Closed);
+        b.observe(&[Seen::Failed(1), Seen::Failed(2)], None, false, false);
+        b.observe(&[Seen::Answered], None, false, false);
+        assert_eq!(b.observe(&[Seen::Failed(3), Seen::Failed(4)], None, false, false).0, Verdict::Closed);
         assert!(!b.is_open());
     }
 
     #[test]
     fn probes_back_off_and_a_success_closes_it() {
         let b = breaker();
-        b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], None, false);
+        b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], None, false, false);
         assert_eq!(b.probe_delay(), Duration::from_secs(1));
-        b.observe(&[Seen::Failed(4)], None, true);
+        b.observe(&[Seen::Failed(4)], None, false, true);
         assert_eq!(b.probe_delay(), Duration::from_secs(2));
-        b.observe(&[Seen::Failed(5)], Some(Duration::from_secs(30)), true);
+        b.observe(&[Seen::Failed(5)], Some(Duration::from_secs(30)), false, true);
         assert_eq!(b.probe_delay(), Duration::from_secs(8), "Retry-After, within the longest probe interval");
-        let (verdict, change) = b.observe(&[Seen::Answered], None, true);
+        let (verdict, change) = b.observe(&[Seen::Answered], None, false, true);
         assert_eq!(verdict, Verdict::Closed);
         assert!(matches!(change, Some(Change::Closed { .. })));
         assert!(!b.is_open());
@@ -268,7 +272,7 @@ mod tests {
     fn retry_after_sets_the_first_probe_delay() {
         let b = breaker();
         let (_, change) =
-            b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], Some(Duration::from_secs(5)), false);
+            b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], Some(Duration::from_secs(5)), false, false);
         assert_eq!(change, Some(Change::Opened { failures: 3, probe_in: Duration::from_secs(5) }));
     }
 
@@ -276,13 +280,13 @@ mod tests {
     fn a_threshold_of_zero_never_opens() {
         let b = Breaker::new(0, Duration::from_secs(1), Duration::from_secs(8));
         let failures: Vec<Seen> = (0..100).map(Seen::Failed).collect();
-        assert_eq!(b.observe(&failures, None, false).0, Verdict::Closed);
+        assert_eq!(b.observe(&failures, None, false, false).0, Verdict::Closed);
     }
 
     #[tokio::test(start_paused = true)]
     async fn one_worker_probes_when_it_is_due() {
         let b = std::sync::Arc::new(breaker());
-        b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], None, false);
+        b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], None, false, false);
         let stop = CancellationToken::new();
         let started = Instant::now();
         assert_eq!(b.turn(&stop).await, Turn::Probe);
@@ -293,7 +297,21 @@ mod tests {
             tokio::spawn(async move { b.turn(&stop).await })
         };
         tokio::task::yield_now().await;
-        b.observe(&[Seen::Answered], None, true);
+        b.observe(&[Seen::Answered], None, false, true);
         assert_eq!(other.await.unwrap(), Turn::Closed);
+    }
+
+    #[test]
+    fn probes_refused_a_connection_stay_at_the_shortest_interval() {
+        let b = breaker();
+        b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], None, true, false);
+        assert_eq!(b.probe_delay(), Duration::from_secs(1));
+        for event in 4..10 {
+            b.observe(&[Seen::Failed(event)], None, true, true);
+            assert_eq!(b.probe_delay(), Duration::from_secs(1), "nobody listens: ask again soon");
+        }
+        // Timeouts double it again.
+        b.observe(&[Seen::Failed(10)], None, false, true);
+        assert_eq!(b.probe_delay(), Duration::from_secs(2));
     }
 }

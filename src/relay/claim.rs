@@ -603,7 +603,20 @@ impl<H: Handler> Claimer<H> {
             .collect();
         let errors = || results.iter().flatten().filter_map(|r| r.as_ref().err());
         let retry_after = errors().filter_map(DeliveryError::requested_delay).max();
-        let (verdict, change) = self.breaker.observe(&seen, retry_after, probe);
+        // Every transient failure a refused connection: nobody listens there now.
+        let refused = {
+            let (mut transient, mut refused) = (0, 0);
+            for result in results.iter().flatten() {
+                if let Err(e) = result
+                    && !e.is_permanent()
+                {
+                    transient += 1;
+                    refused += usize::from(e.is_refused());
+                }
+            }
+            transient > 0 && refused == transient
+        };
+        let (verdict, change) = self.breaker.observe(&seen, retry_after, refused, probe);
         let first_failure = errors().find(|e| !e.is_permanent());
         if let Some(change) = change {
             self.announce(change, first_failure).await;

@@ -42,11 +42,11 @@ pub const DEFAULT_HOLD: Duration = Duration::from_secs(1);
 /// The longest `hold`: an open transaction holds back vacuum in the whole database.
 pub const MAX_HOLD: Duration = Duration::from_secs(60);
 /// Default number of deliveries in progress at once.
-pub const DEFAULT_CONCURRENCY: usize = 64;
+pub const DEFAULT_CONCURRENCY: usize = 256;
 /// Default number of distinct events failing in a row that opens the outage breaker.
 pub const DEFAULT_BREAKER_THRESHOLD: u32 = 10;
 /// Default first wait before the open breaker's probe; it doubles with each failed probe.
-pub const DEFAULT_BREAKER_PROBE_MIN: Duration = Duration::from_secs(1);
+pub const DEFAULT_BREAKER_PROBE_MIN: Duration = Duration::from_millis(250);
 /// Default longest wait between probes of the open breaker.
 pub const DEFAULT_BREAKER_PROBE_MAX: Duration = Duration::from_secs(60);
 
@@ -80,6 +80,8 @@ pub const MAX_RECONNECT_MAX: Duration = Duration::from_secs(3600);
 pub const MAX_LINGER: Duration = Duration::from_secs(10);
 /// The most deliveries one relay may have in progress.
 pub const MAX_CONCURRENCY: usize = 10_000;
+/// The highest `rate_limit`, in events a second.
+pub const MAX_RATE_LIMIT: f64 = 1_000_000.0;
 /// The shortest wait between probes of an open breaker.
 pub const MIN_BREAKER_PROBE: Duration = Duration::from_millis(10);
 /// The longest wait between probes of an open breaker.
@@ -154,9 +156,21 @@ pub struct RelayConfig {
     /// writers start to notify it. Under sustained load it never marks itself waiting, so writers
     /// pay nothing for NOTIFY. Defaults to 20 ms.
     pub linger: Duration,
-    /// Deliveries in progress at once, across all workers (each HTTP request, NATS batch or
-    /// stdout write is one). Independent of `workers`, which only claim. Defaults to 64.
+    /// The most deliveries in progress at once, across all workers (each HTTP request, NATS
+    /// batch or stdout write is one). Independent of `workers`, which only claim. The relay
+    /// learns how many the destination takes, up to this (a delay-based limit that starts at a
+    /// few and grows while answers come back as fast as with nothing queued; see the README),
+    /// unless `fixed_concurrency` is set. Defaults to 256.
     pub concurrency: usize,
+    /// Keep `concurrency` as a fixed limit instead of learning one up to it. Defaults to false.
+    pub fixed_concurrency: bool,
+    /// At most this many events a second go to the destination, across all workers (a token
+    /// bucket of a tenth of a second's events): each HTTP request is one, a batch written in
+    /// one piece counts its events. A 429 cuts the rate in effect by a quarter (once a second at
+    /// most), and it grows back by a tenth
+    /// of this per second without one. `None` (the default): no rate limit. A `Retry-After` on
+    /// a 429 or 503 pauses every delivery (up to a minute) either way.
+    pub rate_limit: Option<f64>,
     /// When the head event of a key goes to the dead letters, hold the key's later events until
     /// the dead letter is retried or purged (instead of delivering them). Defaults to false.
     pub dead_letter_holds_key: bool,
@@ -165,7 +179,8 @@ pub struct RelayConfig {
     /// attempt, and probes with one delivery at a time. Zero turns the breaker off. Defaults to 10.
     pub breaker_threshold: u32,
     /// The first wait before the open breaker's probe; doubles with each failed probe (a
-    /// destination's `Retry-After` can make it longer). Defaults to 1 s.
+    /// destination's `Retry-After` can make it longer), except after a refused connection
+    /// (nobody listens there yet: the next probe follows as soon). Defaults to 250 ms.
     pub breaker_probe_min: Duration,
     /// The longest wait between probes. Defaults to 60 s.
     pub breaker_probe_max: Duration,
@@ -192,6 +207,8 @@ impl Default for RelayConfig {
             reconnect_max: DEFAULT_RECONNECT_MAX,
             linger: DEFAULT_LINGER,
             concurrency: DEFAULT_CONCURRENCY,
+            fixed_concurrency: false,
+            rate_limit: None,
             dead_letter_holds_key: false,
             breaker_threshold: DEFAULT_BREAKER_THRESHOLD,
             breaker_probe_min: DEFAULT_BREAKER_PROBE_MIN,
@@ -234,6 +251,14 @@ impl RelayConfig {
             if let Err(why) = check_range(value, min, max) {
                 return bad(field, why);
             }
+        }
+        if let Some(rate) = self.rate_limit
+            && !(rate.is_finite() && rate > 0.0 && rate <= MAX_RATE_LIMIT)
+        {
+            return bad(
+                "rate_limit",
+                format!("is {rate} events a second; it must be above 0 and at most {MAX_RATE_LIMIT}"),
+            );
         }
         if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
             return bad("concurrency", format!("is {}; it must be 1 to {MAX_CONCURRENCY}", self.concurrency));
@@ -314,6 +339,9 @@ mod tests {
                 "backoff_max is 30days; it must be at most 7days",
             ),
             (RelayConfig { concurrency: 0, ..Default::default() }, "concurrency is 0"),
+            (RelayConfig { rate_limit: Some(0.0), ..Default::default() }, "rate_limit is 0 events a second"),
+            (RelayConfig { rate_limit: Some(f64::NAN), ..Default::default() }, "rate_limit is NaN"),
+            (RelayConfig { rate_limit: Some(2e6), ..Default::default() }, "at most 1000000"),
             (
                 RelayConfig { hold: Duration::from_secs(61), ..Default::default() },
                 "hold is 1m 1s; it must be at most 1m",

@@ -2,11 +2,16 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use super::limit::{Sample, Vegas};
+use super::metrics::RelayMetrics;
+use super::rate::Bucket;
 
 use crate::event::Event;
 
@@ -18,18 +23,36 @@ pub struct DeliveryError {
     retry_after: Option<Duration>,
     /// The destination answered: this failure says nothing of an outage.
     answered: bool,
+    /// A sign that the destination is overloaded (see [`DeliveryError::overloaded`]).
+    overloaded: bool,
+    /// Nobody listens at the destination now (see [`DeliveryError::refused`]).
+    refused: bool,
 }
 
 impl DeliveryError {
     /// The destination could not take the event now (down, overloaded, timed out): retry later
     /// with backoff, and dead-letter after the maximum attempts.
     pub fn transient(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: false, message: shown(message), retry_after: None, answered: false }
+        DeliveryError {
+            permanent: false,
+            message: shown(message),
+            retry_after: None,
+            answered: false,
+            overloaded: false,
+            refused: false,
+        }
     }
 
     /// The event itself is bad (the destination refused it): dead-letter it now.
     pub fn permanent(message: impl fmt::Display) -> Self {
-        DeliveryError { permanent: true, message: shown(message), retry_after: None, answered: true }
+        DeliveryError {
+            permanent: true,
+            message: shown(message),
+            retry_after: None,
+            answered: true,
+            overloaded: false,
+            refused: false,
+        }
     }
 
     /// The destination is up and answered, but cannot take this event yet (no RabbitMQ queue is
@@ -40,6 +63,35 @@ impl DeliveryError {
     pub fn destination_answered(mut self) -> Self {
         self.answered = true;
         self
+    }
+
+    /// The failure is a sign that the destination takes too much at once (a timeout, an HTTP
+    /// 429 or 503, a gateway's 502 or 504): a [`Slot`] given it back with [`Slot::done`] lowers
+    /// the adaptive concurrency limit.
+    #[must_use]
+    pub fn overloaded(mut self) -> Self {
+        self.overloaded = true;
+        self
+    }
+
+    /// The destination refused the connection: nothing listens there now (a receiver not yet
+    /// started, or restarting). Asking again costs nothing, so the open outage breaker probes
+    /// again at its shortest interval (`breaker_probe_min`) instead of doubling it: the relay
+    /// delivers soon after the receiver opens its port.
+    #[must_use]
+    pub fn refused(mut self) -> Self {
+        self.refused = true;
+        self
+    }
+
+    /// Whether the destination refused the connection ([`DeliveryError::refused`]).
+    pub fn is_refused(&self) -> bool {
+        self.refused
+    }
+
+    /// Whether the failure is a sign of overload ([`DeliveryError::overloaded`]).
+    pub fn is_overload(&self) -> bool {
+        self.overloaded
     }
 
     /// Whether the failure may mean the destination is down (what the outage breaker counts):
@@ -122,10 +174,13 @@ pub trait Handler: Send + Sync + 'static {
     /// handed over in rounds, a key's next event only once the one before it was delivered), so
     /// the events of a batch may be delivered in any order and at once. `slots` bounds the
     /// deliveries the whole relay has in progress
-    /// ([`RelayConfig::concurrency`](super::RelayConfig::concurrency)): take a slot for each
-    /// request, write or round trip in flight.
+    /// ([`RelayConfig::concurrency`](super::RelayConfig::concurrency)) and the events a second
+    /// it sends ([`RelayConfig::rate_limit`](super::RelayConfig::rate_limit)): take a slot for
+    /// each request, write or round trip in flight ([`Slots::take_for`] for one that carries
+    /// several events).
     ///
-    /// Defaults to [`handle`](Self::handle) for every event at once, each holding a slot, a
+    /// Defaults to [`handle`](Self::handle) for every event at once, each holding a slot (and
+    /// giving it back with its result, [`Slot::done`], which teaches the adaptive limit), a
     /// panic failing only the event it happened on. A handler that writes a batch in one piece
     /// (one write and flush, one pipelined exchange) overrides it; each result must say what
     /// became of that event, so a buffering handler makes the batch durable before it returns
@@ -137,9 +192,11 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Vec<Result<(), DeliveryError>>> + Send {
         futures::stream::iter(events)
             .map(move |event| async move {
-                let _slot = slots.take().await;
+                let slot = slots.take().await;
                 let delivery = std::panic::AssertUnwindSafe(self.handle(event)).catch_unwind().await;
-                delivery.unwrap_or_else(|panic| Err(panicked(&*panic)))
+                let result = delivery.unwrap_or_else(|panic| Err(panicked(&*panic)));
+                slot.done(&result);
+                result
             })
             .buffered(events.len().max(1))
             .collect()
@@ -147,33 +204,205 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 /// The relay's bound on deliveries in progress at once, shared by all its batches: see
-/// [`Handler::handle_batch`].
+/// [`Handler::handle_batch`]. Fixed ([`Slots::new`]), or adaptive ([`Slots::adaptive`]): the
+/// limit is learnt from the answers that slots given back with [`Slot::done`] report (see
+/// [`RelayConfig::concurrency`](super::RelayConfig::concurrency)); a slot merely dropped says
+/// nothing of the destination.
 #[derive(Debug, Clone)]
 pub struct Slots {
-    semaphore: Arc<Semaphore>,
+    inner: Arc<SlotsInner>,
 }
 
-/// One delivery's place within [`Slots`]; it frees the place when dropped.
+#[derive(Debug)]
+struct SlotsInner {
+    semaphore: Arc<Semaphore>,
+    state: Mutex<SlotsState>,
+    metrics: Option<Arc<RelayMetrics>>,
+}
+
+#[derive(Debug)]
+struct SlotsState {
+    adaptive: Option<Vegas>,
+    /// The rate limit, and the pause a `Retry-After` asked for.
+    bucket: Bucket,
+    limit: usize,
+    /// Permits to forget as they come back: the limit shrank below what was in flight.
+    debt: usize,
+    in_flight: usize,
+}
+
+/// One delivery's place within [`Slots`]; it frees the place when dropped, or when given back
+/// with its result ([`Slot::done`]).
 #[derive(Debug)]
 pub struct Slot {
-    _permit: OwnedSemaphorePermit,
+    slots: Arc<SlotsInner>,
+    permit: Option<OwnedSemaphorePermit>,
+    taken: Instant,
+    in_flight: usize,
 }
 
 impl Slots {
-    /// A bound of `limit` deliveries at once (at least one).
+    /// A fixed bound of `limit` deliveries at once (at least one).
     pub fn new(limit: usize) -> Self {
-        Slots { semaphore: Arc::new(Semaphore::new(limit.max(1))) }
+        Slots::with(limit.max(1), None, None, None)
     }
 
-    /// Waits for a free place and takes it.
+    /// A bound learnt from the destination's answers, from a few deliveries at once up to
+    /// `ceiling` (a delay-based limit: see "The concurrency limit" in the README).
+    pub fn adaptive(ceiling: usize) -> Self {
+        let vegas = Vegas::new(ceiling, Instant::now());
+        Slots::with(vegas.limit(), Some(vegas), None, None)
+    }
+
+    pub(crate) fn for_relay(config: &super::RelayConfig, metrics: Arc<RelayMetrics>) -> Self {
+        let vegas = (!config.fixed_concurrency).then(|| Vegas::new(config.concurrency, Instant::now()));
+        let limit = vegas.as_ref().map_or(config.concurrency.max(1), Vegas::limit);
+        Slots::with(limit, vegas, config.rate_limit, Some(metrics))
+    }
+
+    fn with(limit: usize, adaptive: Option<Vegas>, rate: Option<f64>, metrics: Option<Arc<RelayMetrics>>) -> Self {
+        if let Some(metrics) = &metrics {
+            metrics.deliveries(limit, 0);
+        }
+        let bucket = Bucket::new(rate, Instant::now());
+        let state = SlotsState { adaptive, bucket, limit, debt: 0, in_flight: 0 };
+        Slots {
+            inner: Arc::new(SlotsInner {
+                semaphore: Arc::new(Semaphore::new(limit)),
+                state: Mutex::new(state),
+                metrics,
+            }),
+        }
+    }
+
+    /// Waits for a free place and takes it, for one event.
     pub async fn take(&self) -> Slot {
-        let permit = self.semaphore.clone().acquire_owned().await.expect("the relay never closes its slots");
-        Slot { _permit: permit }
+        self.take_for(1).await
+    }
+
+    /// Waits for a free place and takes it, for a write of `events` events at once (a batch
+    /// sent in one piece): the rate limit counts them all, the concurrency limit one.
+    pub async fn take_for(&self, events: usize) -> Slot {
+        let permit = self.inner.semaphore.clone().acquire_owned().await.expect("the relay never closes its slots");
+        // Then the rate limit's tokens (and the pause a Retry-After asked for): only holders of a
+        // place wait for them, and the round trip is timed from when the request may leave.
+        loop {
+            let taken = self.inner.lock().bucket.take(events, Instant::now());
+            match taken {
+                Ok(()) => break,
+                Err(wait) => tokio::time::sleep(wait).await,
+            }
+        }
+        let in_flight = {
+            let mut state = self.inner.lock();
+            state.in_flight += 1;
+            self.inner.publish(&state);
+            state.in_flight
+        };
+        Slot { slots: self.inner.clone(), permit: Some(permit), taken: Instant::now(), in_flight }
     }
 
     /// How many places are free now.
     pub fn available(&self) -> usize {
-        self.semaphore.available_permits()
+        self.inner.semaphore.available_permits()
+    }
+
+    /// The limit now: fixed, or as learnt so far.
+    pub fn limit(&self) -> usize {
+        self.inner.lock().limit
+    }
+}
+
+impl SlotsInner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotsState> {
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn publish(&self, state: &SlotsState) {
+        if let Some(metrics) = &self.metrics {
+            metrics.deliveries(state.limit, state.in_flight);
+        }
+    }
+
+    /// Moves the limit to `limit`: new permits, or permits forgotten (now if free, else as
+    /// they come back).
+    fn resize(&self, state: &mut SlotsState, limit: usize) {
+        if limit > state.limit {
+            let more = limit - state.limit;
+            let paid = more.min(state.debt);
+            state.debt -= paid;
+            self.semaphore.add_permits(more - paid);
+        } else if limit < state.limit {
+            let fewer = state.limit - limit;
+            let forgotten = self.semaphore.forget_permits(fewer);
+            state.debt += fewer - forgotten;
+        }
+        state.limit = limit;
+    }
+}
+
+impl Slot {
+    /// Gives the place back with what became of its request: an answer (success, or a failure
+    /// the destination answered with) tells an adaptive limit the destination's round trip, a
+    /// failure marked [`DeliveryError::overloaded`] lowers it, any other failure (a connection
+    /// refused: the outage breaker's business) says nothing.
+    pub fn done(mut self, result: &Result<(), DeliveryError>) {
+        let sample = match result {
+            Ok(()) => Some(Sample::Answered { rtt: self.taken.elapsed(), in_flight: self.in_flight }),
+            Err(e) if e.is_overload() => Some(Sample::Overloaded),
+            Err(e) if !e.may_be_an_outage() => {
+                Some(Sample::Answered { rtt: self.taken.elapsed(), in_flight: self.in_flight })
+            }
+            Err(_) => None,
+        };
+        let slots = self.slots.clone();
+        let mut state = slots.lock();
+        if let Err(e) = result
+            && e.is_overload()
+        {
+            let now = Instant::now();
+            if e.may_be_an_outage() {
+                // A 503 or a gateway's answer, perhaps with a Retry-After: a pause for all.
+                state.bucket.pause(e.requested_delay(), now);
+            } else {
+                // A 429: slower from now on, and a pause if it asked for one.
+                state.bucket.refused(e.requested_delay(), now);
+            }
+        }
+        let Some(sample) = sample else {
+            self.give_back(&mut state);
+            return;
+        };
+        if let Some(vegas) = &mut state.adaptive {
+            let limit = vegas.observe(sample, Instant::now());
+            if limit != state.limit {
+                tracing::trace!(limit, in_flight = state.in_flight, "the delivery limit moved");
+                slots.resize(&mut state, limit);
+            }
+        }
+        self.give_back(&mut state);
+    }
+
+    fn give_back(&mut self, state: &mut SlotsState) {
+        let Some(permit) = self.permit.take() else { return };
+        state.in_flight -= 1;
+        if state.debt > 0 {
+            state.debt -= 1;
+            permit.forget();
+        } else {
+            drop(permit);
+        }
+        self.slots.publish(state);
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if self.permit.is_some() {
+            let slots = self.slots.clone();
+            let mut state = slots.lock();
+            self.give_back(&mut state);
+        }
     }
 }
 

@@ -107,6 +107,8 @@ pub struct RelayMetrics {
     reconnects: AtomicU64,
     breaker_open: AtomicBool,
     breaker_opens: AtomicU64,
+    delivery_limit: AtomicU64,
+    deliveries_in_flight: AtomicU64,
     latencies_us: Mutex<VecDeque<u64>>,
 }
 
@@ -128,6 +130,8 @@ impl Default for RelayMetrics {
             reconnects: AtomicU64::default(),
             breaker_open: AtomicBool::default(),
             breaker_opens: AtomicU64::default(),
+            delivery_limit: AtomicU64::default(),
+            deliveries_in_flight: AtomicU64::default(),
             latencies_us: Mutex::default(),
         }
     }
@@ -152,6 +156,11 @@ pub struct MetricsSnapshot {
     pub breaker_open: bool,
     /// Times the outage breaker opened.
     pub breaker_opens: u64,
+    /// Deliveries the relay allows at once now: the concurrency limit as learnt from the
+    /// destination's answers (or the fixed one).
+    pub delivery_limit: u64,
+    /// Deliveries in progress now (slots taken).
+    pub deliveries_in_flight: u64,
     /// Latency from an event's insert to its successful delivery, over recent events: p50.
     pub latency_p50: Option<Duration>,
     /// The same, p99.
@@ -231,6 +240,11 @@ impl RelayMetrics {
         }
     }
 
+    pub(crate) fn deliveries(&self, limit: usize, in_flight: usize) {
+        self.delivery_limit.store(limit as u64, Ordering::Relaxed);
+        self.deliveries_in_flight.store(in_flight as u64, Ordering::Relaxed);
+    }
+
     /// Reads every counter and the latency percentiles.
     pub fn snapshot(&self) -> MetricsSnapshot {
         let mut latencies: Vec<Duration> = self
@@ -250,6 +264,8 @@ impl RelayMetrics {
             reconnects: self.reconnects.load(Ordering::Relaxed),
             breaker_open: self.breaker_open.load(Ordering::Relaxed),
             breaker_opens: self.breaker_opens.load(Ordering::Relaxed),
+            delivery_limit: self.delivery_limit.load(Ordering::Relaxed),
+            deliveries_in_flight: self.deliveries_in_flight.load(Ordering::Relaxed),
             latency_p50: percentiles.map(|p| p.p50),
             latency_p99: percentiles.map(|p| p.p99),
             running: self.running.load(Ordering::Relaxed),

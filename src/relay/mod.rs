@@ -40,9 +40,11 @@ mod handler;
 mod held;
 mod idle;
 mod janitor;
+mod limit;
 mod listener;
 mod metrics;
 mod pauses;
+mod rate;
 mod report;
 mod timer;
 mod worker;
@@ -168,7 +170,7 @@ impl<H: Handler> Relay<H> {
             timer: timer.clone(),
             reporter: reporter.clone(),
             abort: abort.clone(),
-            slots: Slots::new(config.concurrency),
+            slots: Slots::for_relay(&config, metrics.clone()),
             breaker: Arc::new(breaker::Breaker::new(
                 config.breaker_threshold,
                 config.breaker_probe_min,

@@ -254,7 +254,7 @@ impl Handler for AmqpSink {
     /// Publishes the whole batch, then awaits the confirms together: one pipelined exchange,
     /// one slot.
     async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
-        let _slot = slots.take().await;
+        let _slot = slots.take_for(events.len()).await;
         let channel = match self.channel().await {
             Ok(channel) => channel,
             Err(e) => return events.iter().map(|_| Err(e.clone())).collect(),

@@ -213,9 +213,22 @@ impl Handler for HttpSink {
                 .header("webhook-timestamp", timestamp.to_string());
         }
         let response = request.body(body).send().await.map_err(|e| {
-            let what = if e.is_timeout() { "timed out" } else { "failed" };
+            let timed_out = e.is_timeout();
+            let refused = connection_refused(&e);
+            let what = if timed_out { "timed out" } else { "failed" };
             // reqwest's message names the URL in full: say it ourselves, redacted.
-            DeliveryError::transient(format!("POST {} {what}: {}", self.shown, crate::error::chain(&e.without_url())))
+            let error = DeliveryError::transient(format!(
+                "POST {} {what}: {}",
+                self.shown,
+                crate::error::chain(&e.without_url())
+            ));
+            // A request that timed out (connecting included) waited in a queue somewhere: the
+            // adaptive limit takes it as a sign of overload. A refused connection is not one.
+            match (timed_out, refused) {
+                (true, _) => error.overloaded(),
+                (false, true) => error.refused(),
+                (false, false) => error,
+            }
         })?;
         let status = response.status();
         if status.is_success() {
@@ -238,10 +251,18 @@ impl Handler for HttpSink {
         let snippet = error_snippet(response).await;
         let message = format!("POST {} answered {status}: {snippet}", self.shown);
         if is_permanent(status) {
-            Err(DeliveryError::permanent(message))
-        } else {
-            Err(with_delay(DeliveryError::transient(message), retry_after))
+            return Err(DeliveryError::permanent(message));
         }
+        let mut error = with_delay(DeliveryError::transient(message), retry_after);
+        if is_overload(status) {
+            error = error.overloaded();
+        }
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            // Up, and asking for less: the adaptive limit and the rate limit slow down; the
+            // outage breaker does not count it.
+            error = error.destination_answered();
+        }
+        Err(error)
     }
 }
 
@@ -283,6 +304,31 @@ fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
 }
 
 /// 4xx other than 408 (request timeout) and 429 (too many requests) means the event was refused.
+/// Whether the request failed because the destination refused the connection.
+fn connection_refused(error: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(e) = source {
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && io.kind() == std::io::ErrorKind::ConnectionRefused
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
+}
+
+/// The answers that say the destination (or a gateway before it) takes too much at once.
+fn is_overload(status: StatusCode) -> bool {
+    matches!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS
+            | StatusCode::BAD_GATEWAY
+            | StatusCode::SERVICE_UNAVAILABLE
+            | StatusCode::GATEWAY_TIMEOUT
+    )
+}
+
 fn is_permanent(status: StatusCode) -> bool {
     status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT && status != StatusCode::TOO_MANY_REQUESTS
 }

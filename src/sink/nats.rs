@@ -121,7 +121,7 @@ impl Handler for NatsSink {
     /// Publishes the whole batch, then awaits the acknowledgements together: one pipelined
     /// exchange, one slot.
     async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
-        let _slot = slots.take().await;
+        let _slot = slots.take_for(events.len()).await;
         let mut sent = Vec::with_capacity(events.len());
         for event in events {
             sent.push(self.send(event).await);

@@ -29,7 +29,7 @@ impl Handler for StdoutSink {
 
     /// One write for the batch: one slot.
     async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
-        let _slot = slots.take().await;
+        let _slot = slots.take_for(events.len()).await;
         self.write(events).await
     }
 }

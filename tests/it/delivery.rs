@@ -285,7 +285,8 @@ impl Handler for Crowd {
     }
 }
 
-/// `concurrency` deliveries in progress at once, across all workers, and no more.
+/// A fixed `concurrency`: so many deliveries in progress at once, across all workers, and no
+/// more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn deliveries_in_progress_are_bounded_by_concurrency_across_workers() {
     let db = TestDb::new().await;
@@ -301,7 +302,7 @@ async fn deliveries_in_progress_are_bounded_by_concurrency_across_workers() {
         full: Notify::new(),
         done: AtomicUsize::new(0),
     });
-    let relay_config = RelayConfig { workers: 4, batch_size: 50, concurrency: 8, ..config() };
+    let relay_config = RelayConfig { workers: 4, batch_size: 50, concurrency: 8, fixed_concurrency: true, ..config() };
     let relay = support::start(&db.outbox, relay_config, crowd.clone());
     eventually("all 400 delivered", || async { crowd.done.load(Ordering::SeqCst) >= 400 }).await;
     relay.stop().await;

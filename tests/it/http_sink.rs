@@ -195,3 +195,48 @@ async fn sink_credentials_are_never_shown() {
         db.client().await.batch_execute("delete from outbox_relay.dead_letters").await.unwrap();
     }
 }
+
+/// What the HTTP sink tells the adaptive limit and the breaker of each failure (issue 21): a
+/// port nobody listens on is a refused connection (the breaker probes again at once); a
+/// timeout, 429 and 503 are signs of overload; a 429 is an answer, which the breaker does not
+/// count.
+#[tokio::test]
+async fn failures_say_whether_they_are_refusals_overload_or_answers() {
+    use outbox_relay::{Event, Handler, Payload};
+    let event = Event {
+        id: 1,
+        topic: "t".into(),
+        key: None,
+        payload: Payload::from_json("{}").unwrap(),
+        created_at: SystemTime::now(),
+        attempts: 1,
+    };
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let refused = HttpSink::new(&format!("http://{closed}/"), Duration::from_secs(5)).unwrap().handle(&event).await;
+    let refused = refused.unwrap_err();
+    assert!(refused.is_refused() && !refused.is_overload() && refused.may_be_an_outage(), "{refused:?}");
+
+    let addr = serve(
+        Router::new()
+            .route("/slow", post(|| async { std::future::pending::<()>().await }))
+            .route("/429", post(|| async { StatusCode::TOO_MANY_REQUESTS }))
+            .route("/503", post(|| async { StatusCode::SERVICE_UNAVAILABLE }))
+            .route("/500", post(|| async { StatusCode::INTERNAL_SERVER_ERROR })),
+    )
+    .await;
+    let fail = |path: &'static str| {
+        let event = event.clone();
+        async move {
+            let sink = HttpSink::new(&format!("http://{addr}{path}"), Duration::from_millis(200)).unwrap();
+            sink.handle(&event).await.unwrap_err()
+        }
+    };
+    let slow = fail("/slow").await;
+    assert!(slow.is_overload() && slow.may_be_an_outage() && !slow.is_refused(), "{slow:?}");
+    let limited = fail("/429").await;
+    assert!(limited.is_overload() && !limited.may_be_an_outage(), "{limited:?}");
+    let unavailable = fail("/503").await;
+    assert!(unavailable.is_overload() && unavailable.may_be_an_outage(), "{unavailable:?}");
+    let broken = fail("/500").await;
+    assert!(!broken.is_overload() && broken.may_be_an_outage() && !broken.is_refused(), "{broken:?}");
+}

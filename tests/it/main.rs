@@ -9,6 +9,7 @@ mod delivery;
 mod faults;
 mod http_conventions;
 mod http_sink;
+mod limits;
 mod migrations;
 mod orders;
 mod orders_service;

@@ -227,8 +227,10 @@ async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
             Ok(())
         }
     });
+    // Every event in flight at once from the start (an adaptive limit starts at four).
     let cfg = RelayConfig {
         batch_size: 10,
+        fixed_concurrency: true,
         lease: Duration::from_millis(300),
         hold: Duration::from_millis(50),
         poll_interval: Duration::from_millis(50),

@@ -82,6 +82,10 @@ async fn durations_out_of_range_are_refused_naming_the_flag() {
         (vec!["run", "--sink", "nats://127.0.0.1:4222", "--timeout", "0s"], "--timeout"),
         (vec!["dead-letters", "purge", "--older-than", "200000y"], "--older-than"),
         (vec!["cleanup", "--idempotency-retention", "-1d"], "--idempotency-retention"),
+        (vec!["run", "--sink", "stdout", "--rate-limit", "200"], "such as 200/s"),
+        (vec!["run", "--sink", "stdout", "--rate-limit", "200/week"], "\"week\" is no unit of time"),
+        (vec!["run", "--sink", "stdout", "--rate-limit", "0/s"], "out of range"),
+        (vec!["run", "--sink", "stdout", "--rate-limit", "many/s"], "\"many\" is no number"),
     ];
     for (args, needle) in cases {
         let output = cli(&db.url, &args).await;

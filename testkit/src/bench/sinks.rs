@@ -77,7 +77,7 @@ impl Handler for DevNullLines {
     }
 
     async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
-        let _slot = slots.take().await;
+        let _slot = slots.take_for(events.len()).await;
         let mut lines = Vec::new();
         for event in events {
             if let Ok(line) = serde_json::to_vec(event) {

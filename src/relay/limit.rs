@@ -1,0 +1,287 @@
+//! The adaptive concurrency limit: how many deliveries a destination takes at once, learnt from
+//! its answers, up to [`RelayConfig::concurrency`](super::RelayConfig::concurrency).
+//!
+//! A delay-based limit in the manner of TCP Vegas (Netflix's `concurrency-limits` calls it
+//! `VegasLimit`): each answer's round trip is compared with the destination's *no-load* round
+//! trip, measured alone every ten seconds, and the difference says how many requests wait in the
+//! destination's queue: `queue = limit x (1 - (2 x no_load + 1 ms) / rtt)` (up to twice the no-load
+//! round trip is taken as the destination's own jitter). With nothing queued the limit
+//! grows by one per answer (doubling each round trip, as TCP's slow start does) until the first
+//! request waits; then by one step per round trip while fewer than a step wait, and it shrinks by
+//! a step when more than three steps wait (a step is 1 up to a limit of 10, then its log10), and a sign of overload (a timeout, 429, 502/503/504, or an answer ten
+//! times slower than the no-load one and 100 ms past it, as a connection that waited out a SYN
+//! retransmit) cuts it by a quarter. Why delay and not loss alone (AIMD): the receivers that need
+//! protecting, a small thread pool or a listen backlog of five, queue before they fail, and a
+//! loss-based limit learns only by overflowing them, each overflow a second-long retransmit. Why
+//! not a gradient of long- against short-term averages (Netflix's `Gradient2`, Envoy's adaptive
+//! concurrency): the long-term average follows the latency up under sustained load, where the
+//! no-load minimum, measured again every few hundred answers, stays put.
+//!
+//! Only answers given while the limit was in use raise it (at least half the limit in flight
+//! when the request left): a relay that sends a trickle learns nothing from it.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The limit a destination starts with: low, as TCP's initial window is.
+pub(crate) const INITIAL_LIMIT: usize = 4;
+
+/// How often the no-load round trip is measured again: the limit is held at one request for a
+/// few answers (BBR's ProbeRTT, Envoy's minRTT window), about 1 % of the time of a destination
+/// answering in 20 ms.
+const PROBE_EVERY: Duration = Duration::from_secs(10);
+/// The answers, sent alone, that one measure of the no-load round trip takes.
+const PROBE_ANSWERS: u32 = 5;
+/// A measure that gets too few answers (the relay has little to send) ends after this long.
+const PROBE_LONGEST: Duration = Duration::from_secs(1);
+
+/// How much longer than the no-load round trip an answer may take before the difference counts
+/// as requests waiting (Netflix's Gradient2 tolerates 1.5 by default; a box whose cores the receiver shares with the
+/// relay and the database stretches round trips more than that before anything queues).
+const TOLERANCE: f64 = 2.0;
+
+/// After slow start the limit grows by a step at most once per round trip, and at most once
+/// per this.
+const GROWTH_PERIOD: Duration = Duration::from_millis(50);
+
+/// What became of one request, as the limit sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum Sample {
+    /// The destination answered after `rtt`, with `in_flight` requests out (this one included)
+    /// when the request left.
+    Answered { rtt: Duration, in_flight: usize },
+    /// A sign of overload: a timeout, a 429 or 503, a gateway's 502 or 504.
+    Overloaded,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Probe {
+    /// The next measure of the no-load round trip is due then.
+    Due(Instant),
+    /// Measuring: the limit is one; `resume` is the limit to go back to.
+    Running { since: Instant, answers: u32, shortest: Option<Duration>, resume: f64 },
+}
+
+/// The limit's state.
+#[derive(Debug, Clone)]
+pub(crate) struct Vegas {
+    limit: f64,
+    ceiling: f64,
+    /// Growing by one per answer until the first sign of a queue.
+    slow_start: bool,
+    /// The destination's round trip with nothing queued: the last measure's, or any shorter
+    /// answer since.
+    no_load: Option<Duration>,
+    /// The round trip, smoothed over the last few answers.
+    smoothed: Option<Duration>,
+    probe: Probe,
+    /// When the limit last grew after slow start.
+    grown: Instant,
+}
+
+impl Vegas {
+    /// A limit of [`INITIAL_LIMIT`] (at most `ceiling`) that learns up to `ceiling`.
+    pub(crate) fn new(ceiling: usize, now: Instant) -> Self {
+        let ceiling = ceiling.max(1) as f64;
+        Vegas {
+            limit: (INITIAL_LIMIT as f64).min(ceiling),
+            ceiling,
+            slow_start: true,
+            no_load: None,
+            smoothed: None,
+            probe: Probe::Due(now + PROBE_EVERY),
+            grown: now,
+        }
+    }
+
+    /// The limit now.
+    pub(crate) fn limit(&self) -> usize {
+        match self.probe {
+            Probe::Running { .. } => 1,
+            Probe::Due(_) => self.limit as usize,
+        }
+    }
+
+    /// Takes in one request's fate at `now`; returns the limit then.
+    pub(crate) fn observe(&mut self, sample: Sample, now: Instant) -> usize {
+        if let Probe::Running { since, answers, shortest, resume } = &mut self.probe {
+            if let Sample::Answered { rtt, in_flight: 1 } = sample {
+                *answers += 1;
+                *shortest = Some(shortest.map_or(rtt, |s| s.min(rtt)));
+            }
+            if *answers >= PROBE_ANSWERS || now >= *since + PROBE_LONGEST {
+                if shortest.is_some() {
+                    self.no_load = *shortest;
+                }
+                self.limit = *resume;
+                self.probe = Probe::Due(now + PROBE_EVERY);
+            }
+            return self.limit();
+        }
+        match sample {
+            Sample::Overloaded => self.cut(),
+            Sample::Answered { rtt, in_flight } => {
+                let rtt = rtt.max(Duration::from_micros(1));
+                let no_load = self.no_load.map_or(rtt, |n| n.min(rtt));
+                self.no_load = Some(no_load);
+                let smoothed = self.smoothed.map_or(rtt, |s| (s * 4 + rtt) / 5);
+                self.smoothed = Some(smoothed);
+                if rtt > no_load * 10 && rtt > no_load + Duration::from_millis(100) {
+                    // Ten times slower and 100 ms past it: it waited in a queue that overflowed.
+                    self.cut();
+                } else {
+                    self.adjust(smoothed, no_load, in_flight, now);
+                }
+            }
+        }
+        if let Probe::Due(at) = self.probe
+            && now >= at
+        {
+            self.probe = Probe::Running { since: now, answers: 0, shortest: None, resume: self.limit };
+        }
+        self.limit()
+    }
+
+    fn cut(&mut self) {
+        self.slow_start = false;
+        self.smoothed = None;
+        self.limit = (self.limit * 0.75).max(1.0);
+    }
+
+    fn adjust(&mut self, rtt: Duration, no_load: Duration, in_flight: usize, now: Instant) {
+        let limit = self.limit;
+        let step = limit.log10().max(1.0);
+        let used = (in_flight as f64) * 2.0 >= limit;
+        if self.slow_start {
+            // Vegas's gamma: slow start ends at the first request that waits by the bare
+            // estimate, before any tolerance: a receiver whose backlog overflows at a few
+            // connections is not pushed past it while the limit doubles per round trip.
+            let waiting = limit * (1.0 - no_load.as_secs_f64() / rtt.as_secs_f64());
+            if waiting >= 1.0 {
+                self.slow_start = false;
+                self.grown = now;
+            } else if used {
+                self.limit = (limit + 1.0).min(self.ceiling);
+            }
+            return;
+        }
+        // A round trip within twice the no-load one (and a millisecond) is the destination's
+        // own jitter, a timer's granularity, a busy box: nothing waits.
+        let tolerated = no_load.mul_f64(TOLERANCE) + Duration::from_millis(1);
+        let queue = (limit * (1.0 - tolerated.as_secs_f64() / rtt.as_secs_f64())).max(0.0);
+        // TCP Vegas's thresholds, in requests waiting at the destination (1 and 3 there), grown
+        // with the limit's order of magnitude as in Netflix's VegasLimit.
+        let (alpha, beta) = (step, 3.0 * step);
+        if queue > beta {
+            tracing::trace!(?rtt, ?no_load, queue, "requests wait at the destination: the limit shrinks");
+            self.limit = (limit - step).max(1.0);
+            self.grown = now;
+        } else if queue < alpha && used && now >= self.grown + rtt.max(GROWTH_PERIOD) {
+            // Room at the destination and the limit in use: a quarter more (a step at least)
+            // per round trip, and no more often than every GROWTH_PERIOD however short the
+            // round trip, so that the limit reaches a deep receiver's capacity within a second
+            // and does not rush a shallow one.
+            self.limit = (limit + step.max(limit / 4.0)).min(self.ceiling);
+            self.grown = now;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(ms: f64, in_flight: usize) -> Sample {
+        Sample::Answered { rtt: Duration::from_secs_f64(ms / 1000.0), in_flight }
+    }
+
+    /// A destination that serves `capacity` requests at once in `service_ms` each and queues the
+    /// rest, kept busy up to the limit for `answers` answers on a simulated clock; returns the
+    /// limits seen.
+    fn drive(capacity: usize, service_ms: f64, answers: usize, ceiling: usize) -> Vec<usize> {
+        let mut now = Instant::now();
+        let mut vegas = Vegas::new(ceiling, now);
+        let mut seen = Vec::new();
+        for _ in 0..answers {
+            let limit = vegas.limit();
+            let rtt = service_ms * limit.div_ceil(capacity) as f64;
+            now += Duration::from_secs_f64(rtt / 1000.0 / limit as f64);
+            seen.push(vegas.observe(answered(rtt, limit), now));
+        }
+        seen
+    }
+
+    #[test]
+    fn a_destination_that_never_queues_gets_the_ceiling_within_a_few_hundred_answers() {
+        let seen = drive(10_000, 20.0, 400, 256);
+        assert_eq!(*seen.last().unwrap(), 256, "{seen:?}");
+    }
+
+    #[test]
+    fn a_destination_that_serves_two_at_once_is_kept_within_a_few_of_it() {
+        // A millisecond each: the tolerance (twice the no-load round trip and a millisecond)
+        // lets three waves through before anything counts as waiting, and Vegas's thresholds a
+        // few more; far from the ceiling of 256 either way.
+        let seen = drive(2, 1.0, 50_000, 256);
+        let tail = &seen[10_000..];
+        let mean = tail.iter().sum::<usize>() as f64 / tail.len() as f64;
+        assert!(tail.iter().all(|&l| l <= 16), "{:?}", tail.iter().max());
+        assert!((2.0..=10.0).contains(&mean), "mean limit {mean}");
+    }
+
+    #[test]
+    fn signs_of_overload_cut_the_limit_by_a_quarter_and_never_below_one() {
+        let now = Instant::now();
+        let mut vegas = Vegas::new(64, now);
+        for _ in 0..200 {
+            vegas.observe(answered(1.0, 64), now);
+        }
+        assert_eq!(vegas.limit(), 64);
+        assert_eq!(vegas.observe(Sample::Overloaded, now), 48);
+        // A connection that waited out a SYN retransmit: a second against a millisecond.
+        assert_eq!(vegas.observe(answered(1000.0, 48), now), 36);
+        for _ in 0..50 {
+            vegas.observe(Sample::Overloaded, now);
+        }
+        assert_eq!(vegas.limit(), 1);
+    }
+
+    #[test]
+    fn a_trickle_does_not_raise_the_limit() {
+        let now = Instant::now();
+        let mut vegas = Vegas::new(64, now);
+        for _ in 0..1000 {
+            vegas.observe(answered(1.0, 1), now);
+        }
+        assert_eq!(vegas.limit(), INITIAL_LIMIT);
+    }
+
+    #[test]
+    fn the_no_load_round_trip_is_measured_again_alone_and_followed() {
+        let mut now = Instant::now();
+        let mut vegas = Vegas::new(64, now);
+        for _ in 0..200 {
+            vegas.observe(answered(1.0, 64), now);
+        }
+        assert_eq!(vegas.limit(), 64);
+        // From now on it answers in 5 ms however few wait: that first reads as a queue.
+        for _ in 0..200 {
+            vegas.observe(answered(5.0, 64), now);
+        }
+        assert!(vegas.limit() < 32, "{}", vegas.limit());
+        // The measure that comes due holds the limit at one; answers of requests sent alone
+        // are the no-load round trip from then on, and the limit grows back.
+        now += PROBE_EVERY;
+        assert_eq!(vegas.observe(answered(5.0, 64), now), 1);
+        for _ in 0..PROBE_ANSWERS {
+            vegas.observe(answered(5.0, 1), now);
+        }
+        assert_eq!(vegas.no_load, Some(Duration::from_millis(5)));
+        for _ in 0..3000 {
+            now += Duration::from_millis(1);
+            vegas.observe(answered(5.0, 64), now);
+        }
+        assert_eq!(vegas.limit(), 64);
+    }
+}
