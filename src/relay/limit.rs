@@ -78,6 +78,9 @@ pub(crate) struct Vegas {
     probe: Probe,
     /// When the limit last grew after slow start.
     grown: Instant,
+    /// Signs of overload before then answer the cut already made (requests sent together come
+    /// back together, a SYN retransmit's victims a second later all at once).
+    cut_until: Option<Instant>,
 }
 
 impl Vegas {
@@ -92,6 +95,7 @@ impl Vegas {
             smoothed: None,
             probe: Probe::Due(now + PROBE_EVERY),
             grown: now,
+            cut_until: None,
         }
     }
 
@@ -120,7 +124,7 @@ impl Vegas {
             return self.limit();
         }
         match sample {
-            Sample::Overloaded => self.cut(),
+            Sample::Overloaded => self.cut(now),
             Sample::Answered { rtt, in_flight } => {
                 let rtt = rtt.max(Duration::from_micros(1));
                 let no_load = self.no_load.map_or(rtt, |n| n.min(rtt));
@@ -129,7 +133,7 @@ impl Vegas {
                 self.smoothed = Some(smoothed);
                 if rtt > no_load * 10 && rtt > no_load + Duration::from_millis(100) {
                     // Ten times slower and 100 ms past it: it waited in a queue that overflowed.
-                    self.cut();
+                    self.cut(now);
                 } else {
                     self.adjust(smoothed, no_load, in_flight, now);
                 }
@@ -143,10 +147,18 @@ impl Vegas {
         self.limit()
     }
 
-    fn cut(&mut self) {
+    /// Cuts the limit by a quarter, once per burst of bad news: the signs that follow within
+    /// twice the no-load round trip (100 ms at least) are of requests sent before the cut.
+    fn cut(&mut self, now: Instant) {
+        if self.cut_until.is_some_and(|until| now < until) {
+            return;
+        }
         self.slow_start = false;
         self.smoothed = None;
         self.limit = (self.limit * 0.75).max(1.0);
+        let settle = self.no_load.map_or(Duration::ZERO, |n| n * 2).max(Duration::from_millis(100));
+        self.cut_until = Some(now + settle);
+        self.grown = now;
     }
 
     fn adjust(&mut self, rtt: Duration, no_load: Duration, in_flight: usize, now: Instant) {
@@ -231,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn signs_of_overload_cut_the_limit_by_a_quarter_and_never_below_one() {
+    fn signs_of_overload_cut_the_limit_by_a_quarter_once_per_burst_and_never_below_one() {
         let now = Instant::now();
         let mut vegas = Vegas::new(64, now);
         for _ in 0..200 {
@@ -239,9 +251,12 @@ mod tests {
         }
         assert_eq!(vegas.limit(), 64);
         assert_eq!(vegas.observe(Sample::Overloaded, now), 48);
+        assert_eq!(vegas.observe(Sample::Overloaded, now), 48, "one cut per burst of bad news");
         // A connection that waited out a SYN retransmit: a second against a millisecond.
+        let mut now = now + Duration::from_millis(100);
         assert_eq!(vegas.observe(answered(1000.0, 48), now), 36);
         for _ in 0..50 {
+            now += Duration::from_millis(100);
             vegas.observe(Sample::Overloaded, now);
         }
         assert_eq!(vegas.limit(), 1);
