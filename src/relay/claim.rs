@@ -425,8 +425,11 @@ impl<H: Handler> Claimer<H> {
             self.breaker.probe_found_nothing();
         }
         let released = outcomes.count(|outcome| matches!(outcome, Outcome::Released)) > 0;
+        // A leased batch's events were parked: later events of their keys, claimed meanwhile,
+        // were parked behind them, and wait for a claim of parked events once these are done.
+        let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
         self.record(held, token, outcomes).await;
-        if parked_keyed || released {
+        if parked_keyed || released || leased_keyed {
             // A parked key's next event is its head now, or events were given back, due at once.
             self.timer.parked_may_be_due();
         }
@@ -434,7 +437,10 @@ impl<H: Handler> Claimer<H> {
         // lock and new events may wait: a claim of this relay was turned away by the lock
         // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
         // relay marked waiting hears every commit, so a turned-away claim of its own says so.
-        parked_keyed || released || (held_new && (!self.idle.is_marked() || NewLock::take_wanted(&self.new_lock)))
+        parked_keyed
+            || released
+            || leased_keyed
+            || (held_new && (!self.idle.is_marked() || NewLock::take_wanted(&self.new_lock)))
     }
 
     /// Waits for `delivery`, keeping its events this claim's for as long as it runs: a held

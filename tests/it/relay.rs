@@ -276,6 +276,43 @@ async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
     assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (5, 5), "one attempt each, no failure recorded");
 }
 
+/// A batch leased while its delivery goes on parks its events; a later event of its key,
+/// claimed meanwhile, is parked behind it, and follows as soon as the batch is done (the poll is
+/// an hour and the lease two minutes: only the relay's own word can bring it).
+#[tokio::test]
+async fn an_event_parked_behind_a_leased_batch_follows_it_at_once() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let (handler, mut deliveries) = recorder();
+    let gated = handler_fn(move |event: Event| {
+        let handler = handler.clone();
+        let mut go = go_rx.clone();
+        async move {
+            if event.payload.get() == r#"{"n": 0}"# {
+                go.wait_for(|go| *go).await.ok();
+            }
+            handler.handle(&event).await
+        }
+    });
+    let cfg = RelayConfig { hold: Duration::from_millis(50), lease: Duration::from_secs(120), ..config() };
+    let relay = support::start(&db.outbox, cfg, gated);
+    let first = db.outbox.publish(&NewEvent::new("t", json!({"n": 0})).key("k")).await.unwrap();
+    eventually("the first event's claim leased", || async {
+        count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await == 1
+    })
+    .await;
+    let second = db.outbox.publish(&NewEvent::new("t", json!({"n": 1})).key("k")).await.unwrap();
+    eventually("the second event parked behind it", || async {
+        count(&client, "select count(*) from outbox_relay.outbox where parked and lease_token is null").await == 1
+    })
+    .await;
+    go_tx.send(true).unwrap();
+    let got: Vec<i64> = deliveries.take(2).await.into_iter().map(|d| d.event.id).collect();
+    assert_eq!(got, [first, second]);
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn a_transient_failure_is_recorded_and_rescheduled_within_the_backoff_bounds() {
     let db = TestDb::new().await;
