@@ -91,14 +91,7 @@ impl Error {
     }
 
     fn pg_error(&self) -> Option<&tokio_postgres::Error> {
-        let mut source: Option<&(dyn std::error::Error + 'static)> = self.source.as_deref().map(|e| e as _);
-        while let Some(err) = source {
-            if let Some(pg) = err.downcast_ref::<tokio_postgres::Error>() {
-                return Some(pg);
-            }
-            source = err.source();
-        }
-        None
+        causes(self.source.as_deref()?).find_map(|e| e.downcast_ref::<tokio_postgres::Error>())
     }
 }
 
@@ -157,6 +150,13 @@ impl From<serde_json::Error> for Error {
     fn from(err: serde_json::Error) -> Self {
         Error::new(ErrorKind::Json, "JSON conversion failed").with_source(err)
     }
+}
+
+/// `error` and its sources, outermost first.
+pub(crate) fn causes<'a>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> impl Iterator<Item = &'a (dyn std::error::Error + 'static)> {
+    std::iter::successors(Some(error), |e| e.source())
 }
 
 /// An error's message followed by those of its causes, `: `-separated (tokio-postgres, reqwest

@@ -611,16 +611,8 @@ impl<H: Handler> Claimer<H> {
         let retry_after = errors().filter_map(DeliveryError::requested_delay).max();
         // Every transient failure a refused connection: nobody listens there now.
         let refused = {
-            let (mut transient, mut refused) = (0, 0);
-            for result in results.iter().flatten() {
-                if let Err(e) = result
-                    && !e.is_permanent()
-                {
-                    transient += 1;
-                    refused += usize::from(e.is_refused());
-                }
-            }
-            transient > 0 && refused == transient
+            let mut transient = errors().filter(|e| !e.is_permanent()).peekable();
+            transient.peek().is_some() && transient.all(DeliveryError::is_refused)
         };
         let (verdict, change) = self.breaker.observe(&seen, retry_after, refused, probe);
         let first_failure = errors().find(|e| !e.is_permanent());

@@ -347,34 +347,25 @@ impl Slot {
     /// failure marked [`DeliveryError::overloaded`] lowers it, any other failure (a connection
     /// refused: the outage breaker's business) says nothing.
     pub fn done(mut self, result: &Result<(), DeliveryError>) {
-        let sample = match result {
-            Ok(()) => Some(Sample::Answered { rtt: self.taken.elapsed(), in_flight: self.in_flight }),
-            Err(e) if e.is_overload() => Some(Sample::Overloaded),
-            Err(e) if !e.may_be_an_outage() => {
-                Some(Sample::Answered { rtt: self.taken.elapsed(), in_flight: self.in_flight })
-            }
-            Err(_) => None,
-        };
+        let now = Instant::now();
         let slots = self.slots.clone();
         let mut state = slots.lock();
-        if let Err(e) = result
-            && e.is_overload()
-        {
-            let now = Instant::now();
-            if e.may_be_an_outage() {
-                // A 503 or a gateway's answer, perhaps with a Retry-After: a pause for all.
-                state.bucket.pause(e.requested_delay(), now);
-            } else {
-                // A 429: slower from now on, and a pause if it asked for one.
-                state.bucket.refused(e.requested_delay(), now);
+        let sample = match result {
+            Err(e) if e.is_overload() => {
+                if e.may_be_an_outage() {
+                    // A 503 or a gateway's answer, perhaps with a Retry-After: a pause for all.
+                    state.bucket.pause(e.requested_delay(), now);
+                } else {
+                    // A 429: slower from now on, and a pause if it asked for one.
+                    state.bucket.refused(e.requested_delay(), now);
+                }
+                Some(Sample::Overloaded)
             }
-        }
-        let Some(sample) = sample else {
-            self.give_back(&mut state);
-            return;
+            Err(e) if e.may_be_an_outage() => None,
+            _ => Some(Sample::Answered { rtt: now - self.taken, in_flight: self.in_flight }),
         };
-        if let Some(vegas) = &mut state.adaptive {
-            let limit = vegas.observe(sample, Instant::now());
+        if let (Some(sample), Some(vegas)) = (sample, &mut state.adaptive) {
+            let limit = vegas.observe(sample, now);
             if limit != state.limit {
                 tracing::trace!(limit, in_flight = state.in_flight, "the delivery limit moved");
                 slots.resize(&mut state, limit);

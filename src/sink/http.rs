@@ -303,19 +303,11 @@ fn retry_after(headers: &HeaderMap, now: SystemTime) -> Option<Duration> {
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-/// 4xx other than 408 (request timeout) and 429 (too many requests) means the event was refused.
 /// Whether the request failed because the destination refused the connection.
 fn connection_refused(error: &reqwest::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(error);
-    while let Some(e) = source {
-        if let Some(io) = e.downcast_ref::<std::io::Error>()
-            && io.kind() == std::io::ErrorKind::ConnectionRefused
-        {
-            return true;
-        }
-        source = e.source();
-    }
-    false
+    crate::error::causes(error)
+        .filter_map(|e| e.downcast_ref::<std::io::Error>())
+        .any(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
 }
 
 /// The answers that say the destination (or a gateway before it) takes too much at once.
@@ -329,6 +321,7 @@ fn is_overload(status: StatusCode) -> bool {
     )
 }
 
+/// 4xx other than 408 (request timeout) and 429 (too many requests) means the event was refused.
 fn is_permanent(status: StatusCode) -> bool {
     status.is_client_error() && status != StatusCode::REQUEST_TIMEOUT && status != StatusCode::TOO_MANY_REQUESTS
 }

@@ -121,8 +121,6 @@ struct Limited {
 
 async fn limited_receiver(per_second: usize) -> (Arc<Limited>, String) {
     let state = Arc::new(Limited::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/hook", listener.local_addr().unwrap());
     let app = Router::new().route(
         "/hook",
         post({
@@ -147,7 +145,7 @@ async fn limited_receiver(per_second: usize) -> (Arc<Limited>, String) {
             }
         }),
     );
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let url = format!("http://{}/hook", crate::http_sink::serve(app).await);
     (state, url)
 }
 

@@ -138,6 +138,24 @@ fn stuck_handler() -> (impl Handler, tokio::sync::mpsc::UnboundedReceiver<i64>) 
     (stuck, started)
 }
 
+/// A handler that says which event it was handed and succeeds once `true` is sent on the
+/// watch channel (for every event after that at once).
+fn gated_handler() -> (impl Handler + Clone, tokio::sync::mpsc::UnboundedReceiver<i64>, tokio::sync::watch::Sender<bool>)
+{
+    let (started_tx, started) = tokio::sync::mpsc::unbounded_channel::<i64>();
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let gated = handler_fn(move |event: Event| {
+        let started_tx = started_tx.clone();
+        let mut go = go_rx.clone();
+        async move {
+            started_tx.send(event.id).ok();
+            go.wait_for(|go| *go).await.ok();
+            Ok(())
+        }
+    });
+    (gated, started, go_tx)
+}
+
 /// A second relay (polling every 100 ms) delivers the events `ids` a dead one left, each once;
 /// returns them in id order, once nothing is left pending.
 async fn rescue(db: &TestDb, ids: &[i64]) -> Vec<Event> {
@@ -216,17 +234,7 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
 async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
-    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
-    let slow = handler_fn(move |event: Event| {
-        let started_tx = started_tx.clone();
-        let mut go = go_rx.clone();
-        async move {
-            started_tx.send(event.id).ok();
-            go.wait_for(|go| *go).await.ok();
-            Ok(())
-        }
-    });
+    let (slow, mut started, go_tx) = gated_handler();
     // Every event in flight at once from the start (an adaptive limit starts at four).
     let cfg = RelayConfig {
         batch_size: 10,
@@ -548,17 +556,7 @@ async fn deliveries_past_the_grace_period_are_cut_off_and_their_events_released(
 async fn a_stale_worker_does_not_overwrite_a_newer_claim() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<i64>();
-    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
-    let handler = handler_fn(move |event: Event| {
-        let started_tx = started_tx.clone();
-        let mut go = go_rx.clone();
-        async move {
-            started_tx.send(event.id).ok();
-            go.wait_for(|go| *go).await.ok();
-            Ok(())
-        }
-    });
+    let (handler, mut started, go_tx) = gated_handler();
     // Leased at once (a held claim's new events are locked: no other claim can take them).
     let relay = support::start(&db.outbox, RelayConfig { workers: 1, hold: Duration::ZERO, ..config() }, handler);
     let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
