@@ -278,7 +278,7 @@ fn delivery(c: &mut Criterion, env: &Env) {
     let http = DrainSetup::defaults(HTTP_EVENTS);
     group.throughput(Throughput::Elements(http.events as u64));
     group.bench_function("http_20ms", |b| {
-        let receiver = ok(env.block_on(bench::SlowReceiver::start(Duration::from_millis(20))), "starting the receiver");
+        let receiver = ok(env.block_on(bench::Receiver::slow(Duration::from_millis(20))), "starting the receiver");
         drain(b, env, http, ok(receiver.sink(), "the HTTP sink"));
     });
     let sinks = DrainSetup::defaults(DRAIN_EVENTS);

@@ -7,8 +7,8 @@ use std::time::Duration;
 use outbox_relay::Completion;
 use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
 use outbox_relay_testkit::bench::{
-    self, BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ServerInfo, Trickle,
-    TrickleReport, WakePath,
+    self, BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ReceiverKind,
+    ReceiverStage, ReceiversReport, ServerInfo, Settings, Trickle, TrickleReport, WakePath,
 };
 use serde_json::json;
 
@@ -23,10 +23,6 @@ const WRITERS: usize = 16;
 const STEPS: usize = 11;
 /// Keys of the keyed drain (each delivered in order).
 const KEYS: usize = 100;
-/// The HTTP receiver's latency.
-const RECEIVER_LATENCY: Duration = Duration::from_millis(20);
-/// Events delivered to the slow HTTP receiver (at most; no more than --events).
-const HTTP_EVENTS: usize = 3000;
 /// Rounds of the alternating measurements (relay and claim-and-delete loop, stdout and NATS, the
 /// three write modes); their medians are compared.
 const ROUNDS: usize = 3;
@@ -75,6 +71,15 @@ pub(crate) struct BenchArgs {
     /// Run only the held-snapshot stage.
     #[arg(long)]
     held_only: bool,
+    /// Run only the HTTP receivers stage: a small receiver (one request at a time, listen
+    /// backlog 5), one answering in 20 ms, one answering 429 past 200 requests/s, one opening 2 s
+    /// late; the defaults against fixed limits.
+    #[arg(long, conflicts_with = "held_only")]
+    receivers_only: bool,
+    /// Events per drain to the small and the rate-limited HTTP receivers (ten times as many to
+    /// the one answering in 20 ms, at most 100 to the late one).
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    receiver_events: usize,
     /// NATS server for the JetStream drain (skipped, with a note, when none answers).
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", value_name = "URL")]
     nats_url: String,
@@ -94,10 +99,17 @@ impl BenchArgs {
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
             return Err(format!("--batch-size is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size).into());
         }
+        if !(10..=1_000_000).contains(&self.receiver_events) {
+            return Err(format!("--receiver-events is {}; it must be 10 to 1000000", self.receiver_events).into());
+        }
         if !(self.held_rate >= 1.0 && self.held_rate <= 10_000.0) {
             return Err(format!("--held-rate is {}; it must be 1 to 10000 events/s", self.held_rate).into());
         }
         Ok(())
+    }
+
+    fn receiver_stage(&self) -> ReceiverStage {
+        ReceiverStage::for_events(self.receiver_events)
     }
 
     fn poll_samples(&self) -> usize {
@@ -123,7 +135,7 @@ struct Report {
     claim_delete_alike: f64,
     mark_drain: f64,
     keyed_drain: f64,
-    http_throughput: f64,
+    receivers: ReceiversReport,
     stdout_throughput: f64,
     /// The JetStream drain, or why it was skipped.
     nats_throughput: Result<f64, String>,
@@ -146,6 +158,8 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     let server = tokio::task::spawn_blocking(move || BenchDb::start(url.as_deref())).await??;
     let measured = if args.held_only {
         measure_held_only(&args, &server).await
+    } else if args.receivers_only {
+        measure_receivers_only(&args, &server).await
     } else {
         measure(&args, &server).await.map(|report| {
             if args.json {
@@ -185,6 +199,42 @@ async fn measure_held_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_j
         print_held(args, &held);
         Ok(serde_json::Value::Null)
     }
+}
+
+/// The HTTP receivers stage alone: its JSON (with `--json`) or its table, printed.
+async fn measure_receivers_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_json::Value, BenchError> {
+    let (_, outbox) = server.fresh_database(database(args)).await?;
+    let info = bench::server_info(&outbox).await?;
+    eprintln!("measuring on the {}, PostgreSQL {}", server.describe(), info.version);
+    eprintln!("[1/1] {}...", receivers_step(args));
+    let receivers = bench::receivers(&outbox, args.receiver_stage()).await?;
+    outbox.pool().close();
+    if args.json {
+        Ok(merged([receivers_json(&receivers), server_json(server.is_embedded(), &info)]))
+    } else {
+        print_server(&server.describe(), &info, None);
+        print_receivers(&receivers);
+        Ok(serde_json::Value::Null)
+    }
+}
+
+fn receivers_step(args: &BenchArgs) -> String {
+    let stage = args.receiver_stage();
+    format!(
+        "HTTP receivers: {} events to a small one (one request at a time, listen backlog {}), fixed limits {:?} and then the defaults and the best of them alternately, {} rounds; {} events to one answering in {}, with and without {} keys, defaults and fixed {}; {} events to one answering 429 past {}/s; {} events to one opening {} late",
+        stage.small_events,
+        bench::SMALL_BACKLOG,
+        bench::SMALL_SWEEP,
+        stage.rounds,
+        stage.slow_events,
+        humantime::format_duration(bench::SLOW_LATENCY),
+        stage.keys,
+        outbox_relay::RelayConfig::default().concurrency,
+        stage.limited_events,
+        bench::LIMITED_RATE,
+        stage.late_events,
+        humantime::format_duration(bench::LATE_BY),
+    )
 }
 
 fn held_step(args: &BenchArgs) -> String {
@@ -227,10 +277,17 @@ fn relay_command(outbox: &outbox_relay::Outbox) -> Result<tokio::process::Comman
 /// The name hint of the run's database (`outbox_bench_cli`).
 const DATABASE: &str = "cli";
 
-/// The database of a run: `outbox_bench_cli_held` for the held stage alone, so that it can run
-/// beside a full run on one server.
+/// The database of a run: `outbox_bench_cli_held` for the held stage alone and
+/// `outbox_bench_cli_receivers` for the receivers alone, so that they can run beside a full run on
+/// one server.
 fn database(args: &BenchArgs) -> &'static str {
-    if args.held_only { "cli_held" } else { DATABASE }
+    if args.held_only {
+        "cli_held"
+    } else if args.receivers_only {
+        "cli_receivers"
+    } else {
+        DATABASE
+    }
 }
 
 async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchError> {
@@ -282,15 +339,8 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     progress(format!("drain, the events over {KEYS} keys (each key in order)"));
     let keyed_drain = bench::drain_throughput(&outbox, DrainSetup { keys: Some(KEYS), ..setup }).await?;
 
-    let http = DrainSetup::defaults(args.events.min(HTTP_EVENTS));
-    progress(format!(
-        "{} events to an HTTP receiver that answers in {}, default settings",
-        http.events,
-        humantime::format_duration(RECEIVER_LATENCY)
-    ));
-    let receiver = bench::SlowReceiver::start(RECEIVER_LATENCY).await?;
-    let http_throughput = rate(http.events, bench::drain_to(&outbox, http, receiver.sink()?).await?);
-    drop(receiver);
+    progress(receivers_step(args));
+    let receivers = bench::receivers(&outbox, args.receiver_stage()).await?;
     // Alternately, so that the machine's drift hits both alike; the medians are compared.
     let sinks = DrainSetup::defaults(args.events);
     progress(format!(
@@ -354,7 +404,7 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         claim_delete_alike,
         mark_drain,
         keyed_drain,
-        http_throughput,
+        receivers,
         stdout_throughput,
         nats_throughput,
         trickle,
@@ -408,7 +458,6 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "drain_mark_processed_events_per_s": rounded(r.mark_drain, 1),
         "drain_keyed_events_per_s": rounded(r.keyed_drain, 1),
         "drain_keys": KEYS,
-        "http_20ms_events_per_s": rounded(r.http_throughput, 1),
         "stdout_events_per_s": rounded(r.stdout_throughput, 1),
         "nats_events_per_s": r.nats_throughput.as_ref().ok().map(|v| rounded(*v, 1)),
         "nats_share_of_stdout": r.nats_throughput.as_ref().ok().map(|v| rounded(v / r.stdout_throughput, 3)),
@@ -438,7 +487,13 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "write_seconds": args.write_duration.as_secs_f64(),
         "cores": r.cores,
     });
-    merged([figures, settings, server_json(r.embedded, &r.info), held_json(args, &r.held)])
+    merged([
+        figures,
+        settings,
+        server_json(r.embedded, &r.info),
+        held_json(args, &r.held),
+        receivers_json(&r.receivers),
+    ])
 }
 
 /// The members of JSON objects in one object.
@@ -591,12 +646,9 @@ fn print_table(args: &BenchArgs, r: &Report) {
         grouped(r.keyed_drain)
     );
     println!();
+    print_receivers(&r.receivers);
+    println!();
     println!("delivery, default settings (workers, batch, concurrency):");
-    println!(
-        "  {:<44}{:>12} events/s",
-        format!("to an HTTP receiver answering in {}", humantime::format_duration(RECEIVER_LATENCY)),
-        grouped(r.http_throughput)
-    );
     println!(
         "  {:<44}{:>12} events/s (median of {ROUNDS})",
         "to the stdout sink's work (/dev/null)",
@@ -651,6 +703,108 @@ fn print_table(args: &BenchArgs, r: &Report) {
     }
     println!();
     print_held(args, &r.held);
+}
+
+/// What a row's receiver is, for the table and the JSON.
+fn receiver_name(row: &bench::Row) -> String {
+    let name = match row.receiver {
+        ReceiverKind::Small => format!(
+            "small (one at a time, backlog {}, {})",
+            bench::SMALL_BACKLOG,
+            humantime::format_duration(bench::SMALL_PACE)
+        ),
+        ReceiverKind::Slow => format!("answers in {}", humantime::format_duration(bench::SLOW_LATENCY)),
+        ReceiverKind::RateLimited => format!("429 past {}/s", bench::LIMITED_RATE),
+        ReceiverKind::Late => format!("opens {} late", humantime::format_duration(bench::LATE_BY)),
+    };
+    match row.keys {
+        Some(keys) => format!("{name}, {keys} keys"),
+        None => name,
+    }
+}
+
+/// The defaults' time over the best fixed limit's at the small receiver (medians of the rounds).
+fn small_ratio(r: &ReceiversReport) -> Option<f64> {
+    let defaults = r.row(ReceiverKind::Small, Settings::Defaults, None)?;
+    let best = r.row(ReceiverKind::Small, Settings::Fixed(r.small_best), None)?;
+    Some(defaults.run.elapsed.as_secs_f64() / best.run.elapsed.as_secs_f64())
+}
+
+fn print_receivers(r: &ReceiversReport) {
+    println!(
+        "HTTP receivers (fixed N: --fixed-concurrency --concurrency N; twice: events the receiver accepted again):"
+    );
+    println!(
+        "  {:<42}{:<24}{:>7}{:>10}{:>10}{:>7}{:>7}{:>9}{:>7}",
+        "receiver", "settings", "events", "time", "events/s", "twice", "429s", "breaker", "limit"
+    );
+    for row in &r.rows {
+        let settings = match row.rounds {
+            1 => row.settings.to_string(),
+            n => format!("{} (median of {n})", row.settings),
+        };
+        let run = &row.run;
+        println!(
+            "  {:<42}{settings:<24}{:>7}{:>10}{:>10}{:>7}{:>7}{:>9}{:>7}",
+            receiver_name(row),
+            grouped(row.events as f64),
+            format!("{:.2} s", run.elapsed.as_secs_f64()),
+            grouped(run.rate(row.events)),
+            run.counts.redelivered,
+            run.counts.too_many,
+            run.metrics.breaker_opens,
+            run.metrics.delivery_limit,
+        );
+    }
+    println!("  (breaker: times the outage breaker opened; limit: the concurrency limit at the end)");
+    if let Some(ratio) = small_ratio(r) {
+        println!(
+            "  at the small receiver the defaults take {ratio:.2}x the time of the best fixed limit ({}); goal: at most 1.25x",
+            r.small_best
+        );
+    }
+    println!(
+        "  the late receiver had all its events {:.2} s after it opened; goal: within 1 s",
+        r.late_after_opening.as_secs_f64()
+    );
+}
+
+/// The receivers stage's figures.
+fn receivers_json(r: &ReceiversReport) -> serde_json::Value {
+    let rows: Vec<_> = r
+        .rows
+        .iter()
+        .map(|row| {
+            let settings = match row.settings {
+                Settings::Defaults => json!({"settings": "defaults"}),
+                Settings::Fixed(limit) => json!({"settings": "fixed", "concurrency": limit}),
+                Settings::RateLimit(rate) => json!({"settings": "rate_limit", "rate_limit_per_s": rate}),
+            };
+            let run = &row.run;
+            merged([
+                json!({
+                    "receiver": receiver_name(row),
+                    "events": row.events,
+                    "keys": row.keys,
+                    "rounds": row.rounds,
+                    "seconds": rounded(run.elapsed.as_secs_f64(), 3),
+                    "events_per_s": rounded(run.rate(row.events), 1),
+                    "redelivered": run.counts.redelivered,
+                    "answered_429": run.counts.too_many,
+                    "retried": run.metrics.retried,
+                    "breaker_opens": run.metrics.breaker_opens,
+                    "limit_at_end": run.metrics.delivery_limit,
+                }),
+                settings,
+            ])
+        })
+        .collect();
+    json!({
+        "receivers": rows,
+        "receivers_small_best_fixed": r.small_best,
+        "receivers_small_defaults_over_best_fixed": small_ratio(r).map(|v| rounded(v, 3)),
+        "receivers_late_after_opening_s": rounded(r.late_after_opening.as_secs_f64(), 3),
+    })
 }
 
 fn format_ms(d: Duration) -> String {

@@ -406,6 +406,8 @@ async fn bench_json_prints_one_object_with_every_figure() {
         "1s",
         "--held-rate",
         "200",
+        "--receiver-events",
+        "50",
     ];
     let output = cli(&server, &args).await;
     let out = stdout(&output);
@@ -426,7 +428,6 @@ async fn bench_json_prints_one_object_with_every_figure() {
         "drain_share_of_claim_delete_loop_alike",
         "drain_mark_processed_events_per_s",
         "drain_keyed_events_per_s",
-        "http_20ms_events_per_s",
         "stdout_events_per_s",
         "nats_events_per_s",
         "nats_share_of_stdout",
@@ -441,6 +442,7 @@ async fn bench_json_prints_one_object_with_every_figure() {
     assert_eq!(report["claim_delete_loop_clients"], 4);
     assert_eq!(report["claim_delete_loop_batch"], 100);
     assert_held_figures(&report);
+    assert_receiver_figures(&report);
     assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
 }
 
@@ -455,6 +457,40 @@ fn assert_held_figures(report: &Value) {
     }
     assert!(report["held_p99_ratio"].as_f64().is_some_and(|v| v > 0.0), "{report}");
     assert_eq!(report["held_duplicates"], 0, "{report}");
+}
+
+/// The receivers stage's figures: every receiver drained with the defaults, nothing redelivered
+/// to the receivers that never fail, the comparison with the best fixed limit made.
+fn assert_receiver_figures(report: &Value) {
+    let rows = report["receivers"].as_array().unwrap_or_else(|| panic!("no receivers: {report}"));
+    for receiver in ["small", "answers in 20ms", "429 past 200/s", "opens 2s late"] {
+        let defaults = rows
+            .iter()
+            .find(|r| r["receiver"].as_str().is_some_and(|n| n.starts_with(receiver)) && r["settings"] == "defaults")
+            .unwrap_or_else(|| panic!("no defaults row for {receiver}: {report}"));
+        assert!(defaults["events_per_s"].as_f64().is_some_and(|v| v > 0.0), "{defaults}");
+        assert!(defaults["limit_at_end"].as_u64().is_some_and(|v| v >= 1), "{defaults}");
+    }
+    for row in rows.iter().filter(|r| r["settings"] == "defaults") {
+        assert_eq!(row["redelivered"], 0, "{row}");
+    }
+    assert!(report["receivers_small_defaults_over_best_fixed"].as_f64().is_some_and(|v| v > 0.0), "{report}");
+    assert!(report["receivers_late_after_opening_s"].as_f64().is_some(), "{report}");
+}
+
+/// `--receivers-only` runs that stage alone and prints its table; too few events are refused.
+#[tokio::test]
+async fn bench_receivers_only_measures_the_receivers() {
+    let server = crate::harness::server().url_for("postgres").to_connection_string();
+    let args = ["bench", "--json", "--receivers-only", "--receiver-events", "50"];
+    let output = cli(&server, &args).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    assert_receiver_figures(&serde_json::from_str(out.trim()).unwrap());
+
+    let output = cli(&server, &["bench", "--receivers-only", "--receiver-events", "5"]).await;
+    assert!(!output.status.success());
+    assert!(stderr(&output).contains("--receiver-events is 5; it must be 10 to 1000000"), "{}", stderr(&output));
 }
 
 /// `--held-only` runs that stage alone and prints its figures; a rate out of range is refused

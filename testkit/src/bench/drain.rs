@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::{Completion, Event, Handler, Outbox, Relay, RelayConfig, handler_fn};
+use outbox_relay::{Completion, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, handler_fn};
 use tokio::sync::oneshot;
 
 use super::latency::stop_relay;
@@ -49,7 +49,9 @@ impl DrainSetup {
         }
     }
 
-    fn config(&self) -> RelayConfig {
+    /// The relay's configuration for it: its workers, batch size and completion, the janitor
+    /// off, the defaults otherwise.
+    pub fn config(&self) -> RelayConfig {
         RelayConfig {
             workers: self.workers,
             batch_size: self.batch_size,
@@ -86,6 +88,26 @@ pub async fn drain_with<H: Handler>(
     config: RelayConfig,
     handler: H,
 ) -> Result<Duration, BoxError> {
+    Ok(drain_measured(outbox, setup, config, handler).await?.elapsed)
+}
+
+/// A drain's figures.
+pub(super) struct Drained {
+    /// When the relay was started.
+    pub started: Instant,
+    /// From then to the last delivery recorded.
+    pub elapsed: Duration,
+    /// The relay's metrics at the end.
+    pub metrics: MetricsSnapshot,
+}
+
+/// [`drain_with`], returning when the relay started and its metrics at the end too.
+pub(super) async fn drain_measured<H: Handler>(
+    outbox: &Outbox,
+    setup: DrainSetup,
+    config: RelayConfig,
+    handler: H,
+) -> Result<Drained, BoxError> {
     if setup.events == 0 {
         return Err("a drain needs at least one event".into());
     }
@@ -111,8 +133,8 @@ pub async fn drain_with<H: Handler>(
     let elapsed = started.elapsed();
 
     stop_relay(Some(shutdown), Some(task)).await?;
+    let snapshot = metrics.snapshot();
     if drained.is_err() {
-        let snapshot = metrics.snapshot();
         return Err(format!(
             "the relay delivered {} of {events} events within {} ({} retried, {} dead-lettered)",
             snapshot.delivered,
@@ -122,7 +144,7 @@ pub async fn drain_with<H: Handler>(
         )
         .into());
     }
-    Ok(elapsed)
+    Ok(Drained { started, elapsed, metrics: snapshot })
 }
 
 /// Empties the outbox and fills it with `events` deliverable events (over `keys` keys, or

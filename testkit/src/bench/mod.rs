@@ -89,6 +89,7 @@ mod drain;
 mod held;
 mod latency;
 mod notify;
+mod receivers;
 mod server;
 mod sinks;
 mod trickle;
@@ -102,8 +103,12 @@ pub use self::drain::{
 pub use self::held::{HELD_WRITERS, HeldReport, HeldSnapshot, Phase, held_snapshot};
 pub use self::latency::{LatencyProbe, WakePath, latency};
 pub use self::notify::{NotifyMode, reset_notify, set_notify_mode, set_notify_trigger};
+pub use self::receivers::{
+    Counts, LATE_BY, LIMITED_RATE, Receiver, ReceiverKind, ReceiverRun, ReceiverStage, ReceiversReport, Row,
+    SLOW_LATENCY, SMALL_BACKLOG, SMALL_PACE, SMALL_SWEEP, Settings, drain_to_receiver, receivers,
+};
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};
-pub use self::sinks::{DevNullLines, SlowReceiver, nats_sink};
+pub use self::sinks::{DevNullLines, nats_sink};
 pub use self::trickle::{Trickle, TrickleReport, trickle};
 pub use self::write::{WriteTx, Writers, reset_write_tables, write_tps};
 

@@ -1,54 +1,11 @@
-//! Draining to real destinations: an HTTP receiver that takes its time, NATS JetStream, and the
-//! stdout sink's work aimed at `/dev/null`.
+//! Draining to real destinations: NATS JetStream, and the stdout sink's work aimed at
+//! `/dev/null` (HTTP receivers are in `receivers`).
 
-use std::io::Write;
-use std::net::SocketAddr;
-use std::time::Duration;
-
-use axum::Router;
-use axum::http::StatusCode;
-use axum::routing::post;
-use outbox_relay::sink::{HttpSink, NatsSink, SinkOptions};
+use outbox_relay::sink::{NatsSink, SinkOptions};
 use outbox_relay::{DeliveryError, Event, Handler, Slots};
+use std::io::Write;
 
 use super::BoxError;
-
-/// An HTTP receiver on 127.0.0.1 that answers every POST with 200 after `latency` (a webhook or
-/// an ERP that takes its time); stops when dropped.
-pub struct SlowReceiver {
-    addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl SlowReceiver {
-    /// Starts the receiver on a free port.
-    pub async fn start(latency: Duration) -> Result<SlowReceiver, BoxError> {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let app = Router::new().route(
-            "/hook",
-            post(move || async move {
-                tokio::time::sleep(latency).await;
-                StatusCode::OK
-            }),
-        );
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        Ok(SlowReceiver { addr, task })
-    }
-
-    /// An HTTP sink POSTing to it, with the default timeout.
-    pub fn sink(&self) -> Result<HttpSink, BoxError> {
-        Ok(HttpSink::new(&format!("http://{}/hook", self.addr), outbox_relay::sink::DEFAULT_HTTP_TIMEOUT)?)
-    }
-}
-
-impl Drop for SlowReceiver {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
 
 /// A NATS JetStream sink on a stream of its own (created, or purged when it exists), for a
 /// drain measurement; `None` with the reason when no NATS server answers at `url`.
