@@ -48,6 +48,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "xid_is_the_inserters",
         sql: include_str!("../migrations/0009_xid_is_the_inserters.sql"),
     },
+    Migration { version: 10, name: "delivery_limit", sql: include_str!("../migrations/0010_delivery_limit.sql") },
 ];
 
 /// What a migration run did.

@@ -61,6 +61,12 @@ pub struct ConnectedRelay {
     /// When its breaker last changed state, if it ever did.
     #[serde(serialize_with = "crate::timestamp::serialize_option")]
     pub breaker_since: Option<SystemTime>,
+    /// Its concurrency limit: the deliveries it may have in flight at once (learnt from its
+    /// destination, or fixed), as it last published it (at most a second old while it changes;
+    /// `None` until it first did).
+    pub delivery_limit: Option<i32>,
+    /// The deliveries it had in flight then.
+    pub deliveries_in_flight: Option<i32>,
 }
 
 /// An event in the dead letters.

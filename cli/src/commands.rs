@@ -301,8 +301,13 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             (false, true) => "waiting",
             (false, false) => "busy or lingering",
         };
+        let limit = match (relay.delivery_limit, relay.deliveries_in_flight) {
+            (Some(limit), Some(in_flight)) => format!(", limit {limit} ({in_flight} in flight)"),
+            (Some(limit), None) => format!(", limit {limit}"),
+            _ => String::new(),
+        };
         println!(
-            "  listener pid {:<8} from {:<15} since {}  {state}",
+            "  listener pid {:<8} from {:<15} since {}  {state}{limit}",
             relay.listener_pid,
             relay.client,
             outbox_relay::rfc3339(relay.connected_at)

@@ -66,6 +66,7 @@
       set("paused", s.pauses.length ? s.pauses.map((p) => p.topic || "every topic").join(", ") : "none");
       if (s.relay) {
         set("breaker", s.relay.breaker_open ? "OPEN: destination down, probing" : "closed");
+        set("limit", `${s.relay.delivery_limit} (${s.relay.deliveries_in_flight} in flight)`);
         samples = s.history;
         const last = samples[samples.length - 1];
         set("rate", last ? Math.round(last.rate) : "-");

@@ -32,6 +32,8 @@ struct RelaySummary {
     dead_lettered: u64,
     breaker_open: bool,
     listening: bool,
+    delivery_limit: u64,
+    deliveries_in_flight: u64,
     latency_p50_ms: Option<f64>,
     latency_p99_ms: Option<f64>,
 }
@@ -50,6 +52,8 @@ pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> 
             dead_lettered: s.dead_lettered,
             breaker_open: s.breaker_open,
             listening: s.listening,
+            delivery_limit: s.delivery_limit,
+            deliveries_in_flight: s.deliveries_in_flight,
             latency_p50_ms: ms(s.latency_p50),
             latency_p99_ms: ms(s.latency_p99),
         }
@@ -153,6 +157,10 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
         Some(r) if r.breaker_open => "OPEN: destination down, probing".to_string(),
         Some(_) => "closed".to_string(),
     };
+    let limit = s.relay.as_ref().map_or_else(
+        || "no relay in this process".to_string(),
+        |r| format!("{} ({} in flight)", r.delivery_limit, r.deliveries_in_flight),
+    );
     let paused = if s.pauses.is_empty() {
         "none".to_string()
     } else {
@@ -167,6 +175,7 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
         ("dead_letters", "dead letters", s.stats.dead_letters.to_string()),
         ("oldest_pending", "oldest pending", age(s.stats.oldest_pending_age_ms)),
         ("breaker", "breaker", breaker),
+        ("limit", "concurrency limit", limit),
         ("paused", "paused", paused),
     ] {
         let _ = writeln!(html, "<div><dt>{label}</dt><dd id=\"{id}\">{}</dd></div>", escape(&value));

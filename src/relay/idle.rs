@@ -35,6 +35,7 @@ use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::RelayPool;
+use super::metrics::RelayMetrics;
 use crate::error::Result;
 use crate::sql;
 
@@ -45,6 +46,8 @@ pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
 pub(crate) const BUSY_RATE: f64 = 500.0;
 /// The window over which [`Rate`] counts claimed events.
 const RATE_WINDOW: Duration = Duration::from_millis(200);
+/// How often the concurrency limit is published for `status` (when it changed).
+const DELIVERIES_PUBLISH_EVERY: Duration = Duration::from_secs(1);
 /// The longest pause between two checks of whether the transactions open at the mark ended.
 const CLOSE_POLL_MAX: Duration = Duration::from_millis(250);
 
@@ -145,12 +148,44 @@ impl Idle {
         sql::set_breaker(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), open).await
     }
 
+    /// Publishes the concurrency limit and the deliveries in flight in the relay's row, for
+    /// `status`.
+    async fn publish_deliveries(&self, listener_pid: i32, limit: i32, in_flight: i32) -> Result<()> {
+        let client = self.pool.client().await?;
+        sql::set_deliveries(&*client, self.relay_id, listener_pid, limit, in_flight).await
+    }
+
     /// Removes the relay's row (shutdown): writers need not notify a relay that is gone.
     pub(crate) async fn remove(&self) {
         if let Ok(client) = self.pool.client().await
             && let Err(e) = sql::remove_relay(&*client, self.relay_id).await
         {
             tracing::debug!(error = %e, "could not remove the relay's row; the janitor removes it once its listener is gone");
+        }
+    }
+}
+
+/// Writes the concurrency limit and the deliveries in flight to the relay's row every
+/// [`DELIVERIES_PUBLISH_EVERY`] while either (or the listener) changed, until `stop`. Not while
+/// the listener is down: `status` finds a relay by its listener, and the janitor removes a row
+/// whose listener is gone.
+pub(crate) async fn publish_deliveries(idle: Arc<Idle>, metrics: Arc<RelayMetrics>, stop: CancellationToken) {
+    let mut published = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(DELIVERIES_PUBLISH_EVERY) => {}
+        }
+        let (limit, in_flight) = metrics.deliveries_now();
+        let pid = idle.listener_pid.load(Ordering::Acquire);
+        let (Ok(limit @ 1..), Ok(in_flight)) = (i32::try_from(limit), i32::try_from(in_flight)) else { continue };
+        let now = Some((pid, limit, in_flight));
+        if pid == 0 || published == now {
+            continue;
+        }
+        match idle.publish_deliveries(pid, limit, in_flight).await {
+            Ok(()) => published = now,
+            Err(e) => tracing::debug!(error = %e, "could not publish the concurrency limit; trying again in a second"),
         }
     }
 }

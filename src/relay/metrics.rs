@@ -240,6 +240,11 @@ impl RelayMetrics {
         }
     }
 
+    /// The concurrency limit and the deliveries in flight, as last set.
+    pub(crate) fn deliveries_now(&self) -> (u64, u64) {
+        (self.delivery_limit.load(Ordering::Relaxed), self.deliveries_in_flight.load(Ordering::Relaxed))
+    }
+
     pub(crate) fn deliveries(&self, limit: usize, in_flight: usize) {
         self.delivery_limit.store(limit as u64, Ordering::Relaxed);
         self.deliveries_in_flight.store(in_flight as u64, Ordering::Relaxed);

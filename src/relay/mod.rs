@@ -216,6 +216,10 @@ impl<H: Handler> Relay<H> {
             .instrument(tracing::info_span!("pauses")),
         );
         services.spawn(
+            idle::publish_deliveries(idle.clone(), metrics.clone(), stop.clone())
+                .instrument(tracing::debug_span!("limit_publisher")),
+        );
+        services.spawn(
             report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),
         );
         if !config.janitor_interval.is_zero() {

@@ -83,7 +83,7 @@ pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<Error
 /// marked waiting for a notification.
 const RELAYS_CONNECTED: &str = "\
 select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false),
-       coalesce(r.breaker, 'closed') = 'open', r.breaker_since
+       coalesce(r.breaker, 'closed') = 'open', r.breaker_since, r.delivery_limit, r.deliveries_in_flight
   from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
  where a.datname = current_database() and a.application_name = 'outbox-relay listener'
  order by a.backend_start";
@@ -100,6 +100,8 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
             waiting: r.get(3),
             breaker_open: r.get(4),
             breaker_since: r.get(5),
+            delivery_limit: r.get(6),
+            deliveries_in_flight: r.get(7),
         })
         .collect())
 }

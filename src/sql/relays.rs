@@ -49,6 +49,19 @@ pub(crate) async fn set_breaker(db: &impl Db, id: i64, listener_pid: i32, open: 
     count(db, RELAY_BREAKER, &[&id, &listener_pid, &state], "publishing the breaker's state").await.map(drop)
 }
 
+const RELAY_DELIVERIES: &str = "\
+insert into outbox_relay.relays (id, listener_pid, waiting, delivery_limit, deliveries_in_flight) values ($1, $2, false, $3, $4)
+on conflict (id) do update
+   set listener_pid = excluded.listener_pid, delivery_limit = excluded.delivery_limit,
+       deliveries_in_flight = excluded.deliveries_in_flight, updated_at = now()";
+
+/// Publishes relay `id`'s concurrency limit and its deliveries in flight, for `status`.
+pub(crate) async fn set_deliveries(db: &impl Db, id: i64, listener_pid: i32, limit: i32, in_flight: i32) -> Result<()> {
+    count(db, RELAY_DELIVERIES, &[&id, &listener_pid, &limit, &in_flight], "publishing the concurrency limit")
+        .await
+        .map(drop)
+}
+
 const RELAY_LISTENER: &str = "update outbox_relay.relays set listener_pid = $2, updated_at = now() where id = $1";
 
 /// Records the backend pid of relay `id`'s new listener connection in its row, if it has one.

@@ -512,6 +512,10 @@ async fn in_a_browser_a_dead_letter_is_shown_and_a_click_on_retry_delivers_it() 
     let browser = Browser::start().await;
     let page = &browser.client;
     page.goto(&format!("{base}/")).await.unwrap();
+    // The relay's concurrency limit, as the page's script refreshes it: "N (M in flight)".
+    let limit = page.find(fantoccini::Locator::Id("limit")).await.unwrap().text().await.unwrap();
+    let (n, in_flight) = limit.split_once(" (").unwrap_or_else(|| panic!("{limit:?}"));
+    assert!(n.parse::<u32>().is_ok_and(|n| n >= 1) && in_flight.ends_with(" in flight)"), "{limit:?}");
     let row = page.find(fantoccini::Locator::Css(&format!("#dead-{id}"))).await.expect("the dead letter's row");
     let text = row.text().await.unwrap();
     assert!(text.contains("invoice.issue") && text.contains("422"), "{text}");

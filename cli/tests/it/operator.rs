@@ -300,3 +300,50 @@ async fn next_line_containing(
         }
     }
 }
+
+/// `status` shows each relay's concurrency limit and its deliveries in flight (table and JSON),
+/// as the relay publishes them: here a fixed limit of 3, full while the receiver holds every
+/// request, then empty once it lets them through.
+#[tokio::test]
+async fn status_shows_the_concurrency_limit_and_the_deliveries_in_flight() {
+    let db = TestDb::new().await;
+    let (open, opened) = tokio::sync::watch::channel(false);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sink = format!("http://{}/hooks", listener.local_addr().unwrap());
+    let app = axum::Router::new().route(
+        "/hooks",
+        axum::routing::post(move || {
+            let mut opened = opened.clone();
+            async move {
+                opened.wait_for(|open| *open).await.ok();
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    for n in 0..10 {
+        publish(&db, "order.placed", json!({"n": n})).await;
+    }
+    let mut child = spawn_run(&db.url, &["--sink", &sink, "--fixed-concurrency", "--concurrency", "3"]);
+    let relay = async || {
+        let status = cli(&db.url, &["status", "--json"]).await;
+        let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+        status["relays"][0].clone()
+    };
+    eventually("the limit published, full", || async {
+        let relay = relay().await;
+        relay["delivery_limit"] == json!(3) && relay["deliveries_in_flight"] == json!(3)
+    })
+    .await;
+    let table = cli(&db.url, &["status"]).await;
+    assert!(stdout(&table).contains("limit 3 (3 in flight)"), "{}", stdout(&table));
+
+    open.send_replace(true);
+    eventually("every event delivered", || async {
+        count(&db, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    eventually("nothing in flight", || async { relay().await["deliveries_in_flight"] == json!(0) }).await;
+    let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+    assert_eq!(terminate_collecting(child, &mut log, &mut Vec::new()).await, Some(0));
+}
