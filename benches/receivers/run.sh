@@ -9,8 +9,8 @@
 # over KEYS keys, none when 0), starts the receiver on a free port and `outbox-relay run --sink
 # http://...` (the release binary) with RELAY ARGS, waits until no event is pending, and prints
 # one JSON line: seconds from the relay's start, events/s, the receiver's counts (requests,
-# accepted, duplicates, 429s) and how often the relay's log said the breaker opened. RECEIVER=node
-# and LATE=S: see below.
+# accepted, duplicates, 429s) and how often the relay's log said the breaker opened. RECEIVER=node,
+# LATE=S and KILL_AFTER=N: see below.
 set -euo pipefail
 admin=${1:?usage: run.sh ADMIN_URL EVENTS KEYS 'RECEIVER ARGS' [RELAY ARGS...]}
 events=${2:?}
@@ -58,12 +58,26 @@ else
     start=$(date +%s.%N)
     start_relay "$@"
 fi
+# KILL_AFTER=N kills the relay with SIGKILL once the receiver accepted N requests, notes what the
+# receiver had accepted that the database had not recorded, and starts a second relay.
+killed='{}'
+if [ -n "${KILL_AFTER:-}" ]; then
+    accepted() { curl -sf "http://127.0.0.1:$port/stats" | python3 -c 'import json, sys; print(json.load(sys.stdin)["accepted"])'; }
+    until [ "$(accepted)" -ge "$KILL_AFTER" ]; do sleep 0.005; done
+    kill -9 "${pids[-1]}"
+    wait "${pids[-1]}" 2>/dev/null || true
+    at_kill=$(accepted)
+    pending=$(psql -XAtq "$db" -c 'select count(*) from outbox_relay.outbox where processed_at is null')
+    killed="{\"accepted_at_kill\": $at_kill, \"accepted_unrecorded_at_kill\": $((at_kill + pending - events))}"
+    cp "$work/log" "$work/log.killed"
+    start_relay "$@"
+fi
 until [ "$(psql -XAtq "$db" -c 'select count(*) from outbox_relay.outbox where processed_at is null')" = 0 ]; do sleep 0.02; done
 end=$(date +%s.%N)
 stats=$(curl -sf "http://127.0.0.1:$port/stats")
 opened=$(grep -c "the destination looks down" "$work/log" || true)
-python3 - "$start" "$end" "$events" "$stats" "$opened" <<'PY'
+python3 - "$start" "$end" "$events" "$stats" "$opened" "$killed" <<'PY'
 import json, sys
 start, end, events, stats, opened = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-print(json.dumps(dict(seconds=round(end - start, 3), events_per_s=round(events / (end - start), 1), breaker_opened=opened, **stats)))
+print(json.dumps(dict(seconds=round(end - start, 3), events_per_s=round(events / (end - start), 1), breaker_opened=opened, **stats, **json.loads(sys.argv[6]))))
 PY
