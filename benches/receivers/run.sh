@@ -10,7 +10,7 @@
 # http://...` (the release binary) with RELAY ARGS, waits until no event is pending, and prints
 # one JSON line: seconds from the relay's start, events/s, the receiver's counts (requests,
 # accepted, duplicates, 429s) and how often the relay's log said the breaker opened. RECEIVER=node,
-# LATE=S and KILL_AFTER=N: see below.
+# LATE=S and KILL_AFTER=N: see below. BINARY=path runs another build of the relay.
 set -euo pipefail
 admin=${1:?usage: run.sh ADMIN_URL EVENTS KEYS 'RECEIVER ARGS' [RELAY ARGS...]}
 events=${2:?}
@@ -18,7 +18,7 @@ keys=${3:?}
 receiver_args=${4-}
 shift 4
 here=$(cd "$(dirname "$0")" && pwd)
-binary=$here/../../target/release/outbox-relay
+binary=${BINARY:-$here/../../target/release/outbox-relay}
 [ -x "$binary" ] || { echo "build the release binary first: cargo build --release" >&2; exit 2; }
 db=${admin%/*}/outbox_receivers
 work=$(mktemp -d)

@@ -359,13 +359,15 @@ impl Slot {
                     // A 429: slower from now on, and a pause if it asked for one.
                     state.bucket.refused(e.requested_delay(), now);
                 }
-                Some(Sample::Overloaded)
+                Some(Sample::Overloaded { rtt: now - self.taken, in_flight: self.in_flight })
             }
             Err(e) if e.may_be_an_outage() => None,
             _ => Some(Sample::Answered { rtt: now - self.taken, in_flight: self.in_flight }),
         };
+        // The others still out: the limit tells those it cannot see answered from these.
+        let others = state.in_flight.saturating_sub(1);
         if let (Some(sample), Some(vegas)) = (sample, &mut state.adaptive) {
-            let limit = vegas.observe(sample, now);
+            let limit = vegas.observe(sample, others, now);
             if limit != state.limit {
                 tracing::trace!(limit, in_flight = state.in_flight, "the delivery limit moved");
                 slots.resize(&mut state, limit);

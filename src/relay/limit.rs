@@ -10,7 +10,10 @@
 //! request waits; then by one step per round trip while fewer than a step wait, and it shrinks by
 //! a step when more than three steps wait (a step is 1 up to a limit of 10, then its log10), and a sign of overload (a timeout, 429, 502/503/504, or an answer ten
 //! times slower than the no-load one and 100 ms past it, as a connection that waited out a SYN
-//! retransmit) cuts it by a quarter. Why delay and not loss alone (AIMD): the receivers that need
+//! retransmit) cuts it to three quarters of what was in flight when that request left. Requests
+//! that no round trip shows (connections a full backlog dropped, waiting out a SYN retransmit)
+//! are told by Little's law: far more out than the answers a second times the round trip say the
+//! destination serves. Past the limit a cut left, growth is a step per [`AVOIDANCE_PERIOD`]. Why delay and not loss alone (AIMD): the receivers that need
 //! protecting, a small thread pool or a listen backlog of five, queue before they fail, and a
 //! loss-based limit learns only by overflowing them, each overflow a second-long retransmit. Why
 //! not a gradient of long- against short-term averages (Netflix's `Gradient2`, Envoy's adaptive
@@ -45,14 +48,28 @@ const TOLERANCE: f64 = 2.0;
 /// per this.
 const GROWTH_PERIOD: Duration = Duration::from_millis(50);
 
+/// Past the limit of the last cut, the limit grows by a step at most once per this: the
+/// overflow that cut it showed where the destination's room ends, and the news of the next one
+/// can take a second (a SYN retransmit), in which the limit must not run far past it again.
+const AVOIDANCE_PERIOD: Duration = Duration::from_millis(100);
+
+/// The answers a destination gives are counted over windows this long at least (two smoothed
+/// round trips if longer), for the concurrency it actually serves (Little's law: answers a
+/// second times the round trip).
+const SERVED_WINDOW: Duration = Duration::from_millis(100);
+/// Linux's first SYN retransmit: a connection dropped by a full listen backlog shows again no
+/// sooner than this.
+const SYN_RETRANSMIT: Duration = Duration::from_secs(1);
+
 /// What became of one request, as the limit sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Sample {
     /// The destination answered after `rtt`, with `in_flight` requests out (this one included)
     /// when the request left.
     Answered { rtt: Duration, in_flight: usize },
-    /// A sign of overload: a timeout, a 429 or 503, a gateway's 502 or 504.
-    Overloaded,
+    /// A sign of overload: a timeout, a 429 or 503, a gateway's 502 or 504, of a request that
+    /// left `rtt` ago with `in_flight` requests out.
+    Overloaded { rtt: Duration, in_flight: usize },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -78,6 +95,17 @@ pub(crate) struct Vegas {
     probe: Probe,
     /// When the limit last grew after slow start.
     grown: Instant,
+    /// Since when answers are counted, how many came, and the requests out at each (summed).
+    window: (Instant, u32, f64),
+    /// When the limit was last cut: bad news of a request sent before is of the load the cut
+    /// answered already (TCP cuts once per window of data in flight at its loss).
+    last_cut: Option<Instant>,
+    /// No cut for requests stuck out of sight before then (those of the last such cut are
+    /// still out).
+    stuck_quiet_until: Option<Instant>,
+    /// The limit the last cut left (the ceiling before any): past it the limit grows by a step
+    /// per [`AVOIDANCE_PERIOD`] only, as TCP grows past its slow-start threshold.
+    threshold: f64,
     /// Signs of overload before then answer the cut already made (requests sent together come
     /// back together, a SYN retransmit's victims a second later all at once).
     cut_until: Option<Instant>,
@@ -95,6 +123,10 @@ impl Vegas {
             smoothed: None,
             probe: Probe::Due(now + PROBE_EVERY),
             grown: now,
+            threshold: ceiling,
+            window: (now, 0, 0.0),
+            stuck_quiet_until: None,
+            last_cut: None,
             cut_until: None,
         }
     }
@@ -107,8 +139,10 @@ impl Vegas {
         }
     }
 
-    /// Takes in one request's fate at `now`; returns the limit then.
-    pub(crate) fn observe(&mut self, sample: Sample, now: Instant) -> usize {
+    /// Takes in one request's fate at `now`, with `in_flight` requests out (this one no longer);
+    /// returns the limit then.
+    pub(crate) fn observe(&mut self, sample: Sample, in_flight: usize, now: Instant) -> usize {
+        let in_flight_now = in_flight;
         if let Probe::Running { since, answers, shortest, resume } = &mut self.probe {
             if let Sample::Answered { rtt, in_flight: 1 } = sample {
                 *answers += 1;
@@ -124,16 +158,34 @@ impl Vegas {
             return self.limit();
         }
         match sample {
-            Sample::Overloaded => self.cut(now),
+            Sample::Overloaded { rtt, in_flight } => self.cut(rtt, in_flight, now),
             Sample::Answered { rtt, in_flight } => {
                 let rtt = rtt.max(Duration::from_micros(1));
                 let no_load = self.no_load.map_or(rtt, |n| n.min(rtt));
                 self.no_load = Some(no_load);
                 let smoothed = self.smoothed.map_or(rtt, |s| (s * 4 + rtt) / 5);
                 self.smoothed = Some(smoothed);
+                let served = self.count_answer(smoothed, in_flight_now, now);
                 if rtt > no_load * 10 && rtt > no_load + Duration::from_millis(100) {
                     // Ten times slower and 100 ms past it: it waited in a queue that overflowed.
-                    self.cut(now);
+                    self.cut(rtt, in_flight, now);
+                } else if let Some((served, out)) = served.filter(|&(served, out)| self.out_of_sight(served, out, now))
+                {
+                    // Requests out that the destination does not answer at the rate it answers
+                    // the others: connections dropped by a full listen backlog, waiting out a
+                    // SYN retransmit, which no round trip shows until a second later.
+                    tracing::debug!(
+                        limit = self.limit,
+                        served,
+                        out,
+                        "requests out of sight at the destination: the concurrency limit is cut to what it serves"
+                    );
+                    self.limit = self.limit.min(served.ceil()).max(1.0);
+                    self.threshold = self.limit;
+                    self.slow_start = false;
+                    self.grown = now;
+                    self.stuck_quiet_until = Some(now + SYN_RETRANSMIT + smoothed * 2);
+                    self.last_cut = Some(now);
                 } else {
                     self.adjust(smoothed, no_load, in_flight, now);
                 }
@@ -147,15 +199,51 @@ impl Vegas {
         self.limit()
     }
 
-    /// Cuts the limit by a quarter, once per burst of bad news: the signs that follow within
-    /// twice the no-load round trip (100 ms at least) are of requests sent before the cut.
-    fn cut(&mut self, now: Instant) {
-        if self.cut_until.is_some_and(|until| now < until) {
+    /// Counts one answer, given with `in_flight_now` others out. At the end of a window, returns
+    /// the concurrency the destination served in it (its answers a second times the smoothed
+    /// round trip) and the requests the relay had out meanwhile (on average, at the answers).
+    fn count_answer(&mut self, smoothed: Duration, in_flight_now: usize, now: Instant) -> Option<(f64, f64)> {
+        let (since, answers, out) = &mut self.window;
+        *answers += 1;
+        *out += in_flight_now as f64 + 1.0;
+        let elapsed = now.saturating_duration_since(*since);
+        if elapsed < SERVED_WINDOW.max(smoothed * 2) {
+            return None;
+        }
+        let served = f64::from(*answers) / elapsed.as_secs_f64() * smoothed.as_secs_f64();
+        let out = *out / f64::from(*answers);
+        self.window = (now, 0, 0.0);
+        Some((served, out))
+    }
+
+    /// Whether, over a window, far more requests were out than the destination served (twice
+    /// as many, and two steps): some wait where no round trip shows them. Not in slow start
+    /// (the requests out double per round trip there, ahead of the answers), nor within a SYN
+    /// retransmit of the last such cut (its victims are still out).
+    fn out_of_sight(&self, served: f64, out: f64, now: Instant) -> bool {
+        let step = self.limit.log10().max(1.0);
+        !self.slow_start
+            && self.stuck_quiet_until.is_none_or(|until| now >= until)
+            && out > served * TOLERANCE + 2.0 * step
+    }
+
+    /// Cuts the limit to three quarters of what was in flight when the overloaded request left
+    /// (of the limit, if that was more: TCP cuts its window from the flight size, not from a
+    /// window grown since), once per burst of bad news: the signs that follow within twice the
+    /// no-load round trip (100 ms at least) are of requests sent before the cut. Past the new
+    /// limit growth is slow ([`AVOIDANCE_PERIOD`]).
+    fn cut(&mut self, rtt: Duration, in_flight: usize, now: Instant) {
+        let sent = now.checked_sub(rtt).unwrap_or(now);
+        if self.cut_until.is_some_and(|until| now < until) || self.last_cut.is_some_and(|cut| sent < cut) {
             return;
         }
+        self.last_cut = Some(now);
         self.slow_start = false;
         self.smoothed = None;
-        self.limit = (self.limit * 0.75).max(1.0);
+        let before = self.limit;
+        self.limit = (self.limit.min(in_flight as f64) * 0.75).max(1.0);
+        self.threshold = self.limit;
+        tracing::debug!(before, after = self.limit, in_flight, "a sign of overload: the concurrency limit is cut");
         let settle = self.no_load.map_or(Duration::ZERO, |n| n * 2).max(Duration::from_millis(100));
         self.cut_until = Some(now + settle);
         self.grown = now;
@@ -189,13 +277,18 @@ impl Vegas {
             tracing::trace!(?rtt, ?no_load, queue, "requests wait at the destination: the limit shrinks");
             self.limit = (limit - step).max(1.0);
             self.grown = now;
-        } else if queue < alpha && used && now >= self.grown + rtt.max(GROWTH_PERIOD) {
+        } else if queue < alpha && used {
             // Room at the destination and the limit in use: a quarter more (a step at least)
             // per round trip, and no more often than every GROWTH_PERIOD however short the
             // round trip, so that the limit reaches a deep receiver's capacity within a second
-            // and does not rush a shallow one.
-            self.limit = (limit + step.max(limit / 4.0)).min(self.ceiling);
-            self.grown = now;
+            // and does not rush a shallow one; past the last cut's limit a step per
+            // AVOIDANCE_PERIOD.
+            let (growth, period) =
+                if limit < self.threshold { (step.max(limit / 4.0), GROWTH_PERIOD) } else { (step, AVOIDANCE_PERIOD) };
+            if now >= self.grown + rtt.max(period) {
+                self.limit = (limit + growth).min(self.ceiling);
+                self.grown = now;
+            }
         }
     }
 }
@@ -219,7 +312,7 @@ mod tests {
             let limit = vegas.limit();
             let rtt = service_ms * limit.div_ceil(capacity) as f64;
             now += Duration::from_secs_f64(rtt / 1000.0 / limit as f64);
-            seen.push(vegas.observe(answered(rtt, limit), now));
+            seen.push(vegas.observe(answered(rtt, limit), 0, now));
         }
         seen
     }
@@ -243,23 +336,53 @@ mod tests {
     }
 
     #[test]
-    fn signs_of_overload_cut_the_limit_by_a_quarter_once_per_burst_and_never_below_one() {
+    fn signs_of_overload_cut_the_flight_by_a_quarter_once_per_burst_and_never_below_one() {
         let now = Instant::now();
         let mut vegas = Vegas::new(64, now);
         for _ in 0..200 {
-            vegas.observe(answered(1.0, 64), now);
+            vegas.observe(answered(1.0, 64), 0, now);
         }
         assert_eq!(vegas.limit(), 64);
-        assert_eq!(vegas.observe(Sample::Overloaded, now), 48);
-        assert_eq!(vegas.observe(Sample::Overloaded, now), 48, "one cut per burst of bad news");
-        // A connection that waited out a SYN retransmit: a second against a millisecond.
+        assert_eq!(vegas.observe(Sample::Overloaded { rtt: Duration::ZERO, in_flight: 64 }, 0, now), 48);
+        assert_eq!(
+            vegas.observe(Sample::Overloaded { rtt: Duration::ZERO, in_flight: 64 }, 0, now),
+            48,
+            "one cut per burst of bad news"
+        );
+        // A connection that waited out a SYN retransmit (a second against a millisecond), sent
+        // before that cut: the cut answered its load already.
         let mut now = now + Duration::from_millis(100);
-        assert_eq!(vegas.observe(answered(1000.0, 48), now), 36);
+        assert_eq!(vegas.observe(answered(1000.0, 48), 0, now), 48, "sent before the cut");
+        // One sent after it, with 40 out: three quarters of those.
+        now += Duration::from_millis(1000);
+        assert_eq!(vegas.observe(answered(900.0, 40), 0, now), 30, "three quarters of what was out");
         for _ in 0..50 {
             now += Duration::from_millis(100);
-            vegas.observe(Sample::Overloaded, now);
+            vegas.observe(Sample::Overloaded { rtt: Duration::ZERO, in_flight: 64 }, 0, now);
         }
         assert_eq!(vegas.limit(), 1);
+    }
+
+    #[test]
+    fn requests_out_of_sight_cut_the_limit_to_what_the_destination_serves() {
+        // A destination that answers 20 of them in 20 ms, and lets the rest wait unseen (a full
+        // listen backlog): 100 out, 1,000 answers a second.
+        let mut now = Instant::now();
+        let mut vegas = Vegas::new(256, now);
+        vegas.limit = 100.0;
+        vegas.slow_start = false;
+        let mut limits = Vec::new();
+        for _ in 0..200 {
+            now += Duration::from_millis(1);
+            limits.push(vegas.observe(answered(20.0, 100), 99, now));
+        }
+        let cut = limits.iter().position(|&l| l < 100).expect("a cut");
+        assert!(limits[cut] <= 21 && limits[cut] >= 19, "cut to about 20: {limits:?}");
+        // The cut's victims are still out: no second cut for them within a SYN retransmit.
+        assert!(limits[cut..].iter().all(|&l| l >= limits[cut]), "{limits:?}");
+        // Past the cut's limit the limit grows by a step per AVOIDANCE_PERIOD at most.
+        let grown = limits.last().unwrap() - limits[cut];
+        assert!(grown <= 2, "{limits:?}");
     }
 
     #[test]
@@ -267,7 +390,7 @@ mod tests {
         let now = Instant::now();
         let mut vegas = Vegas::new(64, now);
         for _ in 0..1000 {
-            vegas.observe(answered(1.0, 1), now);
+            vegas.observe(answered(1.0, 1), 0, now);
         }
         assert_eq!(vegas.limit(), INITIAL_LIMIT);
     }
@@ -277,25 +400,25 @@ mod tests {
         let mut now = Instant::now();
         let mut vegas = Vegas::new(64, now);
         for _ in 0..200 {
-            vegas.observe(answered(1.0, 64), now);
+            vegas.observe(answered(1.0, 64), 0, now);
         }
         assert_eq!(vegas.limit(), 64);
         // From now on it answers in 5 ms however few wait: that first reads as a queue.
         for _ in 0..200 {
-            vegas.observe(answered(5.0, 64), now);
+            vegas.observe(answered(5.0, 64), 0, now);
         }
         assert!(vegas.limit() < 32, "{}", vegas.limit());
         // The measure that comes due holds the limit at one; answers of requests sent alone
         // are the no-load round trip from then on, and the limit grows back.
         now += PROBE_EVERY;
-        assert_eq!(vegas.observe(answered(5.0, 64), now), 1);
+        assert_eq!(vegas.observe(answered(5.0, 64), 0, now), 1);
         for _ in 0..PROBE_ANSWERS {
-            vegas.observe(answered(5.0, 1), now);
+            vegas.observe(answered(5.0, 1), 0, now);
         }
         assert_eq!(vegas.no_load, Some(Duration::from_millis(5)));
         for _ in 0..3000 {
             now += Duration::from_millis(1);
-            vegas.observe(answered(5.0, 64), now);
+            vegas.observe(answered(5.0, 64), 0, now);
         }
         assert_eq!(vegas.limit(), 64);
     }
