@@ -12,8 +12,13 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
 /// Runs the binary to completion.
 pub async fn cli(url: &str, args: &[&str]) -> Output {
+    cli_within(url, args, PATIENCE).await
+}
+
+/// Runs the binary to completion, for at most `limit` (a benchmark, beside other tests).
+pub async fn cli_within(url: &str, args: &[&str], limit: std::time::Duration) -> Output {
     let run = Command::new(BIN).args(args).env("DATABASE_URL", url).env("RUST_LOG", "warn").output();
-    tokio::time::timeout(PATIENCE, run).await.expect("command hung").expect("cannot run the binary")
+    tokio::time::timeout(limit, run).await.expect("command hung").expect("cannot run the binary")
 }
 
 pub fn stdout(output: &Output) -> String {
