@@ -61,6 +61,27 @@ const SERVED_WINDOW: Duration = Duration::from_millis(100);
 /// sooner than this.
 const SYN_RETRANSMIT: Duration = Duration::from_secs(1);
 
+/// A cut is remembered this long: until then growth past its limit is slow.
+const CUT_MEMORY: Duration = Duration::from_secs(10);
+
+/// Answers and requests out since `since`, for the concurrency the destination serves.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    since: Instant,
+    /// When the last answer came, and how many requests were out after it.
+    last: (Instant, usize),
+    /// The round trips of the answers in it, summed (seconds).
+    answered: f64,
+    /// The requests out, integrated over time (request-seconds).
+    out: f64,
+}
+
+impl Window {
+    fn new(now: Instant) -> Window {
+        Window { since: now, last: (now, 0), answered: 0.0, out: 0.0 }
+    }
+}
+
 /// What became of one request, as the limit sees it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum Sample {
@@ -95,8 +116,8 @@ pub(crate) struct Vegas {
     probe: Probe,
     /// When the limit last grew after slow start.
     grown: Instant,
-    /// Since when answers are counted, how many came, and the requests out at each (summed).
-    window: (Instant, u32, f64),
+    /// The window of [`Vegas::count_answer`].
+    window: Window,
     /// When the limit was last cut: bad news of a request sent before is of the load the cut
     /// answered already (TCP cuts once per window of data in flight at its loss).
     last_cut: Option<Instant>,
@@ -104,7 +125,8 @@ pub(crate) struct Vegas {
     /// still out).
     stuck_quiet_until: Option<Instant>,
     /// The limit the last cut left (the ceiling before any): past it the limit grows by a step
-    /// per [`AVOIDANCE_PERIOD`] only, as TCP grows past its slow-start threshold.
+    /// per [`AVOIDANCE_PERIOD`] only, as TCP grows past its slow-start threshold, for
+    /// [`CUT_MEMORY`] after the cut.
     threshold: f64,
     /// Signs of overload before then answer the cut already made (requests sent together come
     /// back together, a SYN retransmit's victims a second later all at once).
@@ -124,7 +146,7 @@ impl Vegas {
             probe: Probe::Due(now + PROBE_EVERY),
             grown: now,
             threshold: ceiling,
-            window: (now, 0, 0.0),
+            window: Window::new(now),
             stuck_quiet_until: None,
             last_cut: None,
             cut_until: None,
@@ -154,21 +176,22 @@ impl Vegas {
                 }
                 self.limit = *resume;
                 self.probe = Probe::Due(now + PROBE_EVERY);
+                self.window = Window::new(now);
             }
             return self.limit();
         }
         match sample {
-            Sample::Overloaded { rtt, in_flight } => self.cut(rtt, in_flight, now),
+            Sample::Overloaded { rtt, in_flight } => self.cut(rtt, in_flight.max(in_flight_now + 1), now),
             Sample::Answered { rtt, in_flight } => {
                 let rtt = rtt.max(Duration::from_micros(1));
                 let no_load = self.no_load.map_or(rtt, |n| n.min(rtt));
                 self.no_load = Some(no_load);
                 let smoothed = self.smoothed.map_or(rtt, |s| (s * 4 + rtt) / 5);
                 self.smoothed = Some(smoothed);
-                let served = self.count_answer(smoothed, in_flight_now, now);
+                let served = self.count_answer(rtt, smoothed, in_flight_now, now);
                 if rtt > no_load * 10 && rtt > no_load + Duration::from_millis(100) {
                     // Ten times slower and 100 ms past it: it waited in a queue that overflowed.
-                    self.cut(rtt, in_flight, now);
+                    self.cut(rtt, in_flight.max(in_flight_now + 1), now);
                 } else if let Some((served, out)) = served.filter(|&(served, out)| self.out_of_sight(served, out, now))
                 {
                     // Requests out that the destination does not answer at the rate it answers
@@ -199,21 +222,30 @@ impl Vegas {
         self.limit()
     }
 
-    /// Counts one answer, given with `in_flight_now` others out. At the end of a window, returns
-    /// the concurrency the destination served in it (its answers a second times the smoothed
-    /// round trip) and the requests the relay had out meanwhile (on average, at the answers).
-    fn count_answer(&mut self, smoothed: Duration, in_flight_now: usize, now: Instant) -> Option<(f64, f64)> {
-        let (since, answers, out) = &mut self.window;
-        *answers += 1;
-        *out += in_flight_now as f64 + 1.0;
-        let elapsed = now.saturating_duration_since(*since);
-        if elapsed < SERVED_WINDOW.max(smoothed * 2) {
+    /// Counts one answer after `rtt`, given with `in_flight_now` others out. At the end of a
+    /// window, returns the concurrency the destination served in it (Little's law: the round
+    /// trips of its answers over the window's length) and the requests the relay had out on
+    /// average (as counted after each answer; a quiet stretch counts as the few out then, so
+    /// an idle relay's next burst is not taken for requests out of sight).
+    fn count_answer(
+        &mut self,
+        rtt: Duration,
+        smoothed: Duration,
+        in_flight_now: usize,
+        now: Instant,
+    ) -> Option<(f64, f64)> {
+        let w = &mut self.window;
+        let (at, out) = w.last;
+        w.out += out as f64 * now.saturating_duration_since(at).as_secs_f64();
+        w.answered += rtt.as_secs_f64();
+        w.last = (now, in_flight_now);
+        let elapsed = now.saturating_duration_since(w.since).as_secs_f64();
+        if elapsed < SERVED_WINDOW.max(smoothed * 2).as_secs_f64() {
             return None;
         }
-        let served = f64::from(*answers) / elapsed.as_secs_f64() * smoothed.as_secs_f64();
-        let out = *out / f64::from(*answers);
-        self.window = (now, 0, 0.0);
-        Some((served, out))
+        let measured = (w.answered / elapsed, w.out / elapsed);
+        self.window = Window { last: (now, in_flight_now), ..Window::new(now) };
+        Some(measured)
     }
 
     /// Whether, over a window, far more requests were out than the destination served (twice
@@ -227,9 +259,9 @@ impl Vegas {
             && out > served * TOLERANCE + 2.0 * step
     }
 
-    /// Cuts the limit to three quarters of what was in flight when the overloaded request left
-    /// (of the limit, if that was more: TCP cuts its window from the flight size, not from a
-    /// window grown since), once per burst of bad news: the signs that follow within twice the
+    /// Cuts the limit to three quarters of `in_flight` (what was out when the overloaded request
+    /// left, or is now, whichever is more), or of the limit if that is less (TCP cuts its window
+    /// from the flight size, not from a window grown since), once per burst of bad news: the signs that follow within twice the
     /// no-load round trip (100 ms at least) are of requests sent before the cut. Past the new
     /// limit growth is slow ([`AVOIDANCE_PERIOD`]).
     fn cut(&mut self, rtt: Duration, in_flight: usize, now: Instant) {
@@ -283,8 +315,12 @@ impl Vegas {
             // round trip, so that the limit reaches a deep receiver's capacity within a second
             // and does not rush a shallow one; past the last cut's limit a step per
             // AVOIDANCE_PERIOD.
-            let (growth, period) =
-                if limit < self.threshold { (step.max(limit / 4.0), GROWTH_PERIOD) } else { (step, AVOIDANCE_PERIOD) };
+            let remembered = self.last_cut.is_some_and(|cut| now < cut + CUT_MEMORY);
+            let (growth, period) = if limit < self.threshold || !remembered {
+                (step.max(limit / 4.0), GROWTH_PERIOD)
+            } else {
+                (step, AVOIDANCE_PERIOD)
+            };
             if now >= self.grown + rtt.max(period) {
                 self.limit = (limit + growth).min(self.ceiling);
                 self.grown = now;
@@ -383,6 +419,36 @@ mod tests {
         // Past the cut's limit the limit grows by a step per AVOIDANCE_PERIOD at most.
         let grown = limits.last().unwrap() - limits[cut];
         assert!(grown <= 2, "{limits:?}");
+    }
+
+    #[test]
+    fn a_deep_destination_keeps_its_limit_across_a_quiet_spell_and_the_probes() {
+        // Any number at once in 20 to 24 ms (enough jitter to end slow start early): the
+        // ceiling; then the last requests come back, ten seconds pass with nothing to send
+        // (the probe comes due meanwhile), and a burst comes again.
+        let mut now = Instant::now();
+        let mut vegas = Vegas::new(256, now);
+        let mut n = 0u32;
+        let mut busy = |vegas: &mut Vegas, now: &mut Instant, answers: usize| {
+            for _ in 0..answers {
+                n += 1;
+                let limit = vegas.limit();
+                *now += Duration::from_secs_f64(0.022 / limit as f64);
+                let rtt = if n.is_multiple_of(2) { 20.0 } else { 24.0 };
+                vegas.observe(answered(rtt, limit), limit - 1, *now);
+            }
+        };
+        busy(&mut vegas, &mut now, 5_000);
+        assert_eq!(vegas.limit(), 256);
+        assert!(!vegas.slow_start);
+        for out in (0..256).rev() {
+            now += Duration::from_micros(80);
+            vegas.observe(answered(22.0, 256), out, now);
+        }
+        now += Duration::from_secs(10);
+        busy(&mut vegas, &mut now, 20_000);
+        assert_eq!(vegas.limit(), 256);
+        assert!(vegas.last_cut.is_none(), "no cut of a destination that kept up (limit {})", vegas.limit);
     }
 
     #[test]

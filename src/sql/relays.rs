@@ -52,10 +52,12 @@ pub(crate) async fn set_breaker(db: &impl Db, id: i64, listener_pid: i32, open: 
 const RELAY_DELIVERIES: &str = "\
 insert into outbox_relay.relays (id, listener_pid, waiting, delivery_limit, deliveries_in_flight) values ($1, $2, false, $3, $4)
 on conflict (id) do update
-   set listener_pid = excluded.listener_pid, delivery_limit = excluded.delivery_limit,
-       deliveries_in_flight = excluded.deliveries_in_flight, updated_at = now()";
+   set delivery_limit = excluded.delivery_limit, deliveries_in_flight = excluded.deliveries_in_flight,
+       updated_at = now()";
 
-/// Publishes relay `id`'s concurrency limit and its deliveries in flight, for `status`.
+/// Publishes relay `id`'s concurrency limit and its deliveries in flight, for `status` (the
+/// listener's pid only in a new row: the listener itself records a new one, and a pid read before
+/// a reconnect must not overwrite it).
 pub(crate) async fn set_deliveries(db: &impl Db, id: i64, listener_pid: i32, limit: i32, in_flight: i32) -> Result<()> {
     count(db, RELAY_DELIVERIES, &[&id, &listener_pid, &limit, &in_flight], "publishing the concurrency limit")
         .await

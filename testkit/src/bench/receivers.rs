@@ -10,9 +10,10 @@
 //!   refused: the kernel drops their SYNs, and the client retransmits after 1 s, then 3 s.
 //! - [`Receiver::slow`]: a receiver that takes its time (an ERP) but takes any number of requests
 //!   at once, with keep-alive and a deep backlog.
-//! - [`Receiver::rate_limited`]: a partner API that answers 429 with `Retry-After: 1` once more
-//!   than a given number of requests arrived in the last second.
-//! - [`Receiver::late`]: a receiver that opens its port only some time after the relay started.
+//! - [`Receiver::rate_limited`]: a partner API that answers 429 with `Retry-After: 1` once it
+//!   accepted a given number of requests in the last second.
+//! - [`Receiver::late`]: a receiver that opens its port only some time after it was made (the
+//!   relay starts a moment later, once the outbox is filled).
 //!
 //! [`drain_to_receiver`] drains a pre-filled outbox to one of them as [`super::drain_to`] does and
 //! returns, besides the time, what the receiver and the relay saw: redeliveries, 429s, breaker
@@ -94,7 +95,7 @@ impl Receiver {
     /// One connection at a time, one HTTP/1.0 request each, answered 200 after `pace`, behind a
     /// listen backlog of [`SMALL_BACKLOG`].
     pub async fn small(pace: Duration) -> Result<Receiver, BoxError> {
-        let listener = listen(free_addr()?, SMALL_BACKLOG)?;
+        let listener = bound()?.listen(SMALL_BACKLOG)?;
         let tally = Arc::new(Tally::default());
         let addr = listener.local_addr()?;
         tally.opened.set(Instant::now()).ok();
@@ -104,40 +105,37 @@ impl Receiver {
 
     /// Answers every POST with 200 after `latency`, any number at once.
     pub async fn slow(latency: Duration) -> Result<Receiver, BoxError> {
-        Receiver::axum(free_addr()?, Duration::ZERO, latency, None)
+        Receiver::axum(Duration::ZERO, latency, None)
     }
 
     /// Answers 200 at once, or 429 with `Retry-After: 1` when `rate` requests were accepted in
     /// the last second.
     pub async fn rate_limited(rate: usize) -> Result<Receiver, BoxError> {
-        Receiver::axum(free_addr()?, Duration::ZERO, Duration::ZERO, Some(rate))
+        Receiver::axum(Duration::ZERO, Duration::ZERO, Some(rate))
     }
 
     /// [`Receiver::slow`], on a port that opens only after `delay`: until then a connection to it
     /// is refused.
     pub async fn late(delay: Duration, latency: Duration) -> Result<Receiver, BoxError> {
-        Receiver::axum(free_addr()?, delay, latency, None)
+        Receiver::axum(delay, latency, None)
     }
 
-    fn axum(addr: SocketAddr, delay: Duration, latency: Duration, rate: Option<usize>) -> Result<Receiver, BoxError> {
+    fn axum(delay: Duration, latency: Duration, rate: Option<usize>) -> Result<Receiver, BoxError> {
         let tally = Arc::new(Tally::default());
         let answer = Answer { latency, window: rate.map(|r| (r, Arc::default())), tally: tally.clone() };
         let app = Router::new().route("/hook", post(answer_post)).with_state(answer);
-        // A late receiver's port must be free when it opens: it is bound at once unless late.
-        let listener = if delay.is_zero() { Some(listen(addr, DEEP_BACKLOG)?) } else { None };
+        // Bound at once (the port stays ours), listening only after `delay`: until then a
+        // connection to it is refused.
+        let socket = bound()?;
+        let addr = socket.local_addr()?;
         let opened = tally.clone();
         let task = tokio::spawn(async move {
-            let listener = match listener {
-                Some(listener) => listener,
-                None => {
-                    tokio::time::sleep(delay).await;
-                    match listen(addr, DEEP_BACKLOG) {
-                        Ok(listener) => listener,
-                        Err(e) => {
-                            tracing::error!("the late receiver cannot listen on {addr}: {e}");
-                            return;
-                        }
-                    }
+            tokio::time::sleep(delay).await;
+            let listener = match socket.listen(DEEP_BACKLOG) {
+                Ok(listener) => listener,
+                Err(e) => {
+                    tracing::error!("the receiver cannot listen on {addr}: {e}");
+                    return;
                 }
             };
             opened.opened.set(Instant::now()).ok();
@@ -197,23 +195,22 @@ async fn answer_post(State(answer): State<Answer>, headers: HeaderMap) -> impl I
     StatusCode::OK.into_response()
 }
 
-/// A free port on 127.0.0.1 (taken and let go: a late receiver binds it later).
-fn free_addr() -> Result<SocketAddr, BoxError> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
-fn listen(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+/// A socket bound to a free port on 127.0.0.1, not listening yet (a connection is refused).
+fn bound() -> std::io::Result<TcpSocket> {
     let socket = TcpSocket::new_v4()?;
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog)
+    socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    Ok(socket)
 }
 
 /// [`Receiver::small`]'s loop: the next connection is accepted only once the last one was
 /// answered and closed.
 async fn serve_one_at_a_time(listener: TcpListener, pace: Duration, tally: Arc<Tally>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let Ok((mut stream, _)) = listener.accept().await else {
+            // Out of file descriptors, say: not a busy loop.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        };
         if let Ok(Ok(id)) = tokio::time::timeout(READ_TIMEOUT, read_request(&mut stream)).await {
             tokio::time::sleep(pace).await;
             tally.accept(id.as_deref());
