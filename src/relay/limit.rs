@@ -161,10 +161,9 @@ impl Vegas {
         }
     }
 
-    /// Takes in one request's fate at `now`, with `in_flight` requests out (this one no longer);
-    /// returns the limit then.
-    pub(crate) fn observe(&mut self, sample: Sample, in_flight: usize, now: Instant) -> usize {
-        let in_flight_now = in_flight;
+    /// Takes in one request's fate at `now`, with `in_flight_now` requests out (this one no
+    /// longer); returns the limit then.
+    pub(crate) fn observe(&mut self, sample: Sample, in_flight_now: usize, now: Instant) -> usize {
         if let Probe::Running { since, answers, shortest, resume } = &mut self.probe {
             if let Sample::Answered { rtt, in_flight: 1 } = sample {
                 *answers += 1;
@@ -203,12 +202,8 @@ impl Vegas {
                         out,
                         "requests out of sight at the destination: the concurrency limit is cut to what it serves"
                     );
-                    self.limit = self.limit.min(served.ceil()).max(1.0);
-                    self.threshold = self.limit;
-                    self.slow_start = false;
-                    self.grown = now;
+                    self.lower_to(served.ceil(), now);
                     self.stuck_quiet_until = Some(now + SYN_RETRANSMIT + smoothed * 2);
-                    self.last_cut = Some(now);
                 } else {
                     self.adjust(smoothed, no_load, in_flight, now);
                 }
@@ -269,16 +264,22 @@ impl Vegas {
         if self.cut_until.is_some_and(|until| now < until) || self.last_cut.is_some_and(|cut| sent < cut) {
             return;
         }
-        self.last_cut = Some(now);
-        self.slow_start = false;
-        self.smoothed = None;
         let before = self.limit;
-        self.limit = (self.limit.min(in_flight as f64) * 0.75).max(1.0);
-        self.threshold = self.limit;
+        self.lower_to(self.limit.min(in_flight as f64) * 0.75, now);
+        self.smoothed = None;
         tracing::debug!(before, after = self.limit, in_flight, "a sign of overload: the concurrency limit is cut");
         let settle = self.no_load.map_or(Duration::ZERO, |n| n * 2).max(Duration::from_millis(100));
         self.cut_until = Some(now + settle);
+    }
+
+    /// Lowers the limit to `limit` (never raises it, never below one): the end of slow start,
+    /// and the threshold past which growth is slow, from `now`.
+    fn lower_to(&mut self, limit: f64, now: Instant) {
+        self.limit = self.limit.min(limit).max(1.0);
+        self.threshold = self.limit;
+        self.slow_start = false;
         self.grown = now;
+        self.last_cut = Some(now);
     }
 
     fn adjust(&mut self, rtt: Duration, no_load: Duration, in_flight: usize, now: Instant) {
