@@ -1,5 +1,6 @@
 //! The adaptive concurrency limit against real HTTP receivers: one that serves a request at a
-//! time behind a listen backlog of five, and one that takes everything at once (issue 21).
+//! time behind a listen backlog of five, one that takes everything at once, and the bench's receiver
+//! that answers 429 past a rate (issue 21).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -8,10 +9,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::http::HeaderMap;
-use axum::response::IntoResponse;
 use axum::routing::post;
 use outbox_relay::RelayConfig;
 use outbox_relay::sink::HttpSink;
+use outbox_relay_testkit::bench;
 
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, config, eventually};
@@ -110,64 +111,27 @@ async fn a_receiver_that_takes_everything_gets_the_ceiling() {
     relay.stop().await;
 }
 
-/// A receiver that answers 429 (`Retry-After: 1`) to requests past `per_second` in the last
-/// second, and counts what it accepted per event id and what it refused.
-#[derive(Default)]
-struct Limited {
-    window: Mutex<std::collections::VecDeque<std::time::Instant>>,
-    accepted: Mutex<HashMap<i64, usize>>,
-    refused: AtomicUsize,
-}
-
-async fn limited_receiver(per_second: usize) -> (Arc<Limited>, String) {
-    let state = Arc::new(Limited::default());
-    let app = Router::new().route(
-        "/hook",
-        post({
-            let state = state.clone();
-            move |headers: HeaderMap| {
-                let state = state.clone();
-                async move {
-                    let now = std::time::Instant::now();
-                    let mut window = state.window.lock().unwrap();
-                    while window.front().is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(1)) {
-                        window.pop_front();
-                    }
-                    if window.len() >= per_second {
-                        state.refused.fetch_add(1, Ordering::SeqCst);
-                        return (axum::http::StatusCode::TOO_MANY_REQUESTS, [("retry-after", "1")]).into_response();
-                    }
-                    window.push_back(now);
-                    let id: i64 = headers["outbox-event-id"].to_str().unwrap().parse().unwrap();
-                    *state.accepted.lock().unwrap().entry(id).or_default() += 1;
-                    "".into_response()
-                }
-            }
-        }),
-    );
-    let url = format!("http://{}/hook", crate::http_sink::serve(app).await);
-    (state, url)
-}
-
 /// With a rate limit under the receiver's, nothing is refused; without one the 429s (and their
 /// `Retry-After`) slow the relay down, and every event is accepted once, none dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rate_limit_keeps_a_receiver_from_refusing_and_429s_slow_the_relay_down() {
     let db = TestDb::new().await;
-    let (state, url) = limited_receiver(50).await;
+    // The bench's receiver: 429 with `Retry-After: 1` past 50 accepted in the last second.
+    let receiver = bench::Receiver::rate_limited(50).await.unwrap();
+    let url = receiver.url();
     insert(&db, 60).await;
     let cfg = RelayConfig { rate_limit: Some(40.0), ..config() };
     let relay = support::start(&db.outbox, cfg, HttpSink::new(&url, Duration::from_secs(10)).unwrap());
-    eventually("60 accepted", || async { state.accepted.lock().unwrap().len() == 60 }).await;
+    eventually("60 accepted", || async { receiver.counts().distinct == 60 }).await;
     relay.stop().await;
-    assert_eq!(state.refused.load(Ordering::SeqCst), 0, "40 a second (and a burst of 4) never pass 50");
+    assert_eq!(receiver.counts().too_many, 0, "40 a second (and a burst of 4) never pass 50");
 
     insert(&db, 300).await;
     let relay = support::start(&db.outbox, config(), HttpSink::new(&url, Duration::from_secs(10)).unwrap());
-    eventually("360 accepted", || async { state.accepted.lock().unwrap().len() == 360 }).await;
+    eventually("360 accepted", || async { receiver.counts().distinct == 360 }).await;
     let metrics = relay.snapshot();
     relay.stop().await;
-    assert!(state.refused.load(Ordering::SeqCst) > 0, "300 at once pass 50 a second");
-    assert!(state.accepted.lock().unwrap().values().all(|&n| n == 1), "an event was accepted twice");
+    assert!(receiver.counts().too_many > 0, "300 at once pass 50 a second");
+    assert_eq!(receiver.counts().redelivered, 0, "an event was accepted twice");
     assert_eq!((metrics.dead_lettered, metrics.breaker_opens), (0, 0), "429s are answers: {metrics:?}");
 }
