@@ -157,9 +157,11 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     }
     let server = tokio::task::spawn_blocking(move || BenchDb::start(url.as_deref())).await??;
     let measured = if args.held_only {
-        measure_held_only(&args, &server).await
+        let stage = async |outbox: &outbox_relay::Outbox| held_stage(&args, outbox).await;
+        measure_only(&args, &server, held_step(&args), stage, |h| held_json(&args, h), |h| print_held(&args, h)).await
     } else if args.receivers_only {
-        measure_receivers_only(&args, &server).await
+        let stage = async |outbox: &outbox_relay::Outbox| Ok(bench::receivers(outbox, args.receiver_stage()).await?);
+        measure_only(&args, &server, receivers_step(&args), stage, receivers_json, print_receivers).await
     } else {
         measure(&args, &server).await.map(|report| {
             if args.json {
@@ -184,36 +186,27 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     Ok(())
 }
 
-/// The held-snapshot stage alone: its JSON (with `--json`) or its table, printed.
-async fn measure_held_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_json::Value, BenchError> {
+/// One stage alone (`--held-only`, `--receivers-only`) on a fresh database: its JSON (with
+/// `--json`) or its table, printed.
+async fn measure_only<R>(
+    args: &BenchArgs,
+    server: &BenchDb,
+    step: String,
+    stage: impl AsyncFnOnce(&outbox_relay::Outbox) -> Result<R, BenchError>,
+    json: impl FnOnce(&R) -> serde_json::Value,
+    print: impl FnOnce(&R),
+) -> Result<serde_json::Value, BenchError> {
     let (_, outbox) = server.fresh_database(database(args)).await?;
     let info = bench::server_info(&outbox).await?;
     eprintln!("measuring on the {}, PostgreSQL {}", server.describe(), info.version);
-    eprintln!("[1/1] {}...", held_step(args));
-    let held = held_stage(args, &outbox).await?;
+    eprintln!("[1/1] {step}...");
+    let measured = stage(&outbox).await?;
     outbox.pool().close();
     if args.json {
-        Ok(merged([held_json(args, &held), server_json(server.is_embedded(), &info)]))
+        Ok(merged([json(&measured), server_json(server.is_embedded(), &info)]))
     } else {
         print_server(&server.describe(), &info, None);
-        print_held(args, &held);
-        Ok(serde_json::Value::Null)
-    }
-}
-
-/// The HTTP receivers stage alone: its JSON (with `--json`) or its table, printed.
-async fn measure_receivers_only(args: &BenchArgs, server: &BenchDb) -> Result<serde_json::Value, BenchError> {
-    let (_, outbox) = server.fresh_database(database(args)).await?;
-    let info = bench::server_info(&outbox).await?;
-    eprintln!("measuring on the {}, PostgreSQL {}", server.describe(), info.version);
-    eprintln!("[1/1] {}...", receivers_step(args));
-    let receivers = bench::receivers(&outbox, args.receiver_stage()).await?;
-    outbox.pool().close();
-    if args.json {
-        Ok(merged([receivers_json(&receivers), server_json(server.is_embedded(), &info)]))
-    } else {
-        print_server(&server.describe(), &info, None);
-        print_receivers(&receivers);
+        print(&measured);
         Ok(serde_json::Value::Null)
     }
 }
