@@ -107,8 +107,14 @@ impl NewEvent {
 /// An event as the relay hands it to a handler.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Event {
-    /// The stable id: the same on every delivery of this event. Consumers drop duplicates by it.
+    /// The event's order in this database (a sequence): the same on every delivery, but a
+    /// restore from a backup or a second database may number another event the same.
     pub id: i64,
+    /// The event's identity for consumers: drawn at random when it is written, the same on
+    /// every delivery, and unique across databases and restores. The sinks send it as the
+    /// event's id (`webhook-id`, `ce-id`, `Nats-Msg-Id`, AMQP `message-id`); consumers drop
+    /// duplicates by it ([`crate::inbox`]).
+    pub uuid: uuid::Uuid,
     /// What happened, e.g. `order.placed`.
     pub topic: String,
     /// The partition key, if the writer gave one.

@@ -7,6 +7,7 @@ mod connect;
 mod conninfo;
 mod error;
 mod event;
+pub mod inbox;
 mod migrate;
 mod outbox;
 mod payload;
@@ -39,6 +40,8 @@ pub use queue::{
     NOTIFICATION_QUEUE_WARNING, OLD_TRANSACTION_WARNING, Pause, QueueStats, XMIN_AGE_WARNING,
 };
 pub use text::printable;
+/// The type of [`Event::uuid`].
+pub use uuid::Uuid;
 pub use work::{Begun, Executed, Replayed, Work};
 /// RFC 3339 text (UTC, microseconds) of any time PostgreSQL can hold, such as
 /// [`Event::created_at`]; unlike humantime's it does not panic before 1970 or after 9999.

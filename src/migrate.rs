@@ -49,6 +49,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0009_xid_is_the_inserters.sql"),
     },
     Migration { version: 10, name: "delivery_limit", sql: include_str!("../migrations/0010_delivery_limit.sql") },
+    Migration {
+        version: 11,
+        name: "global_event_ids_and_inbox",
+        sql: include_str!("../migrations/0011_global_event_ids_and_inbox.sql"),
+    },
 ];
 
 /// What a migration run did.

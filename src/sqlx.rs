@@ -83,3 +83,47 @@ pub async fn audit(conn: &mut PgConnection, entry: &AuditEntry<'_>) -> Result<i6
         .await
         .map_err(failed("adding an audit entry"))
 }
+
+/// [`Inbox::record`](crate::inbox::Inbox::record) in a sqlx transaction (`&mut tx`): records
+/// `event` for the inbox's consumer and says whether it is new; the record commits or rolls
+/// back with the handler's writes.
+pub async fn record_in_inbox(
+    tx: &mut ::sqlx::Transaction<'_, ::sqlx::Postgres>,
+    inbox: &crate::inbox::Inbox,
+    event: uuid::Uuid,
+) -> Result<crate::inbox::Recorded> {
+    let row = ::sqlx::query_scalar::<_, bool>(sql::INBOX_RECORD)
+        .bind(inbox.consumer())
+        .bind(event)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(failed("recording an event in the inbox"))?;
+    Ok(if row.is_some() { crate::inbox::Recorded::New } else { crate::inbox::Recorded::Duplicate })
+}
+
+/// [`Inbox::purge`](crate::inbox::Inbox::purge) on a sqlx connection: deletes the inbox's
+/// records older than `retention` (at least [`MIN_RETENTION`](crate::inbox::MIN_RETENTION)), in
+/// batches, and returns how many.
+pub async fn purge_inbox(
+    conn: &mut PgConnection,
+    inbox: &crate::inbox::Inbox,
+    retention: std::time::Duration,
+) -> Result<u64> {
+    crate::inbox::check_retention(retention)?;
+    let batch = crate::inbox::PURGE_BATCH;
+    let mut deleted = 0;
+    loop {
+        let n = ::sqlx::query(sql::INBOX_PURGE)
+            .bind(inbox.consumer())
+            .bind(sql::micros(retention))
+            .bind(batch)
+            .execute(&mut *conn)
+            .await
+            .map_err(failed("deleting old inbox records"))?
+            .rows_affected();
+        deleted += n;
+        if n < batch as u64 {
+            return Ok(deleted);
+        }
+    }
+}

@@ -79,10 +79,15 @@ pub enum AppHandler {
 }
 
 impl AppHandler {
-    /// A sink for `spec` (connecting to it now), or the log when there is none.
-    pub async fn new(sink: Option<&str>) -> outbox_relay::Result<AppHandler> {
+    /// A sink for `spec` (connecting to it now; an HTTP sink signs with `signing_secret` when
+    /// given), or the log when there is none.
+    pub async fn new(sink: Option<&str>, signing_secret: Option<&str>) -> outbox_relay::Result<AppHandler> {
+        let options = SinkOptions {
+            signing_secrets: signing_secret.map(outbox_relay::sink::Secret::new).into_iter().collect(),
+            ..SinkOptions::default()
+        };
         Ok(match sink {
-            Some(spec) => AppHandler::Sink(Box::new(Sink::connect(spec, &SinkOptions::default()).await?)),
+            Some(spec) => AppHandler::Sink(Box::new(Sink::connect(spec, &options).await?)),
             None => AppHandler::Log,
         })
     }

@@ -4,6 +4,7 @@
 //! ```sh
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
 //!     cargo run --example orders_service -- --listen 127.0.0.1:8080 [--sink stdout|http://...|nats://...]
+//!     [--signing-secret whsec_...]
 //! ```
 //!
 //! At start-up it applies the library's migrations and creates the `orders` table. Without
@@ -36,6 +37,11 @@ struct Args {
     /// nats://host:port.
     #[arg(long, value_name = "SPEC")]
     sink: Option<String>,
+
+    /// Sign the HTTP sink's requests with this Standard Webhooks secret (whsec_...), as
+    /// `examples/webhook_receiver` verifies them.
+    #[arg(long, env = "WEBHOOK_SECRET", hide_env_values = true, value_name = "SECRET")]
+    signing_secret: Option<String>,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -76,7 +82,7 @@ fn init_tracing() {
 async fn run(args: Args, url: &str) -> Result<(), BoxError> {
     let outbox = Outbox::connect(url).await?;
     app::setup(&outbox).await?;
-    let handler = app::AppHandler::new(args.sink.as_deref()).await?;
+    let handler = app::AppHandler::new(args.sink.as_deref(), args.signing_secret.as_deref()).await?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;

@@ -9,6 +9,7 @@
 --
 --   create role orders_service login password '...' in role outbox_writer;   -- plus its own business grants
 --   create role outbox_relay_daemon login password '...' in role outbox_relayer;
+--   create role billing_service login password '...' in role outbox_consumer;   -- in the consumer's database
 --
 -- outbox_writer:  services that add events, audit entries and idempotency receipts inside their
 --                 own transactions (Outbox::execute, publish, outbox_relay.publish). It may name
@@ -18,6 +19,8 @@
 --                 transaction created. It cannot change events once written, nor touch dead letters.
 -- outbox_relayer: the relay (`outbox-relay run`, `status`, `dead-letters`, `cleanup`). It reads and
 --                 updates the library's tables and nothing else: no business table.
+-- outbox_consumer: a receiver's service recording the events it handled in its own transactions
+--                 (outbox_relay::inbox) and deleting old records; nothing else of the schema.
 
 do $$
 begin
@@ -27,10 +30,13 @@ begin
     if not exists (select from pg_roles where rolname = 'outbox_relayer') then
         create role outbox_relayer nologin;
     end if;
+    if not exists (select from pg_roles where rolname = 'outbox_consumer') then
+        create role outbox_consumer nologin;
+    end if;
 end
 $$;
 
-grant usage on schema outbox_relay to outbox_writer, outbox_relayer;
+grant usage on schema outbox_relay to outbox_writer, outbox_relayer, outbox_consumer;
 
 -- Writers. Table-wide grants of earlier versions are taken back first: a table-level INSERT
 -- would cover every column.
@@ -59,3 +65,6 @@ grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;
 -- (the janitor locks the rows it deletes, FOR UPDATE SKIP LOCKED, which needs UPDATE)
 grant select, update, delete on outbox_relay.idempotency to outbox_relayer;
 grant select on outbox_relay.schema_migrations to outbox_relayer;
+
+-- Consumers: record an event handled (the purge locks the rows it deletes, which needs UPDATE).
+grant select, insert, update, delete on outbox_relay.inbox to outbox_consumer;

@@ -796,6 +796,7 @@ fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i
     };
     let event = Event {
         id: row.id,
+        uuid: row.uuid,
         topic: row.topic,
         key: row.key,
         payload,

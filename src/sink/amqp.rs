@@ -13,8 +13,8 @@ use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
 
 /// Publishes each event to an exchange (a durable topic exchange, declared when missing) with
-/// the topic as routing key, `message_id` = the event id, persistent delivery, `application/json`
-/// (the same JSON object as every sink) and the headers `outbox-key` and `outbox-attempt`; and
+/// the topic as routing key, `message_id` = the event's uuid, persistent delivery, `application/json`
+/// (the same JSON object as every sink) and the headers `outbox-key`, `outbox-attempt` and `outbox-event-id` (the event's id in this database); and
 /// waits for the broker's publisher confirm before the event counts as delivered (a batch is
 /// published in one go, its confirms awaited together).
 ///
@@ -161,9 +161,10 @@ impl AmqpSink {
             headers.insert("outbox-key".into(), AMQPValue::LongString(LongString::from(key.as_bytes())));
         }
         headers.insert("outbox-attempt".into(), AMQPValue::LongLongInt(i64::from(event.attempts)));
+        headers.insert("outbox-event-id".into(), AMQPValue::LongLongInt(event.id));
         let created = event.created_at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         BasicProperties::default()
-            .with_message_id(event.id.to_string().into())
+            .with_message_id(event.uuid.to_string().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_timestamp(created)

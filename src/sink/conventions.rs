@@ -84,7 +84,7 @@ pub(crate) fn request_parts(
         HttpFormat::CloudEventsBinary => {
             let mut headers = vec![
                 ("ce-specversion", "1.0".to_string()),
-                ("ce-id", event.id.to_string()),
+                ("ce-id", event.uuid.to_string()),
                 ("ce-source", percent_encode(source)),
                 ("ce-type", percent_encode(&event.topic)),
                 ("ce-time", crate::timestamp::rfc3339_micros(event.created_at)),
@@ -98,7 +98,7 @@ pub(crate) fn request_parts(
             let time = crate::timestamp::rfc3339_micros(event.created_at);
             let object = Structured {
                 specversion: "1.0",
-                id: event.id.to_string(),
+                id: event.uuid.to_string(),
                 source,
                 r#type: &event.topic,
                 time,

@@ -15,8 +15,11 @@ use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
 
-/// Header carrying the event id, for the receiver's deduplication.
+/// Header carrying the event's id in this database ([`Event::id`]): its order.
 pub const EVENT_ID_HEADER: &str = "Outbox-Event-Id";
+/// Header carrying the event's uuid ([`Event::uuid`]), for the receiver's deduplication (with
+/// a signing secret, `webhook-id` carries it too).
+pub const EVENT_UUID_HEADER: &str = "Outbox-Event-Uuid";
 /// Header carrying the topic.
 pub const TOPIC_HEADER: &str = "Outbox-Topic";
 /// Header carrying the attempt number (1 for the first delivery).
@@ -103,7 +106,7 @@ impl HttpSinkBuilder {
         self
     }
 
-    /// Signs every request with this secret too (Standard Webhooks: `webhook-id` = the event id,
+    /// Signs every request with this secret too (Standard Webhooks: `webhook-id` = the event's uuid,
     /// `webhook-timestamp` = the attempt's time, `webhook-signature` = one `v1,` signature per
     /// secret).
     pub fn signing_secret(mut self, secret: SigningSecret) -> Self {
@@ -198,6 +201,7 @@ impl Handler for HttpSink {
             .headers(self.headers.clone())
             .header(reqwest::header::CONTENT_TYPE, content_type)
             .header(EVENT_ID_HEADER, event.id.to_string())
+            .header(EVENT_UUID_HEADER, event.uuid.to_string())
             .header(TOPIC_HEADER, &event.topic)
             .header(ATTEMPT_HEADER, event.attempts.to_string());
         for (name, value) in ce_headers {
@@ -206,7 +210,7 @@ impl Handler for HttpSink {
         if !self.secrets.is_empty() {
             // A fresh timestamp per attempt: receivers refuse old ones (replays).
             let timestamp = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-            let id = event.id.to_string();
+            let id = event.uuid.to_string();
             request = request
                 .header("webhook-signature", signatures(&self.secrets, &id, timestamp, &body))
                 .header("webhook-id", id)

@@ -2,9 +2,12 @@
 //! endpoint (`http`), NATS JetStream (`nats`) and RabbitMQ (`amqp`).
 //!
 //! Every sink sends the same JSON object per event, the [`Event`] serialized:
-//! `{"id", "topic", "key", "payload", "created_at", "attempts"}`. The `id` is stable across
-//! redeliveries: receivers use it to drop duplicates (the HTTP sink sends it in the
-//! `Outbox-Event-Id` header, the NATS sink as `Nats-Msg-Id`, which JetStream deduplicates on).
+//! `{"id", "uuid", "topic", "key", "payload", "created_at", "attempts"}`. Both ids are stable
+//! across redeliveries; the `uuid` is also unique across databases and restores, and receivers
+//! drop duplicates by it (the HTTP sink sends it as `Outbox-Event-Uuid` and, signed,
+//! `webhook-id`; CloudEvents as `id`; the NATS sink as `Nats-Msg-Id`, which JetStream
+//! deduplicates on; the AMQP sink as `message_id`). The `id` is the event's order in its
+//! database (`Outbox-Event-Id`).
 
 #[cfg(feature = "amqp")]
 mod amqp;
@@ -25,7 +28,7 @@ pub use self::amqp::AmqpSink;
 #[cfg(feature = "http")]
 pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, SigningSecret};
 #[cfg(feature = "http")]
-pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
+pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_UUID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
 #[cfg(feature = "nats")]
 pub use self::nats::NatsSink;
 pub use self::stdout::StdoutSink;
@@ -45,11 +48,11 @@ pub const DEFAULT_EXCHANGE: &str = "outbox";
 /// How the HTTP sink puts an event into its request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HttpFormat {
-    /// The event's JSON object (`{"id", "topic", "key", "payload", "created_at", "attempts"}`),
+    /// The event's JSON object (`{"id", "uuid", "topic", "key", "payload", "created_at", "attempts"}`),
     /// `Content-Type: application/json`.
     #[default]
     Raw,
-    /// CloudEvents binary mode: the attributes in `ce-*` headers (`ce-id` the event id,
+    /// CloudEvents binary mode: the attributes in `ce-*` headers (`ce-id` the event's uuid,
     /// `ce-type` the topic, `ce-source`, `ce-time` its `created_at`, `ce-partitionkey` its key),
     /// the body the payload, `Content-Type: application/json`.
     CloudEventsBinary,

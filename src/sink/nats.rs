@@ -1,4 +1,4 @@
-//! NATS JetStream: one acknowledged publish per event, deduplicated by event id.
+//! NATS JetStream: one acknowledged publish per event, deduplicated by the event's uuid.
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
@@ -9,8 +9,8 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
 
-/// Publishes each event to JetStream on subject `<prefix>.<topic>`, with the event id as
-/// `Nats-Msg-Id` so the stream drops a redelivered event inside its duplicate window, and waits
+/// Publishes each event to JetStream on subject `<prefix>.<topic>`, with the event's uuid as
+/// `Nats-Msg-Id` (and its id in this database as `Outbox-Event-Id`) so the stream drops a redelivered event inside its duplicate window, and waits
 /// for the stream's acknowledgement before the event counts as delivered.
 ///
 /// No acknowledgement (no stream captures the subject, a timeout, a lost connection) is a
@@ -88,7 +88,8 @@ impl NatsSink {
             )));
         }
         let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", event.id.to_string().as_str());
+        headers.insert("Nats-Msg-Id", event.uuid.to_string().as_str());
+        headers.insert("Outbox-Event-Id", event.id.to_string().as_str());
         headers.insert("Outbox-Topic", event.topic.as_str());
         let payload = event_json(event)?;
         match self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await {

@@ -140,11 +140,11 @@ revived as (
      where $2 or (id in (select id from wanted)
                   and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted))
                       = (select count(*) from wanted))
-    returning id, topic, key, payload, created_at
+    returning id, uuid, topic, key, payload, created_at
 ),
 inserted as (
-    insert into outbox_relay.outbox (id, topic, key, payload, created_at, parked)
-    select id, topic, key, payload, created_at, true from revived
+    insert into outbox_relay.outbox (id, uuid, topic, key, payload, created_at, parked)
+    select id, uuid, topic, key, payload, created_at, true from revived
     returning id
 )
 select i.id from inserted i

@@ -112,6 +112,7 @@ const EVENT_PARK_NEW: &str = "update outbox_relay.outbox set parked = true where
 /// A claimed event as the claim returns it.
 pub(crate) struct ClaimedRow {
     pub(crate) id: i64,
+    pub(crate) uuid: uuid::Uuid,
     pub(crate) topic: String,
     pub(crate) key: Option<String>,
     /// The payload's text, or why it cannot be read (text that is not UTF-8 or not JSON: jsonb
@@ -126,6 +127,7 @@ pub(crate) struct ClaimedRow {
 fn claimed_row(row: &tokio_postgres::Row, id: i64) -> ClaimedRow {
     ClaimedRow {
         id,
+        uuid: row.get(7),
         topic: row.get(1),
         key: row.get(2),
         payload: row.try_get::<_, Payload>(3).map_err(|e| crate::error::chain(&e)),
@@ -222,14 +224,14 @@ async fn claim_new(
         for row in &rows {
             let Some(id) = row.get::<_, Option<i64>>(0) else {
                 claimed.next_due =
-                    row.get::<_, Option<i64>>(8).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
-                claimed.held_new = row.get::<_, Option<bool>>(9).unwrap_or(false);
-                moved = row.get::<_, Option<bool>>(10).unwrap_or(false);
-                claimed.more = row.get::<_, Option<bool>>(11).unwrap_or(false);
-                overtaken = row.get::<_, Option<bool>>(12).unwrap_or(false);
+                    row.get::<_, Option<i64>>(9).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
+                claimed.held_new = row.get::<_, Option<bool>>(10).unwrap_or(false);
+                moved = row.get::<_, Option<bool>>(11).unwrap_or(false);
+                claimed.more = row.get::<_, Option<bool>>(12).unwrap_or(false);
+                overtaken = row.get::<_, Option<bool>>(13).unwrap_or(false);
                 continue;
             };
-            fresh.push((claimed_row(row, id), row.get::<_, Option<bool>>(7).unwrap_or(false)));
+            fresh.push((claimed_row(row, id), row.get::<_, Option<bool>>(8).unwrap_or(false)));
         }
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
@@ -281,7 +283,7 @@ async fn claim_parked(
     let before = claimed.rows.len();
     for row in &rows {
         let Some(id) = row.get::<_, Option<i64>>(0) else {
-            claimed.walked_to = Some(row.get(7));
+            claimed.walked_to = Some(row.get(8));
             continue;
         };
         let row = claimed_row(row, id);
@@ -393,10 +395,10 @@ with failed as (
     delete from outbox_relay.outbox o
      using unnest($1::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
      where o.id = f.id and ($2::int8 is null or o.lease_token = $2)
-    returning o.id, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+    returning o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
 )
-insert into outbox_relay.dead_letters (id, topic, key, payload, created_at, attempts, last_error)
-select id, topic, key, payload, created_at, attempts, error from failed
+insert into outbox_relay.dead_letters (id, uuid, topic, key, payload, created_at, attempts, last_error)
+select id, uuid, topic, key, payload, created_at, attempts, error from failed
 on conflict (id) do update
    set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
 

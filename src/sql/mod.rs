@@ -8,6 +8,7 @@
 
 mod admin;
 mod events;
+mod inbox;
 mod migrations;
 mod receipts;
 mod relays;
@@ -20,6 +21,7 @@ use tokio_postgres::{GenericClient, Row};
 
 pub(crate) use self::admin::*;
 pub(crate) use self::events::*;
+pub(crate) use self::inbox::*;
 pub(crate) use self::migrations::*;
 pub(crate) use self::receipts::*;
 pub(crate) use self::relays::*;

@@ -163,10 +163,22 @@ async fn every_request_verifies_with_the_official_standard_webhooks_library_thro
     assert_ne!(tampered.body, requests[0].body, "the body was changed");
     assert_ne!(python(VERIFY, &[tampered], &[SECRET_A])[0][0], "ok");
 
-    let ids: Vec<&str> = requests.iter().map(|r| r.headers["webhook-id"].as_str()).collect();
-    assert!(ids.contains(&plain.to_string().as_str()), "webhook-id is the event id: {ids:?}");
-    let attempts: Vec<&Received> = requests.iter().filter(|r| r.headers["webhook-id"] == retried.to_string()).collect();
-    assert_eq!(attempts.len(), 2, "the same webhook-id on both attempts");
+    // webhook-id is the event's uuid (a fresh one per event), the same on every attempt.
+    for request in &requests {
+        let webhook_id = &request.headers["webhook-id"];
+        assert_eq!(webhook_id, &request.headers["outbox-event-uuid"], "webhook-id is the event's uuid");
+        assert!(outbox_relay::Uuid::parse_str(webhook_id).is_ok(), "{webhook_id}");
+    }
+    let of = |id: i64| -> Vec<&Received> {
+        requests.iter().filter(|r| r.headers["outbox-event-id"] == id.to_string()).collect()
+    };
+    let attempts = of(retried);
+    assert_eq!(attempts.len(), 2, "the retried event came twice");
+    assert_eq!(
+        attempts[0].headers["webhook-id"], attempts[1].headers["webhook-id"],
+        "the same webhook-id on both attempts"
+    );
+    assert_ne!(of(plain)[0].headers["webhook-id"], attempts[0].headers["webhook-id"], "one uuid per event");
     let stamp = |r: &Received| r.headers["webhook-timestamp"].parse::<u64>().unwrap();
     assert!(stamp(attempts[1]) > stamp(attempts[0]), "a fresh timestamp per attempt (the retry came a second later)");
 }

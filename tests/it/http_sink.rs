@@ -205,6 +205,7 @@ async fn failures_say_whether_they_are_refusals_overload_or_answers() {
     use outbox_relay::{Event, Handler, Payload};
     let event = Event {
         id: 1,
+        uuid: outbox_relay::Uuid::from_u128(1),
         topic: "t".into(),
         key: None,
         payload: Payload::from_json("{}").unwrap(),

@@ -238,7 +238,7 @@ async fn embedded_relay_delivers_the_event() {
     let db = TestDb::new().await;
     let service = serve(&db).await;
     let (stop, stopped) = oneshot::channel::<()>();
-    let handler = app::AppHandler::new(None).await.unwrap();
+    let handler = app::AppHandler::new(None, None).await.unwrap();
     let relay = app::spawn_relay(&db.outbox, handler, async move {
         stopped.await.ok();
     })

@@ -163,3 +163,31 @@ async fn roles_that_cannot_relay_are_told_what_they_lack() {
         .await
         .ok();
 }
+
+/// A receiver's service as `outbox_consumer`: it records and purges its inbox, in its own
+/// transactions, and reads nothing else of the schema.
+#[tokio::test]
+async fn the_consumer_role_keeps_its_inbox_and_nothing_else() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying the roles file");
+    let consumer = format!("{}_consumer", db.name);
+    admin.batch_execute(&format!("create role {consumer} login in role outbox_consumer")).await.unwrap();
+    let (mut client, connection) =
+        tokio_postgres::connect(&url_as(&db, &consumer), tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let inbox = outbox_relay::inbox::Inbox::new("billing").unwrap();
+    let event = outbox_relay::Uuid::from_u128(7);
+    let tx = client.transaction().await.unwrap();
+    assert_eq!(inbox.record(&tx, event).await.unwrap(), outbox_relay::inbox::Recorded::New);
+    tx.commit().await.unwrap();
+    let tx = client.transaction().await.unwrap();
+    assert_eq!(inbox.record(&tx, event).await.unwrap(), outbox_relay::inbox::Recorded::Duplicate);
+    tx.commit().await.unwrap();
+    admin.execute("update outbox_relay.inbox set received_at = now() - interval '1 day'", &[]).await.unwrap();
+    assert_eq!(inbox.purge(&client, std::time::Duration::from_secs(3600)).await.unwrap(), 1);
+    for table in ["outbox", "dead_letters", "idempotency"] {
+        let refused = client.query(&format!("select 1 from outbox_relay.{table} limit 1"), &[]).await.unwrap_err();
+        assert_eq!(refused.code(), Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE), "{table}");
+    }
+}

@@ -232,6 +232,37 @@ async fn load_live_0007(db: &TestDb) {
     assert_eq!(report.applied.first().map(|(v, _)| *v), Some(8), "{report:?}");
 }
 
+/// Migration 0011 on a live installation: every event and dead letter there gets a uuid of its
+/// own, and the rows someone wrote into the old inbox (bigint ids) are kept beside the new one.
+#[tokio::test]
+async fn a_live_installation_gets_a_uuid_per_event_and_keeps_its_old_inbox_rows() {
+    let db = TestDb::empty().await;
+    load_live_0007(&db).await;
+    let client = db.client().await;
+    let uuids: Vec<outbox_relay::Uuid> = client
+        .query("select uuid from outbox_relay.outbox union all select uuid from outbox_relay.dead_letters", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(uuids.len(), 19, "every event and dead letter of the fixture");
+    assert_eq!(uuids.iter().collect::<std::collections::HashSet<_>>().len(), uuids.len(), "one uuid each");
+    let old: Vec<(String, i64)> = client
+        .query("select consumer, event_id from outbox_relay.inbox_0001 order by event_id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(old, vec![("erp".to_string(), 1), ("erp".to_string(), 2)]);
+    let mut client = client;
+    let tx = client.transaction().await.unwrap();
+    let inbox = outbox_relay::inbox::Inbox::new("erp").unwrap();
+    assert_eq!(inbox.record(&tx, uuids[0]).await.unwrap(), outbox_relay::inbox::Recorded::New);
+    tx.commit().await.unwrap();
+}
+
 /// A live installation written by the 0007 release (`tests/fixtures/live_0007.sql`): delivered
 /// events kept, a dead letter, retries in backoff, a follower held by its key, a delayed event,
 /// a paused topic, a lease of a killed relay, and events never claimed. Every figure survives,

@@ -1,6 +1,7 @@
 //! `run --sink amqp://…` against the machine's RabbitMQ (`AMQP_URL`, default
 //! amqp://guest:guest@127.0.0.1:5672/%2f; `.ci/run` starts one when none listens), consumed with
-//! lapin: persistent messages with the event id as `message_id`, confirmed; an unroutable event
+//! lapin: persistent messages with the event's uuid as `message_id` and its id as `outbox-event-id`,
+//! confirmed; an unroutable event
 //! waits with an error that says so; a connection closed by the broker is re-opened.
 
 use std::collections::HashSet;
@@ -106,6 +107,15 @@ pub async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
     delivery
 }
 
+/// The event id a message carries in its `outbox-event-id` header.
+pub fn event_id(delivery: &lapin::message::Delivery) -> i64 {
+    let headers = delivery.properties.headers().as_ref().expect("headers");
+    match headers.inner().get("outbox-event-id") {
+        Some(AMQPValue::LongLongInt(id)) => *id,
+        other => panic!("outbox-event-id header: {other:?}"),
+    }
+}
+
 async fn delete_exchange(exchange: &str) {
     let connection = Connection::connect(&amqp_url(), ConnectionProperties::default()).await.unwrap();
     let channel = connection.create_channel().await.unwrap();
@@ -133,12 +143,14 @@ async fn a_hundred_events_reach_a_queue_persistent_with_their_ids_and_keys() {
     for _ in 0..100 {
         let delivery = next(&mut consumer).await;
         let properties = &delivery.properties;
-        let message_id: i64 = properties.message_id().as_ref().expect("message_id").as_str().parse().unwrap();
+        let id = event_id(&delivery);
+        let message_id = properties.message_id().as_ref().expect("message_id").as_str();
         assert_eq!(*properties.delivery_mode(), Some(2), "persistent");
         assert_eq!(properties.content_type().as_ref().map(|c| c.as_str()), Some("application/json"));
         assert_eq!(delivery.routing_key.as_str(), "order.placed", "routing key = topic");
         let body: Value = serde_json::from_slice(&delivery.data).unwrap();
-        assert_eq!(body["id"], json!(message_id), "the body is the event's JSON");
+        assert_eq!(body["id"], json!(id), "the body is the event's JSON");
+        assert_eq!(body["uuid"], json!(message_id), "message_id is the event's uuid");
         let headers = properties.headers().as_ref().expect("headers");
         let key = match headers.inner().get("outbox-key") {
             Some(AMQPValue::LongString(key)) => String::from_utf8(key.as_bytes().to_vec()).unwrap(),
@@ -151,7 +163,7 @@ async fn a_hundred_events_reach_a_queue_persistent_with_their_ids_and_keys() {
             other => panic!("outbox-attempt header: {other:?}"),
         };
         assert_eq!(json!(attempt), body["attempts"], "the header is the event's attempt");
-        seen.insert(message_id);
+        seen.insert(id);
     }
     assert_eq!(seen, ids, "each event once, by its id");
     eventually("every event marked delivered", || async {
@@ -191,7 +203,7 @@ async fn an_unroutable_event_waits_saying_so_until_a_queue_is_bound() {
     .await;
     let (_connection, mut consumer) = bound_queue(&exchange).await;
     let delivery = next(&mut consumer).await;
-    assert_eq!(delivery.properties.message_id().as_ref().unwrap().as_str(), id.to_string());
+    assert_eq!(event_id(&delivery), id);
     assert_eq!(terminate(relay).await, Some(0));
     delete_exchange(&exchange).await;
 }
@@ -222,7 +234,7 @@ async fn an_unroutable_topic_does_not_stop_the_others() {
         publish(&db, "bad.x", json!({"n": n})).await;
     }
     let good = publish(&db, "good.x", json!({})).await;
-    assert_eq!(next(&mut consumer).await.properties.message_id().as_ref().unwrap().as_str(), good.to_string());
+    assert_eq!(event_id(&next(&mut consumer).await), good);
     eventually("the unroutable events are retried, their attempts counted", || async {
         db.client()
             .await
@@ -253,7 +265,7 @@ async fn a_connection_closed_by_the_broker_is_opened_again() {
         &["--sink", &amqp_url(), "--exchange", &exchange, "--backoff-base", "50ms", "--backoff-max", "500ms"],
     );
     let first = publish(&db, "order.placed", json!({})).await;
-    assert_eq!(next(&mut consumer).await.properties.message_id().as_ref().unwrap().as_str(), first.to_string());
+    assert_eq!(event_id(&next(&mut consumer).await), first);
     // The broker closes the relay's connections, as on a restart: only this relay's (found by the
     // ports its process holds open to the broker), since other tests run relays beside it. A
     // connection that closes between the listing and the question is skipped, not an error.
@@ -277,8 +289,8 @@ async fn a_connection_closed_by_the_broker_is_opened_again() {
     assert!(closed.contains("ok"), "the broker closed no connection of the relay's: {closed}");
     let second = publish(&db, "order.placed", json!({})).await;
     let mut got = Vec::new();
-    while !got.contains(&second.to_string()) {
-        got.push(next(&mut consumer).await.properties.message_id().as_ref().unwrap().to_string());
+    while !got.contains(&second) {
+        got.push(event_id(&next(&mut consumer).await));
     }
     let output = terminate_with_output(relay).await;
     let logs = String::from_utf8_lossy(&output.stderr);

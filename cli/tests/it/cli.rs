@@ -157,9 +157,12 @@ async fn run_nats_publishes_to_jetstream_once_per_event_id() {
     let message = stream.get_last_raw_message_by_subject(&format!("{prefix}.order.placed")).await.unwrap();
     let body: Value = serde_json::from_slice(&message.payload).unwrap();
     assert_eq!(body["id"], json!(first));
+    let headers = &message.headers;
+    assert_eq!(headers.get("Nats-Msg-Id").map(|v| v.as_str()), body["uuid"].as_str(), "Nats-Msg-Id is the uuid");
+    assert_eq!(headers.get("Outbox-Event-Id").map(|v| v.as_str()), Some(first.to_string().as_str()));
 
     // A redelivery of the same event (a relay that died before recording the outcome) is
-    // dropped by the stream: Nats-Msg-Id is the event id.
+    // dropped by the stream: Nats-Msg-Id is the event's uuid.
     db.client()
         .await
         .execute(

@@ -149,13 +149,13 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
             "cloudevents" => requests
                 .iter()
                 .map(|(headers, body)| {
-                    let id = headers["ce-id"].to_str().unwrap().parse().unwrap();
+                    let id = headers["outbox-event-id"].to_str().unwrap().parse().unwrap();
                     (id, String::from_utf8(body.to_vec()).unwrap())
                 })
                 .collect(),
             _ => requests
                 .iter()
-                .map(|(_, body)| {
+                .map(|(headers, body)| {
                     #[derive(serde::Deserialize)]
                     struct CloudEvent<'a> {
                         id: String,
@@ -163,7 +163,12 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
                         data: &'a RawValue,
                     }
                     let event: CloudEvent = serde_json::from_slice(body).unwrap();
-                    (event.id.parse().unwrap(), event.data.get().to_string())
+                    assert_eq!(
+                        event.id,
+                        headers["outbox-event-uuid"].to_str().unwrap(),
+                        "the CloudEvent id is the uuid"
+                    );
+                    (headers["outbox-event-id"].to_str().unwrap().parse().unwrap(), event.data.get().to_string())
                 })
                 .collect(),
         };

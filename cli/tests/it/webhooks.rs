@@ -87,10 +87,13 @@ async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_
     let id = publish(&db, "order.placed", json!({"n": 1})).await;
     eventually("delivered", || async { !seen.lock().unwrap().is_empty() }).await;
     let (headers, body) = seen.lock().unwrap()[0].clone();
-    assert_eq!(headers["ce-id"], id.to_string().as_str());
+    assert_eq!(headers["outbox-event-id"], id.to_string().as_str());
+    let uuid = headers["outbox-event-uuid"].to_str().unwrap();
+    assert!(outbox_relay::Uuid::parse_str(uuid).is_ok(), "{uuid}");
+    assert_eq!(headers["ce-id"], uuid, "the CloudEvent's id is the event's uuid");
     assert_eq!(headers["ce-source"], "urn:shop:orders");
     assert_eq!(headers["authorization"], "Bearer tok-8b1d");
-    assert_eq!(headers["webhook-id"], id.to_string().as_str());
+    assert_eq!(headers["webhook-id"], uuid, "webhook-id is the event's uuid");
     assert_eq!(verify(SECRET_A, &headers, &body), "ok");
     assert_eq!(verify(SECRET_B, &headers, &body), "ok");
     assert_eq!(&body[..], br#"{"n": 1}"#, "binary mode: the body is the payload, as PostgreSQL stores it");
