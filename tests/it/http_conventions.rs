@@ -200,16 +200,18 @@ async fn the_cloudevents_sdk_parses_both_modes_with_id_type_time_key_and_data() 
         let parsed = python(PARSE_CLOUDEVENT, &requests, &[]);
         let by_id: HashMap<String, &Value> =
             parsed.as_array().unwrap().iter().map(|e| (e["id"].as_str().unwrap().to_string(), e)).collect();
-        let created: Vec<(i64, String)> = db
+        // The CloudEvent id is the event's uuid.
+        let created: Vec<(i64, String, String)> = db
             .client()
             .await
-            .query("select id, to_char(created_at at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US') from outbox_relay.outbox order by id", &[])
+            .query("select id, uuid::text, to_char(created_at at time zone 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US') from outbox_relay.outbox order by id", &[])
             .await
             .unwrap()
             .iter()
-            .map(|r| (r.get(0), r.get(1)))
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
             .collect();
-        let event = by_id[&keyed.to_string()];
+        let uuid_of = |id: i64| created.iter().find(|c| c.0 == id).unwrap().1.clone();
+        let event = by_id[&uuid_of(keyed)];
         assert_eq!(event["specversion"], "1.0", "{format:?} {event}");
         assert_eq!(event["type"], "order.placed");
         assert_eq!(event["source"], "urn:shop:orders");
@@ -217,9 +219,9 @@ async fn the_cloudevents_sdk_parses_both_modes_with_id_type_time_key_and_data() 
         assert_eq!(event["data"], payload, "{format:?}");
         assert_eq!(event["datacontenttype"], "application/json");
         let time = event["time"].as_str().unwrap();
-        let written = &created.iter().find(|(id, _)| *id == keyed).unwrap().1;
+        let written = &created.iter().find(|c| c.0 == keyed).unwrap().2;
         assert!(time.starts_with(written.as_str()), "ce time {time} is created_at {written}");
-        let other = by_id[&unkeyed.to_string()];
+        let other = by_id[&uuid_of(unkeyed)];
         assert_eq!(other["type"], "order.cancelled");
         assert_eq!(other["partitionkey"], Value::Null, "no key, no partitionkey");
         assert_eq!(other["data"], json!([1, 2]));
