@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use crate::error::Result;
 use crate::outbox::Outbox;
-use crate::queue::{CleanupReport, ConnectedRelay, DeadLetter, ErrorCount, FoundEvent, Health, Pause, QueueStats};
+use crate::queue::{
+    CleanupReport, ConnectedRelay, DeadLetter, DestinationStats, ErrorCount, FoundEvent, Health, Pause, QueueStats,
+};
 use crate::sql;
 
 impl Outbox {
@@ -142,38 +144,77 @@ pub(crate) async fn cleanup(
 }
 
 impl Outbox {
-    /// Pauses delivery of `topic` (`None`: of every topic) for every relay on this database,
-    /// until [`Outbox::resume`]; relays see it within about a second (a batch already claimed
-    /// is still delivered). Paused events stay pending and are charged no attempt. Kept in the
-    /// database, so a restart does not lift it. Returns false when it was paused already.
+    /// Pauses delivery of `topic` (`None`: of every topic) for every relay on this database and
+    /// every destination, until [`Outbox::resume`]; relays see it within about a second (a batch
+    /// already claimed is still delivered). Paused events wait and are charged no attempt. Kept
+    /// in the database, so a restart does not lift it. Returns false when it was paused already.
     pub async fn pause(&self, topic: Option<&str>) -> Result<bool> {
+        self.pause_destination("", topic).await
+    }
+
+    /// Pauses delivery of `topic` (`None`: of every topic) to the destination `destination`
+    /// only ([`Outbox::pause`] for every destination); the others go on. Returns false when it
+    /// was paused already.
+    pub async fn pause_destination(&self, destination: &str, topic: Option<&str>) -> Result<bool> {
         let topic = pause_topic(topic)?;
-        self.bounded("pausing", async { sql::pause(&*self.pooled().await?, topic).await }).await
+        if !destination.is_empty() {
+            crate::relay::validate_destination_name(destination)?;
+        }
+        self.bounded("pausing", async { sql::pause(&*self.pooled().await?, topic, destination).await }).await
     }
 
     /// Lifts the pause of `topic` (`None`: the pause of every topic; pauses of single topics
-    /// stay). Returns false when there was none.
+    /// stay) for every destination (pauses of single destinations stay). Returns false when there
+    /// was none.
     pub async fn resume(&self, topic: Option<&str>) -> Result<bool> {
+        self.resume_destination("", topic).await
+    }
+
+    /// Lifts the pause of `topic` (`None`: of every topic) at the destination `destination`.
+    /// Returns false when there was none.
+    pub async fn resume_destination(&self, destination: &str, topic: Option<&str>) -> Result<bool> {
         // Any row can be lifted, also one written by hand with a topic no event could have.
-        let topic = match topic {
-            Some("") => return Err(crate::error::Error::invalid_input("topic must not be empty")),
+        let lifted = |what: &str, name: Option<&str>| match name {
+            Some("") => Err(crate::error::Error::invalid_input(format!("{what} must not be empty"))),
             Some(t) if t.contains('\0') || t.chars().count() > crate::event::MAX_TOPIC_LEN => {
-                return Err(crate::error::Error::invalid_input(format!(
-                    "no pause can have that topic (a NUL, or longer than {} characters)",
+                Err(crate::error::Error::invalid_input(format!(
+                    "no pause can have that {what} (a NUL, or longer than {} characters)",
                     crate::event::MAX_TOPIC_LEN
-                )));
+                )))
             }
-            Some(t) => t,
-            None => "",
+            Some(t) => Ok(t.to_string()),
+            None => Ok(String::new()),
         };
-        let resumed = self.bounded("resuming", async { sql::resume(&*self.pooled().await?, topic).await }).await?;
+        let topic = lifted("topic", topic)?;
+        let destination = lifted("destination", (!destination.is_empty()).then_some(destination))?;
+        let resumed =
+            self.bounded("resuming", async { sql::resume(&*self.pooled().await?, &topic, &destination).await }).await?;
         if resumed {
             self.wakeup().wake();
         }
         Ok(resumed)
     }
 
-    /// The pauses in place, the pause of every topic first.
+    /// Every destination registered on this database (by the relays that deliver to it), with
+    /// what waits for it, by name.
+    pub async fn destinations(&self) -> Result<Vec<DestinationStats>> {
+        self.bounded("reading the destinations", async { sql::destination_stats(&*self.pooled().await?).await }).await
+    }
+
+    /// Drops the destination `name`, which no relay delivers to any more: events stop waiting
+    /// for it (what was parked for it goes to its dead letters, saying why), and its position no
+    /// longer keeps events that every other destination has passed. A relay that still delivers
+    /// to it registers it again, starting where the destination furthest behind is. Returns how
+    /// many parked events went to the dead letters; an error when no destination has that name.
+    pub async fn drop_destination(&self, name: &str) -> Result<u64> {
+        crate::relay::validate_destination_name(name)?;
+        let dropped = self
+            .bounded("dropping a destination", async { sql::drop_destination(&mut self.pooled().await?, name).await })
+            .await?;
+        dropped.ok_or_else(|| crate::error::Error::invalid_input(format!("no destination is named {name:?}")))
+    }
+
+    /// The pauses in place: of every destination first, and of every topic first.
     pub async fn pauses(&self) -> Result<Vec<Pause>> {
         self.bounded("listing the pauses", async { sql::pauses(&*self.pooled().await?).await }).await
     }
@@ -195,6 +236,7 @@ impl Outbox {
 /// are not dead letters (`verb`: what would have been done to them).
 async fn all_or_none(db: &impl sql::Db, wanted: &[i64], mut done: Vec<i64>, verb: &str) -> Result<Vec<i64>> {
     done.sort_unstable();
+    done.dedup();
     let mut missing: Vec<i64> = wanted.iter().copied().filter(|id| done.binary_search(id).is_err()).collect();
     if missing.is_empty() {
         return Ok(done);

@@ -36,7 +36,7 @@ pub use outbox::{Connection, DEFAULT_OPERATION_TIMEOUT, Outbox};
 pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, Payload};
 pub use publish::{AuditEntry, audit, publish, publish_all};
 pub use queue::{
-    CleanupReport, ConnectedRelay, DEAD_TUPLES_WARNING, DeadLetter, ErrorCount, FoundEvent, Health,
+    CleanupReport, ConnectedRelay, DEAD_TUPLES_WARNING, DeadLetter, DestinationStats, ErrorCount, FoundEvent, Health,
     NOTIFICATION_QUEUE_WARNING, OLD_TRANSACTION_WARNING, Pause, QueueStats, XMIN_AGE_WARNING,
 };
 pub use text::printable;
@@ -49,8 +49,9 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     timestamp::rfc3339_micros(t)
 }
 pub use relay::{
-    CLAIM_BUCKETS, Completion, DeliveryError, Handler, HandlerFn, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot,
-    Percentiles, Relay, RelayConfig, RelayMetrics, Slot, Slots, handler_fn,
+    CLAIM_BUCKETS, Completion, DEFAULT_DESTINATION, DeliveryError, Handler, HandlerFn, HistogramSnapshot,
+    LATENCY_BUCKETS, MetricsSnapshot, Percentiles, Relay, RelayConfig, RelayMetrics, Route, Slot, Slots, TopicPattern,
+    handler_fn,
 };
 /// Defaults and bounds of [`RelayConfig`].
 pub mod defaults {

@@ -54,6 +54,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "global_event_ids_and_inbox",
         sql: include_str!("../migrations/0011_global_event_ids_and_inbox.sql"),
     },
+    Migration { version: 12, name: "destinations", sql: include_str!("../migrations/0012_destinations.sql") },
 ];
 
 /// What a migration run did.

@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Every family, its type and meaning, is listed in the README ("Running it in production").
-//! No family has labels: nothing in them grows with topics, keys or events.
+//! The relay's families, and the per-destination gauges of the queue, carry one label,
+//! `destination`; no other family has labels: nothing in them grows with topics, keys or events.
 
 use std::sync::Arc;
 
@@ -30,7 +31,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::outbox::Outbox;
-use crate::queue::{Health, QueueStats};
+use crate::queue::{DestinationStats, Health, QueueStats};
 use crate::relay::{HistogramSnapshot, MetricsSnapshot, RelayMetrics};
 
 /// The `Content-Type` of [`Exporter::encode`]'s text.
@@ -40,18 +41,27 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 #[derive(Debug, Clone)]
 pub struct Exporter {
     outbox: Outbox,
-    relay: Option<Arc<RelayMetrics>>,
+    relays: Vec<(String, Arc<RelayMetrics>)>,
 }
 
 impl Exporter {
     /// The metrics of the queue in `outbox`'s database.
     pub fn new(outbox: &Outbox) -> Self {
-        Exporter { outbox: outbox.clone(), relay: None }
+        Exporter { outbox: outbox.clone(), relays: Vec::new() }
     }
 
-    /// Adds the counters of a relay ([`crate::Relay::metrics`]).
-    pub fn with_relay(mut self, metrics: Arc<RelayMetrics>) -> Self {
-        self.relay = Some(metrics);
+    /// Adds the counters of a relay with one destination ([`crate::Relay::metrics`]), labelled
+    /// `destination="default"`.
+    #[must_use]
+    pub fn with_relay(self, metrics: Arc<RelayMetrics>) -> Self {
+        self.with_destinations(vec![(crate::DEFAULT_DESTINATION.to_string(), metrics)])
+    }
+
+    /// Adds the counters of a relay's destinations ([`crate::Relay::destination_metrics`]), each
+    /// labelled with its name.
+    #[must_use]
+    pub fn with_destinations(mut self, destinations: Vec<(String, Arc<RelayMetrics>)>) -> Self {
+        self.relays = destinations;
         self
     }
 
@@ -64,7 +74,8 @@ impl Exporter {
             let stats = self.outbox.queue_stats().await?;
             let health = self.outbox.health().await?;
             let pauses = self.outbox.pauses().await?;
-            Ok::<_, crate::Error>((stats, health, pauses.len()))
+            let destinations = self.outbox.destinations().await?;
+            Ok::<_, crate::Error>((stats, health, pauses.len(), destinations))
         };
         let database = match tokio::time::timeout(std::time::Duration::from_secs(5), read).await {
             Ok(Ok(read)) => Some(read),
@@ -74,9 +85,10 @@ impl Exporter {
             }
             Err(_) => None,
         };
-        let relay = self.relay.as_ref().map(|m| m.snapshot());
+        let relays: Vec<(String, MetricsSnapshot)> =
+            self.relays.iter().map(|(name, m)| (name.clone(), m.snapshot())).collect();
         let mut registry = Registry::default();
-        register(&mut registry, database.as_ref(), relay.as_ref());
+        register(&mut registry, database.as_ref(), &relays);
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut text, &registry);
@@ -92,18 +104,59 @@ fn gauge_in(registry: &mut Registry, name: &str, help: &str, unit: Unit, value: 
     registry.register_with_unit(name, help, unit, ConstGauge::new(value));
 }
 
-fn counter(registry: &mut Registry, name: &str, help: &str, value: u64) {
-    registry.register(name, help, ConstCounter::new(value));
+/// What the database said in one scrape.
+type Read = (QueueStats, Health, usize, Vec<DestinationStats>);
+
+/// One family whose series are the destinations', labelled with their names.
+#[derive(Debug)]
+struct PerDestination<M> {
+    series: Vec<(String, M)>,
+    kind: MetricType,
 }
 
-fn register(registry: &mut Registry, database: Option<&(QueueStats, Health, usize)>, relay: Option<&MetricsSnapshot>) {
+impl<M: EncodeMetric> EncodeMetric for PerDestination<M> {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        for (name, metric) in &self.series {
+            let labels = [("destination", name.as_str())];
+            metric.encode(encoder.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.kind
+    }
+}
+
+fn gauges<T>(registry: &mut Registry, name: &str, help: &str, of: &[(String, T)], value: impl Fn(&T) -> f64) {
+    let series = of.iter().map(|(d, t)| (d.clone(), ConstGauge::new(value(t)))).collect();
+    registry.register(name, help, PerDestination { series, kind: MetricType::Gauge });
+}
+
+fn counters<T>(registry: &mut Registry, name: &str, help: &str, of: &[(String, T)], value: impl Fn(&T) -> u64) {
+    let series = of.iter().map(|(d, t)| (d.clone(), ConstCounter::new(value(t)))).collect();
+    registry.register(name, help, PerDestination { series, kind: MetricType::Counter });
+}
+
+fn histograms(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    of: &[(String, MetricsSnapshot)],
+    value: impl Fn(&MetricsSnapshot) -> &HistogramSnapshot,
+) {
+    let series = of.iter().map(|(d, s)| (d.clone(), Histogram(value(s).clone()))).collect();
+    registry.register_with_unit(name, help, Unit::Seconds, PerDestination { series, kind: MetricType::Histogram });
+}
+
+fn register(registry: &mut Registry, database: Option<&Read>, relay: &[(String, MetricsSnapshot)]) {
     gauge(
         registry,
         "outbox_relay_database_up",
         "1 when the database answered this scrape, else 0",
         f64::from(u8::from(database.is_some())),
     );
-    if let Some((stats, health, pauses)) = database {
+    if let Some((stats, health, pauses, destinations)) = database {
         let seconds = |ms: Option<i64>| ms.map_or(0.0, |ms| ms.max(0) as f64 / 1000.0);
         gauge(
             registry,
@@ -166,64 +219,101 @@ fn register(registry: &mut Registry, database: Option<&(QueueStats, Health, usiz
             health.outbox_dead_tuples as f64,
         );
         gauge(registry, "outbox_relay_pauses", "Pauses in place (the pause of every topic counts one)", *pauses as f64);
+        gauge(
+            registry,
+            "outbox_relay_unrouted_dead_letters",
+            "Dead letters that no destination's pattern matched",
+            stats.unrouted as f64,
+        );
+        let by_name: Vec<(String, &DestinationStats)> = destinations.iter().map(|d| (d.name.clone(), d)).collect();
+        gauges(
+            registry,
+            "outbox_relay_destination_new_events",
+            "Events a destination's pattern matches that its position has not reached",
+            &by_name,
+            |d| d.new as f64,
+        );
+        gauges(
+            registry,
+            "outbox_relay_destination_parked_events",
+            "A destination's parked events: retries, delays, events behind their key, leases",
+            &by_name,
+            |d| (d.due + d.delayed + d.in_flight) as f64,
+        );
+        gauges(registry, "outbox_relay_destination_dead_letters", "A destination's dead letters", &by_name, |d| {
+            d.dead_letters as f64
+        });
+        gauges(
+            registry,
+            "outbox_relay_destination_relays",
+            "Relays connected now that deliver to a destination",
+            &by_name,
+            |d| d.relays as f64,
+        );
     }
-    let Some(relay) = relay else { return };
-    counter(registry, "outbox_relay_events_delivered", "Events delivered (the handler succeeded)", relay.delivered);
-    counter(registry, "outbox_relay_events_retried", "Failed deliveries rescheduled for a retry", relay.retried);
-    counter(registry, "outbox_relay_events_dead_lettered", "Events moved to the dead letters", relay.dead_lettered);
-    registry.register_with_unit(
+    if relay.is_empty() {
+        return;
+    }
+    counters(registry, "outbox_relay_events_delivered", "Events delivered (the handler succeeded)", relay, |r| {
+        r.delivered
+    });
+    counters(registry, "outbox_relay_events_retried", "Failed deliveries rescheduled for a retry", relay, |r| {
+        r.retried
+    });
+    counters(registry, "outbox_relay_events_dead_lettered", "Events moved to the dead letters", relay, |r| {
+        r.dead_lettered
+    });
+    histograms(
+        registry,
         "outbox_relay_delivery_latency",
         "From an event's commit (its created_at) to its successful delivery",
-        Unit::Seconds,
-        Histogram(relay.latency_seconds.clone()),
+        relay,
+        |r| &r.latency_seconds,
     );
-    counter(registry, "outbox_relay_claims", "Claim statements run", relay.claims);
-    counter(registry, "outbox_relay_events_claimed", "Events claimed", relay.claimed_events);
-    registry.register_with_unit(
-        "outbox_relay_claim_duration",
-        "How long a claim statement took",
-        Unit::Seconds,
-        Histogram(relay.claim_seconds.clone()),
-    );
-    counter(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay.wakeups);
-    counter(
+    counters(registry, "outbox_relay_claims", "Claim statements run", relay, |r| r.claims);
+    counters(registry, "outbox_relay_events_claimed", "Events claimed", relay, |r| r.claimed_events);
+    histograms(registry, "outbox_relay_claim_duration", "How long a claim statement took", relay, |r| &r.claim_seconds);
+    counters(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay, |r| {
+        r.wakeups
+    });
+    counters(
         registry,
         "outbox_relay_listener_reconnects",
         "Times the listener connection was re-established",
-        relay.reconnects,
+        relay,
+        |r| r.reconnects,
     );
-    gauge(
+    gauges(
         registry,
         "outbox_relay_breaker_open",
         "1 while the outage breaker is open (the destination is taken to be down)",
-        f64::from(u8::from(relay.breaker_open)),
+        relay,
+        |r| f64::from(u8::from(r.breaker_open)),
     );
-    counter(registry, "outbox_relay_breaker_opens", "Times the outage breaker opened", relay.breaker_opens);
-    gauge(
+    counters(registry, "outbox_relay_breaker_opens", "Times the outage breaker opened", relay, |r| r.breaker_opens);
+    gauges(
         registry,
         "outbox_relay_delivery_limit",
         "Deliveries allowed at once: the concurrency limit learnt from the destination's answers, or the fixed one",
-        relay.delivery_limit as f64,
+        relay,
+        |r| r.delivery_limit as f64,
     );
-    gauge(registry, "outbox_relay_deliveries_in_flight", "Deliveries in progress", relay.deliveries_in_flight as f64);
-    gauge(
-        registry,
-        "outbox_relay_listening",
-        "1 while the listener listens for notifications",
-        f64::from(u8::from(relay.listening)),
-    );
-    gauge(
+    gauges(registry, "outbox_relay_deliveries_in_flight", "Deliveries in progress", relay, |r| {
+        r.deliveries_in_flight as f64
+    });
+    gauges(registry, "outbox_relay_listening", "1 while the listener listens for notifications", relay, |r| {
+        f64::from(u8::from(r.listening))
+    });
+    gauges(
         registry,
         "outbox_relay_paused",
-        "1 while every topic is paused, as the relay last read the pauses",
-        f64::from(u8::from(relay.paused_all)),
+        "1 while every topic is paused for the destination, as the relay last read the pauses",
+        relay,
+        |r| f64::from(u8::from(r.paused_all)),
     );
-    gauge(
-        registry,
-        "outbox_relay_paused_topics",
-        "Single topics paused, as the relay last read them",
-        relay.paused_topics as f64,
-    );
+    gauges(registry, "outbox_relay_paused_topics", "Single topics paused, as the relay last read them", relay, |r| {
+        r.paused_topics as f64
+    });
 }
 
 /// A histogram as read, in the exposition.

@@ -22,6 +22,9 @@ pub struct QueueStats {
     pub processed: i64,
     /// Events in the dead letters.
     pub dead_letters: i64,
+    /// Dead letters that no destination's pattern matched (destination `""`): events no route
+    /// takes. Add a route and retry them.
+    pub unrouted: i64,
     /// Age of the oldest undelivered event (delayed ones included), in milliseconds.
     pub oldest_pending_age_ms: Option<i64>,
     /// How long the longest-waiting ready event has been due (since its `available_at`:
@@ -67,6 +70,39 @@ pub struct ConnectedRelay {
     pub delivery_limit: Option<i32>,
     /// The deliveries it had in flight then.
     pub deliveries_in_flight: Option<i32>,
+    /// The destination it delivers to (a relay process with several routes connects once per
+    /// destination); `None` until it first wrote its row.
+    pub destination: Option<String>,
+}
+
+/// One destination as the database sees it: its pattern, and what waits for it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct DestinationStats {
+    /// Its name.
+    pub name: String,
+    /// Its topic pattern.
+    pub pattern: String,
+    /// Events it has not reached yet (its pattern matches them, its position is before them).
+    pub new: i64,
+    /// Its parked events that are due (retries whose backoff ended, events behind their key,
+    /// events given back).
+    pub due: i64,
+    /// Its parked events due later (backoff, delay).
+    pub delayed: i64,
+    /// Its parked events in a lease (a delivery that outlived its claim's hold).
+    pub in_flight: i64,
+    /// Its dead letters.
+    pub dead_letters: i64,
+    /// The most attempts one of its parked events has had.
+    pub max_attempts: i32,
+    /// Milliseconds since its position last moved (it moves with every claim that finds new
+    /// events, whether or not they match).
+    pub position_age_ms: Option<i64>,
+    /// Whether its delivery is paused (the destination, or every destination).
+    pub paused: bool,
+    /// How many relays connected now deliver to it.
+    pub relays: i64,
 }
 
 /// An event in the dead letters.
@@ -74,6 +110,8 @@ pub struct ConnectedRelay {
 pub struct DeadLetter {
     /// The event's id, kept from the outbox.
     pub id: i64,
+    /// The destination that refused it; `""` when no destination's pattern matches its topic.
+    pub destination: String,
     /// Its topic.
     pub topic: String,
     /// Its partition key.
@@ -106,6 +144,8 @@ pub struct CleanupReport {
 pub struct Pause {
     /// The paused topic; `None` for the pause of every topic.
     pub topic: Option<String>,
+    /// The paused destination; `None` for the pause of every destination.
+    pub destination: Option<String>,
     /// When it was paused.
     #[serde(serialize_with = "crate::timestamp::serialize")]
     pub paused_at: SystemTime,
@@ -191,8 +231,12 @@ pub struct FoundEvent {
     pub attempts: i32,
     /// The error of its last failed attempt.
     pub last_error: Option<String>,
-    /// `pending`, `delayed`, `in flight`, `processed` or `dead`.
+    /// In the outbox: `new` (some destination has not passed it) or `processed`; waiting for a
+    /// destination: `pending` (due), `delayed` or `in flight`; or `dead`.
     pub state: String,
+    /// The destination it waits for or was refused by; `None` for the outbox row itself,
+    /// `Some("")` for a dead letter no destination's pattern matched.
+    pub destination: Option<String>,
     /// When it was processed, or is due (pending), or failed for good (dead); `None` for a
     /// time PostgreSQL calls infinite.
     #[serde(serialize_with = "crate::timestamp::serialize_option")]

@@ -1,9 +1,11 @@
 //! The body of each command.
 
-use outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
+use outbox_relay::sink::{HttpFormat, Secret, SinkOptions};
 use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
-use crate::{Cli, CliError, Command, CompletionArg, DeadLetterCommand, FormatArg, RunArgs, UsageError};
+use crate::{
+    Cli, CliError, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RunArgs, UsageError,
+};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     let timeout = cli.db_timeout;
@@ -15,34 +17,36 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => run_relay(&require_url(cli.database_url)?, *args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
         Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
-        Command::Pause { topic } => {
+        Command::Pause { topic, destination } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
-            let what = topic.as_deref().map_or("every topic".to_string(), |t| format!("topic {t}"));
-            if outbox.pause(topic.as_deref()).await? {
+            let what = paused_what(topic.as_deref(), destination.as_deref());
+            if outbox.pause_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
                 println!(
                     "paused {what}: the relays on this database stop claiming its events within moments (a batch already claimed is still delivered), until `outbox-relay resume{}`",
-                    resume_flag(&topic)
+                    resume_flags(&topic, &destination)
                 );
             } else {
                 println!("{what} was paused already");
             }
             Ok(())
         }
-        Command::Resume { topic } => {
+        Command::Resume { topic, destination } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
-            let what = topic.as_deref().map_or("every topic".to_string(), |t| format!("topic {t}"));
-            if outbox.resume(topic.as_deref()).await? {
+            let what = paused_what(topic.as_deref(), destination.as_deref());
+            if outbox.resume_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
                 println!("resumed {what}");
             } else {
                 println!("{what} was not paused");
             }
             let left = outbox.pauses().await?;
             if !left.is_empty() {
-                let names: Vec<&str> = left.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect();
+                let names: Vec<String> =
+                    left.iter().map(|p| paused_what(p.topic.as_deref(), p.destination.as_deref())).collect();
                 println!("still paused: {}", names.join(", "));
             }
             Ok(())
         }
+        Command::Destinations(command) => destinations(&require_url(cli.database_url)?, command).await,
         Command::Console { listen, http_token } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let shutdown = shutdown_signal()?;
@@ -171,7 +175,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         };
         headers.push((name.trim().to_string(), Secret::new(value.trim())));
     }
-    let options = SinkOptions {
+    let defaults = SinkOptions {
         timeout: args.timeout,
         subject_prefix: args.subject_prefix,
         create_stream: args.create_stream,
@@ -185,8 +189,24 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         cloudevents_source: args.cloudevents_source,
         headers,
     };
-    // The sink first: a bad spec is refused before anything touches the database.
-    let sink = Sink::connect(&args.sink, &options).await?;
+    let mut destinations = Vec::new();
+    if let Some(sink) = args.sink {
+        destinations.push(crate::routes::single(sink, defaults.clone()));
+    }
+    if let Some(path) = &args.config {
+        destinations.extend(crate::routes::read_file(path, &defaults)?);
+    }
+    for spec in &args.route {
+        destinations.push(crate::routes::parse_route(spec, &defaults)?);
+    }
+    // The sinks first: a bad spec is refused before anything touches the database.
+    let mut routes = Vec::with_capacity(destinations.len());
+    let mut shown = Vec::with_capacity(destinations.len());
+    for destination in destinations {
+        let (route, described) = destination.route().await?;
+        routes.push(route);
+        shown.push(described);
+    }
     let outbox = if args.migrate {
         let outbox = db.open(config.workers + 2).await?;
         outbox.migrate().await?;
@@ -194,17 +214,17 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     } else {
         connect(db).await?
     };
-    let shown = sink.describe();
-    let relay = Relay::new(&outbox, config, sink)?;
+    let relay = Relay::with_routes(&outbox, config, routes)?;
     let stop_http = tokio_util::sync::CancellationToken::new();
     let server = match args.http {
         Some(addr) => {
-            let (listener, console) = crate::http::bind(addr, &outbox, Some(relay.metrics()), args.http_token).await?;
+            let metrics = relay.destination_metrics();
+            let (listener, console) = crate::http::bind(addr, &outbox, Some(metrics), args.http_token).await?;
             Some(tokio::spawn(crate::http::serve(listener, console, stop_http.clone())))
         }
         None => None,
     };
-    tracing::info!(sink = %shown, "delivering; stop with SIGINT or SIGTERM");
+    tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM");
     let ran = relay.run(shutdown).await;
     stop_http.cancel();
     if let Some(server) = server {
@@ -214,8 +234,71 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-fn resume_flag(topic: &Option<String>) -> String {
-    topic.as_deref().map_or(String::new(), |t| format!(" --topic {t}"))
+fn resume_flags(topic: &Option<String>, destination: &Option<String>) -> String {
+    let topic = topic.as_deref().map_or(String::new(), |t| format!(" --topic {t}"));
+    let destination = destination.as_deref().map_or(String::new(), |d| format!(" --destination {d}"));
+    format!("{topic}{destination}")
+}
+
+/// What a pause holds back, in words.
+fn paused_what(topic: Option<&str>, destination: Option<&str>) -> String {
+    let topic = topic.map_or("every topic".to_string(), |t| format!("topic {}", crate::one_line(t)));
+    match destination {
+        Some(d) => format!("{topic} at destination {}", crate::one_line(d)),
+        None => topic,
+    }
+}
+
+async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), CliError> {
+    let outbox = connect(db).await?;
+    match command {
+        DestinationCommand::List { json } => {
+            let destinations = outbox.destinations().await?;
+            if json {
+                println!("{}", serde_json::to_string(&destinations)?);
+                return Ok(());
+            }
+            if destinations.is_empty() {
+                println!("no destination registered yet: a relay registers the ones it delivers to when it starts");
+                return Ok(());
+            }
+            print_destinations(&destinations);
+        }
+        DestinationCommand::Drop { name } => {
+            let buried = outbox.drop_destination(&name).await?;
+            println!(
+                "dropped destination {}: {buried} events that waited for it went to its dead letters",
+                crate::one_line(&name)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The destinations as a table.
+fn print_destinations(destinations: &[outbox_relay::DestinationStats]) {
+    println!(
+        "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  position moved",
+        "destination", "pattern", "new", "due", "delayed", "in flight", "dead", "attempts", "relays"
+    );
+    for d in destinations {
+        let moved = d.position_age_ms.map_or("-".to_string(), |ms| {
+            format!("{} ago", humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)))
+        });
+        let paused = if d.paused { "  PAUSED" } else { "" };
+        println!(
+            "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved}{paused}",
+            crate::one_line(&d.name),
+            crate::one_line(&d.pattern),
+            d.new,
+            d.due,
+            d.delayed,
+            d.in_flight,
+            d.dead_letters,
+            d.max_attempts,
+            d.relays
+        );
+    }
 }
 
 /// Installs the SIGINT and SIGTERM handlers now (a signal that arrives later, even before the
@@ -242,7 +325,9 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
     let relays = outbox.connected_relays().await?;
     let pauses = outbox.pauses().await?;
     let health = outbox.health().await?;
+    let destinations = outbox.destinations().await?;
     let mut warnings = crate::console::queue_warnings(&stats, &pauses, &relays);
+    warnings.extend(crate::console::destination_warnings(&destinations));
     warnings.extend(health.warnings());
     if json {
         #[derive(serde::Serialize)]
@@ -251,6 +336,7 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             stats: &'a outbox_relay::QueueStats,
             errors: &'a [outbox_relay::ErrorCount],
             relays: &'a [outbox_relay::ConnectedRelay],
+            destinations: &'a [outbox_relay::DestinationStats],
             pauses: &'a [outbox_relay::Pause],
             health: &'a outbox_relay::Health,
             warnings: &'a [String],
@@ -259,6 +345,7 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             stats: &stats,
             errors: &errors,
             relays: &relays,
+            destinations: &destinations,
             pauses: &pauses,
             health: &health,
             warnings: &warnings,
@@ -291,8 +378,12 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         println!("paused                    nothing");
     } else {
         let names: Vec<String> =
-            pauses.iter().map(|p| p.topic.as_deref().map_or("every topic".to_string(), crate::one_line)).collect();
+            pauses.iter().map(|p| paused_what(p.topic.as_deref(), p.destination.as_deref())).collect();
         println!("paused                    {}", names.join(", "));
+    }
+    if !destinations.is_empty() {
+        println!("destinations              {}", destinations.len());
+        print_destinations(&destinations);
     }
     println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
     for relay in &relays {
@@ -306,8 +397,9 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             (Some(limit), None) => format!(", limit {limit}"),
             _ => String::new(),
         };
+        let to = relay.destination.as_deref().map_or(String::new(), |d| format!("  to {}", crate::one_line(d)));
         println!(
-            "  listener pid {:<8} from {:<15} since {}  {state}{limit}",
+            "  listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
             relay.listener_pid,
             relay.client,
             outbox_relay::rfc3339(relay.connected_at)
@@ -339,12 +431,18 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
                 println!("no dead letters");
                 return Ok(());
             }
-            println!("{:>10}  {:<24}  {:>8}  {:<27}  last error", "id", "topic", "attempts", "failed at");
+            println!(
+                "{:>10}  {:<16}  {:<24}  {:>8}  {:<27}  last error",
+                "id", "destination", "topic", "attempts", "failed at"
+            );
             for d in &letters {
                 let failed = outbox_relay::rfc3339(d.failed_at);
+                let destination =
+                    if d.destination.is_empty() { "(no route)".to_string() } else { crate::one_line(&d.destination) };
                 println!(
-                    "{:>10}  {:<24}  {:>8}  {:<27}  {}",
+                    "{:>10}  {:<16}  {:<24}  {:>8}  {:<27}  {}",
                     d.id,
+                    destination,
                     crate::one_line(&d.topic),
                     d.attempts,
                     failed,

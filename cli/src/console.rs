@@ -22,7 +22,17 @@ pub(crate) struct Summary {
     warnings: Vec<String>,
     pauses: Vec<Pause>,
     relay: Option<RelaySummary>,
+    /// Every registered destination, with this process's counters for the ones it delivers to.
+    destinations: Vec<DestinationSummary>,
     history: Vec<crate::http::Sample>,
+}
+
+#[derive(Serialize)]
+struct DestinationSummary {
+    #[serde(flatten)]
+    stats: outbox_relay::DestinationStats,
+    /// This process's relay for it, when it runs one.
+    relay: Option<RelaySummary>,
 }
 
 #[derive(Serialize)]
@@ -44,7 +54,7 @@ pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> 
     let health = outbox.health().await?;
     let pauses = outbox.pauses().await?;
     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
-    let relay = console.relay.as_ref().map(|m| {
+    let relay_summary = |m: &outbox_relay::RelayMetrics| {
         let s = m.snapshot();
         RelaySummary {
             delivered: s.delivered,
@@ -57,19 +67,32 @@ pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> 
             latency_p50_ms: ms(s.latency_p50),
             latency_p99_ms: ms(s.latency_p99),
         }
-    });
+    };
+    let relay = console.relay.as_deref().map(relay_summary);
+    let destinations: Vec<DestinationSummary> = outbox
+        .destinations()
+        .await?
+        .into_iter()
+        .map(|stats| {
+            let relay =
+                console.destinations.iter().find(|(name, _)| *name == stats.name).map(|(_, m)| relay_summary(m));
+            DestinationSummary { stats, relay }
+        })
+        .collect();
     let history = console.history.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
     let relays = outbox.connected_relays().await?;
     let mut warnings = queue_warnings(&stats, &pauses, &relays);
+    let all: Vec<outbox_relay::DestinationStats> = destinations.iter().map(|d| d.stats.clone()).collect();
+    warnings.extend(destination_warnings(&all));
     warnings.extend(health.warnings());
-    Ok(Summary { warnings, stats, health, pauses, relay, history })
+    Ok(Summary { warnings, stats, health, pauses, relay, destinations, history })
 }
 
 /// Lines for a state of the queue that needs an operator: every topic paused with events ready,
 /// events waiting and no relay connected, an open breaker, a relay far behind.
 pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[ConnectedRelay]) -> Vec<String> {
     let mut warnings = Vec::new();
-    let all_paused = pauses.iter().any(|p| p.topic.is_none());
+    let all_paused = pauses.iter().any(|p| p.topic.is_none() && p.destination.is_none());
     if all_paused && stats.pending > 0 {
         warnings.push(format!(
             "every topic is paused and {} events are ready: nothing is delivered until `outbox-relay resume`",
@@ -80,10 +103,20 @@ pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[Con
     if relays.is_empty() && waiting > 0 {
         warnings.push(format!("{waiting} events wait and no relay is connected to this database"));
     }
-    let open = relays.iter().filter(|r| r.breaker_open).count();
-    if open > 0 {
+    let open: Vec<&str> =
+        relays.iter().filter(|r| r.breaker_open).map(|r| r.destination.as_deref().unwrap_or("?")).collect();
+    if !open.is_empty() {
         warnings.push(format!(
-            "{open} relay(s) found the destination down (breaker open): they probe, and claim nothing else"
+            "{} relay(s) found their destination down (breaker open: {}): they probe it, and claim nothing else for it",
+            open.len(),
+            open.join(", ")
+        ));
+    }
+    if stats.unrouted > 0 {
+        warnings.push(format!(
+            "{} events matched no destination's pattern and went to the dead letters (destination ''): add a route for \
+             their topics and retry them with `outbox-relay dead-letters retry`",
+            stats.unrouted
         ));
     }
     if let Some(ms) = stats.oldest_ready_age_ms.filter(|ms| *ms >= LAG_WARNING.as_millis() as i64 && !all_paused) {
@@ -91,6 +124,29 @@ pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[Con
             "the oldest ready event has waited {}: the relays are behind, its topic is paused, or they are down",
             humantime::format_duration(Duration::from_secs(ms.max(0) as u64 / 1000))
         ));
+    }
+    warnings
+}
+
+/// A warning per destination that events wait for and no relay delivers to (a route renamed or
+/// removed keeps events in the outbox until its destination is dropped), and per paused one.
+pub(crate) fn destination_warnings(destinations: &[outbox_relay::DestinationStats]) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for d in destinations {
+        let waiting = d.new + d.due + d.delayed + d.in_flight;
+        if d.relays == 0 && waiting > 0 {
+            warnings.push(format!(
+                "destination {}: {waiting} events wait for it and no relay delivers to it (if it is gone, \
+                 `outbox-relay destinations drop {}` stops it keeping them)",
+                d.name, d.name
+            ));
+        }
+        if d.paused && waiting > 0 {
+            warnings.push(format!(
+                "destination {} is paused with {waiting} events waiting (`outbox-relay resume --destination {}`)",
+                d.name, d.name
+            ));
+        }
     }
     warnings
 }
@@ -164,7 +220,14 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
     let paused = if s.pauses.is_empty() {
         "none".to_string()
     } else {
-        s.pauses.iter().map(|p| p.topic.as_deref().unwrap_or("every topic")).collect::<Vec<_>>().join(", ")
+        s.pauses
+            .iter()
+            .map(|p| {
+                let topic = p.topic.as_deref().unwrap_or("every topic");
+                p.destination.as_deref().map_or(topic.to_string(), |d| format!("{topic} at {d}"))
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     html.push_str("<section><h2>The queue</h2><dl class=\"stats\">\n");
     for (id, label, value) in [
@@ -181,6 +244,34 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
         let _ = writeln!(html, "<div><dt>{label}</dt><dd id=\"{id}\">{}</dd></div>", escape(&value));
     }
     html.push_str("</dl>\n");
+    if !s.destinations.is_empty() {
+        html.push_str("<table id=\"destinations\"><thead><tr><th>destination</th><th>pattern</th><th>new</th><th>parked</th><th>dead</th><th>relays</th><th>breaker</th><th>limit</th><th>delivered here</th></tr></thead><tbody>\n");
+        for d in &s.destinations {
+            let (breaker, limit, delivered) = match &d.relay {
+                Some(r) => (
+                    if r.breaker_open { "OPEN" } else { "closed" }.to_string(),
+                    format!("{} ({} in flight)", r.delivery_limit, r.deliveries_in_flight),
+                    r.delivered.to_string(),
+                ),
+                None => ("-".to_string(), "-".to_string(), "-".to_string()),
+            };
+            let paused = if d.stats.paused { " (paused)" } else { "" };
+            let _ = writeln!(
+                html,
+                "<tr><td>{}{paused}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&d.stats.name),
+                escape(&d.stats.pattern),
+                d.stats.new,
+                d.stats.due + d.stats.delayed + d.stats.in_flight,
+                d.stats.dead_letters,
+                d.stats.relays,
+                escape(&breaker),
+                escape(&limit),
+                escape(&delivered)
+            );
+        }
+        html.push_str("</tbody></table>\n");
+    }
     let _ = writeln!(
         html,
         "<p class=\"health\">oldest open transaction {} · xmin horizon age {} · outbox dead tuples {} · notification queue {:.2}%</p>",

@@ -54,7 +54,11 @@ fn check_token(token: &Secret) -> Result<(), crate::UsageError> {
 pub(crate) struct Console {
     pub(crate) outbox: Outbox,
     exporter: Exporter,
+    /// The first destination's counters (the only one's, with a single sink): the console's
+    /// summary and chart.
     pub(crate) relay: Option<Arc<RelayMetrics>>,
+    /// Every destination's counters, by name.
+    pub(crate) destinations: Vec<(String, Arc<RelayMetrics>)>,
     /// The CSRF token of this process, in every form.
     pub(crate) csrf: String,
     token: Option<Secret>,
@@ -93,7 +97,7 @@ pub(crate) struct Sample {
 pub(crate) async fn bind(
     addr: SocketAddr,
     outbox: &Outbox,
-    relay: Option<Arc<RelayMetrics>>,
+    destinations: Option<Vec<(String, Arc<RelayMetrics>)>>,
     token: Option<Secret>,
 ) -> Result<(tokio::net::TcpListener, Arc<Console>), CliError> {
     // An empty OUTBOX_RELAY_HTTP_TOKEN means none.
@@ -104,14 +108,14 @@ pub(crate) async fn bind(
     let listener =
         tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen for HTTP on {addr}: {e}"))?;
     let loopback = addr.ip().is_loopback();
-    let exporter = match &relay {
-        Some(metrics) => Exporter::new(outbox).with_relay(metrics.clone()),
-        None => Exporter::new(outbox),
-    };
+    let destinations = destinations.unwrap_or_default();
+    let exporter = Exporter::new(outbox).with_destinations(destinations.clone());
+    let relay = destinations.first().map(|(_, metrics)| metrics.clone());
     let console = Console {
         outbox: outbox.clone().with_timeout(outbox.timeout().min(CONSOLE_DB_TIMEOUT)),
         exporter,
         relay,
+        destinations,
         csrf: format!("{:032x}", rand::random::<u128>()),
         session: format!("{:032x}", rand::random::<u128>()),
         token_required: token.is_some(),
@@ -317,13 +321,15 @@ async fn metrics(State(console): State<Arc<Console>>) -> Response {
 
 /// Liveness: the process serves, and its relay (if it runs one) has not stopped.
 async fn healthz(State(console): State<Arc<Console>>) -> Response {
-    match &console.relay {
-        Some(relay) if !relay.snapshot().running => (
+    match console.destinations.iter().find(|(_, relay)| !relay.snapshot().running) {
+        Some((name, _)) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "stopped", "reason": "the relay is not running"})),
+            axum::Json(
+                json!({"status": "stopped", "reason": format!("the relay is not running (destination {name})")}),
+            ),
         )
             .into_response(),
-        _ => axum::Json(json!({"status": "ok"})).into_response(),
+        None => axum::Json(json!({"status": "ok"})).into_response(),
     }
 }
 
@@ -332,9 +338,9 @@ async fn readyz(State(console): State<Arc<Console>>) -> Response {
     let reason = match tokio::time::timeout(READY_TIMEOUT, console.outbox.ping()).await {
         Err(_) => Some(format!("the database did not answer within {READY_TIMEOUT:?}")),
         Ok(Err(e)) => Some(format!("the database does not answer: {}", crate::one_line(&e.to_string()))),
-        Ok(Ok(())) => match &console.relay {
-            Some(relay) if !relay.snapshot().listening => {
-                Some("the relay's listener is not listening (it reconnects)".to_string())
+        Ok(Ok(())) => match console.destinations.iter().find(|(_, relay)| !relay.snapshot().listening) {
+            Some((name, _)) => {
+                Some(format!("the relay's listener for destination {name} is not listening (it reconnects)"))
             }
             _ => None,
         },

@@ -6,6 +6,7 @@ mod commands;
 mod console;
 mod demo;
 mod http;
+mod routes;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -63,14 +64,25 @@ enum Command {
         /// Pause only this topic (by default every topic).
         #[arg(long, value_name = "TOPIC")]
         topic: Option<String>,
+        /// Pause only this destination (by default every destination); the others go on.
+        #[arg(long, value_name = "NAME")]
+        destination: Option<String>,
     },
     /// Lift a pause: without --topic the pause of every topic (pauses of single topics stay),
-    /// with --topic that topic's.
+    /// with --topic that topic's; without --destination the pause of every destination, with it
+    /// that destination's.
     Resume {
         /// Lift the pause of this topic (by default the pause of every topic).
         #[arg(long, value_name = "TOPIC")]
         topic: Option<String>,
+        /// Lift the pause of this destination (by default the pause of every destination).
+        #[arg(long, value_name = "NAME")]
+        destination: Option<String>,
     },
+    /// List the destinations the relays registered, or drop one that no relay delivers to any
+    /// more.
+    #[command(subcommand)]
+    Destinations(DestinationCommand),
     /// Serve the web console, /metrics and the health endpoints without running a relay.
     Console {
         /// Where to listen: an IP address and a port, e.g. 127.0.0.1:9187 (not a host name).
@@ -90,6 +102,23 @@ enum Command {
         /// Delete idempotency receipts older than this (0s to 100 years).
         #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
         idempotency_retention: Duration,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum DestinationCommand {
+    /// Each destination with its pattern, what waits for it, and the relays that deliver to it.
+    List {
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop a destination: events stop waiting for it (what was parked for it goes to its dead
+    /// letters) and its position no longer keeps events in the outbox. Stop the relays that
+    /// deliver to it first: one that still does registers it again.
+    Drop {
+        /// The destination's name.
+        name: String,
     },
 }
 
@@ -128,10 +157,22 @@ enum DeadLetterCommand {
 /// What `run` delivers to, and how.
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
-    /// Where events go: stdout, http://host[:port]/path, https://..., nats://host:port, or
-    /// amqp://user:pass@host:5672/vhost (RabbitMQ).
-    #[arg(long, value_name = "SINK")]
-    sink: String,
+    /// Where every event goes: stdout, http://host[:port]/path, https://..., nats://host:port, or
+    /// amqp://user:pass@host:5672/vhost (RabbitMQ). One destination, named `default`.
+    #[arg(long, value_name = "SINK", required_unless_present_any = ["route", "config"], conflicts_with_all = ["route", "config"])]
+    sink: Option<String>,
+    /// A destination: the events whose topic PATTERN matches go to SINK (repeatable; each event
+    /// to every route that matches). NAME=PATTERN=SINK, or PATTERN=SINK to name it after its
+    /// pattern. Patterns: words split on '.', '*' one word, '#' zero or more (order.*, order.#,
+    /// #). The sink options below apply to every route.
+    #[arg(long, value_name = "NAME=PATTERN=SINK")]
+    route: Vec<String>,
+    /// A TOML file of destinations ([[destination]] with name, pattern, sink, and optionally
+    /// format, signing_secrets, headers, timeout, rate_limit, concurrency, fixed_concurrency,
+    /// subject_prefix, create_stream, exchange, cloudevents_source); the flags give what it leaves
+    /// out. Combines with --route.
+    #[arg(long, value_name = "FILE")]
+    config: Option<std::path::PathBuf>,
     /// Concurrent claimers (each claims its own batches; new events one claim at a time).
     #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
     workers: usize,

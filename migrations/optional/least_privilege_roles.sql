@@ -54,11 +54,17 @@ grant select on outbox_relay.relays to outbox_writer;
 grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writer;
 
 -- The relay: claim, complete, retry, bury; its waiting mark; the janitor; operators' commands
--- (a dead-letter retry puts the event back into the outbox under its own id).
+-- (a dead-letter retry puts the event back under its own id: into its destination's parked
+-- events, or the outbox when no destination's pattern matched it).
 grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
 -- The claims' positions (migration 0008): every claim that moves one inserts a row, the janitor deletes old ones.
 grant select, insert, delete on outbox_relay.positions to outbox_relayer;
+-- Destinations (migration 0012): a relay registers the ones it delivers to (the registration locks
+-- the table, which needs UPDATE); `outbox-relay destinations drop` deletes one. What waits for a
+-- destination is parked, claimed with row locks, and recorded there.
+grant select, insert, update, delete on outbox_relay.destinations to outbox_relayer;
+grant select, insert, update, delete on outbox_relay.parked to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
 -- Pauses: the relay reads them; `outbox-relay pause` and `resume` write them.
 grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;

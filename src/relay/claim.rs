@@ -65,6 +65,8 @@ pub(crate) struct Claimer<H> {
     pub(crate) work: Arc<tokio::sync::Notify>,
     /// Held by the claim of new events in progress (see `claim`).
     pub(crate) new_gate: tokio::sync::Mutex<()>,
+    /// The destination this relay's claims are for.
+    pub(crate) to: sql::Destination,
 }
 
 /// Where the next claim's walk over the parked keys goes on, and which kind of event takes its
@@ -79,11 +81,12 @@ impl Turns {
     /// The turn of the next claim of up to `batch_size` events; the walk takes twice as many
     /// keys as the claim may take heads, within bounds. `parked`: whether parked events may be
     /// due (see `Timer::parked_turn`).
-    fn next(&self, batch_size: usize, paused: Arc<[String]>, new: bool, parked: bool) -> sql::Turn {
+    fn next(&self, config: &RelayConfig, paused: Arc<[String]>, new: bool, parked: bool) -> sql::Turn {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
-        let walk_keys = i32::try_from(batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
-        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused }
+        let walk_keys = i32::try_from(config.batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
+        let delete = config.completion == Completion::Delete;
+        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete }
     }
 
     /// Where the last walk over the parked keys ended: the next one goes on from there.
@@ -139,6 +142,8 @@ pub(crate) struct Batch {
     /// What is already decided: rows no handler can be given.
     outcomes: Outcomes,
     probe: bool,
+    /// The ids claimed from the destination's parked events (the others are new events).
+    parked: HashSet<i64>,
 }
 
 /// What a claim is for.
@@ -214,49 +219,59 @@ impl Outcomes {
     }
 }
 
-/// Retries as the statement takes them: ids, delays, errors, attempts.
-type Retries = (Vec<i64>, Vec<Duration>, Vec<String>, Vec<i32>);
-
-/// The outcomes as the statements take them: arrays per kind of outcome.
+/// The outcomes as the statements take them. An event claimed from the new ones has passed the
+/// destination's position: what still waits for the destination is copied into its parked events
+/// or dead letters, and its outbox row is then finished (`new_ids`). An event claimed from the
+/// parked ones changes there. Once a claim is leased all its events are parked ones.
 #[derive(Default)]
 struct Writes {
-    delivered: (Vec<i64>, Vec<i32>),
-    /// Uncounted retries, then counted ones.
-    retried: [Retries; 2],
-    buried: (Vec<i64>, Vec<String>, Vec<i32>),
-    released: (Vec<i64>, Vec<i32>),
-    released_why: Option<String>,
+    /// Every event claimed from the new ones.
+    new_ids: Vec<i64>,
+    /// New events that wait: retries and events given back.
+    new_waiting: sql::Copies,
+    /// New events to the dead letters: ids, errors, attempts.
+    new_buried: (Vec<i64>, Vec<String>, Vec<i32>),
+    parked_delivered: Vec<i64>,
+    /// Parked events that wait again: retries and events given back.
+    parked_waiting: sql::Copies,
+    parked_buried: (Vec<i64>, Vec<String>, Vec<i32>),
 }
 
 impl Writes {
-    fn of(outcomes: &Outcomes) -> Writes {
-        let mut w = Writes { released_why: outcomes.released_why.clone(), ..Writes::default() };
+    /// `parked`: the ids claimed from the parked events (all of them, once the claim is leased).
+    fn of(outcomes: &Outcomes, parked: impl Fn(i64) -> bool) -> Writes {
+        let mut w = Writes::default();
+        let released_why = outcomes.released_why.clone();
         for (id, attempt, outcome) in &outcomes.events {
             let (id, attempt, given_back) = (*id, *attempt, (*attempt - 1).max(0));
+            let parked = parked(id);
+            if !parked {
+                w.new_ids.push(id);
+            }
+            let (waiting, buried) = if parked {
+                (&mut w.parked_waiting, &mut w.parked_buried)
+            } else {
+                (&mut w.new_waiting, &mut w.new_buried)
+            };
             match outcome {
-                Outcome::Delivered => {
-                    w.delivered.0.push(id);
-                    w.delivered.1.push(attempt);
-                }
+                Outcome::Delivered if parked => w.parked_delivered.push(id),
+                Outcome::Delivered => {}
                 Outcome::Retry { delay, error, counted } => {
-                    let r = &mut w.retried[usize::from(*counted)];
-                    r.0.push(id);
-                    r.1.push(*delay);
-                    r.2.push(error.clone());
-                    r.3.push(if *counted { attempt } else { given_back });
+                    waiting.push(id, *delay, Some(error.clone()), if *counted { attempt } else { given_back });
                 }
                 Outcome::Bury { error } => {
-                    w.buried.0.push(id);
-                    w.buried.1.push(error.clone());
-                    w.buried.2.push(attempt);
+                    buried.0.push(id);
+                    buried.1.push(error.clone());
+                    buried.2.push(attempt);
                 }
-                Outcome::Released => {
-                    w.released.0.push(id);
-                    w.released.1.push(given_back);
-                }
+                Outcome::Released => waiting.push(id, Duration::ZERO, released_why.clone(), given_back),
             }
         }
         w
+    }
+
+    fn buried(&self) -> impl Iterator<Item = (&i64, &String)> {
+        self.new_buried.0.iter().zip(&self.new_buried.1).chain(self.parked_buried.0.iter().zip(&self.parked_buried.1))
     }
 }
 
@@ -311,12 +326,13 @@ impl<H: Handler> Claimer<H> {
                 }
                 return Ok(None);
             }
-            let turn = self.turns.next(config.batch_size, self.pauses.topics(), new, parked);
+            let turn = self.turns.next(config, self.pauses.topics(), new, parked);
             tracing::trace!("claiming");
             let client = self.pool.client().await?;
             tracing::trace!("claiming: a connection in hand");
             let started = Instant::now();
-            let claim = async |db: &deadpool_postgres::ClientWrapper| sql::claim_events(db, size, holds, &turn).await;
+            let claim =
+                async |db: &deadpool_postgres::ClientWrapper| sql::claim_events(db, &self.to, size, holds, &turn).await;
             let (held, claimed) = Held::begin(client, claim).await?;
             let claimed_at = Instant::now();
             self.metrics.claimed(claimed.rows.len(), claimed_at - started);
@@ -378,6 +394,7 @@ impl<H: Handler> Claimer<H> {
         self.idle.rate.claimed(count);
         let mut outcomes = Outcomes::default();
         let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
+        let parked: HashSet<i64> = claimed.iter().filter(|row| row.parked).map(|row| row.id).collect();
         for row in claimed {
             match read_event(row) {
                 Ok(event) => events.push(event),
@@ -392,21 +409,45 @@ impl<H: Handler> Claimer<H> {
         {
             // Every claim leased at once: the new events' lock is free as soon as the lease
             // commits.
-            let mut ids: Vec<i64> = events.iter().map(|(event, _)| event.id).collect();
-            ids.extend(outcomes.events.iter().map(|(id, _, _)| *id));
-            self.lease(claim, &ids, token).await;
+            let mut ids: Vec<(i64, i32)> = events.iter().map(|(event, _)| (event.id, event.attempts)).collect();
+            ids.extend(outcomes.events.iter().map(|(id, attempt, _)| (*id, *attempt)));
+            self.lease(claim, &ids, &parked, token).await;
         }
         tracing::debug!(count, probe, held = held.is_some(), "claimed events");
         let (events, ages) = events.into_iter().unzip();
-        Ok(Some(Batch { held, token, claimed_at, count, held_new, parked_keyed, more, events, ages, outcomes, probe }))
+        Ok(Some(Batch {
+            held,
+            token,
+            claimed_at,
+            count,
+            held_new,
+            parked_keyed,
+            more,
+            events,
+            ages,
+            outcomes,
+            probe,
+            parked,
+        }))
     }
 
     /// Delivers a claimed batch and records what became of it. A held claim whose delivery
     /// outlives `hold` is leased meanwhile. Returns whether the worker should claim again now
     /// (see the end of this function).
     pub(crate) async fn deliver_and_record(&self, batch: Batch) -> bool {
-        let Batch { mut held, token, claimed_at, held_new, parked_keyed, events, ages, mut outcomes, probe, .. } =
-            batch;
+        let Batch {
+            mut held,
+            token,
+            claimed_at,
+            held_new,
+            parked_keyed,
+            events,
+            ages,
+            mut outcomes,
+            probe,
+            parked,
+            ..
+        } = batch;
         if !events.is_empty() {
             if !probe && self.breaker.is_open() {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
@@ -414,7 +455,9 @@ impl<H: Handler> Claimer<H> {
             } else {
                 let delivery = self.deliver(&events);
                 tokio::pin!(delivery);
-                let results = self.while_delivering(delivery, &mut held, &events, token, claimed_at).await;
+                let decided: Vec<(i64, i32)> = outcomes.events.iter().map(|(id, attempt, _)| (*id, *attempt)).collect();
+                let results =
+                    self.while_delivering(delivery, &mut held, &events, &decided, &parked, token, claimed_at).await;
                 match results {
                     // Cut off at shutdown: the events go back, the attempt not counted.
                     None => outcomes.release_all(&events),
@@ -428,7 +471,7 @@ impl<H: Handler> Claimer<H> {
         // A leased batch's events were parked: later events of their keys, claimed meanwhile,
         // were parked behind them, and wait for a claim of parked events once these are done.
         let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
-        self.record(held, token, outcomes).await;
+        self.record(held, token, outcomes, &parked).await;
         if parked_keyed || released || leased_keyed {
             // A parked key's next event is its head now, or events were given back, due at once.
             self.timer.parked_may_be_due();
@@ -452,6 +495,8 @@ impl<H: Handler> Claimer<H> {
         mut delivery: F,
         held: &mut Option<Held>,
         events: &[Event],
+        decided: &[(i64, i32)],
+        parked: &HashSet<i64>,
         token: i64,
         claimed_at: Instant,
     ) -> F::Output {
@@ -459,16 +504,20 @@ impl<H: Handler> Claimer<H> {
         // With `hold` zero the claim was leased when it was claimed.
         let mut next = claimed_at + if held.is_some() { self.config.effective_hold() } else { renew_every };
         let mut leased = held.is_none();
+        let mut claimed: Vec<(i64, i32)> = Vec::new();
         let mut ids: Vec<i64> = Vec::new();
         loop {
             tokio::select! {
                 done = &mut delivery => return done,
                 () = tokio::time::sleep_until(next) => {
-                    if ids.is_empty() {
-                        ids = events.iter().map(|e| e.id).collect();
+                    if claimed.is_empty() {
+                        // The rows no handler can be given too: their outcome is recorded by the
+                        // lease's token like the others'.
+                        claimed = events.iter().map(|e| (e.id, e.attempts)).chain(decided.iter().copied()).collect();
+                        ids = claimed.iter().map(|(id, _)| *id).collect();
                     }
                     match held.take() {
-                        Some(claim) => leased = self.lease(claim, &ids, token).await,
+                        Some(claim) => leased = self.lease(claim, &claimed, parked, token).await,
                         None if leased => leased = self.renew(&ids, token).await,
                         None => {}
                     }
@@ -481,7 +530,8 @@ impl<H: Handler> Claimer<H> {
     /// Extends the lease of a delivery still running; returns whether the lease is still this
     /// claim's (a failed renewal is tried again at the next turn).
     async fn renew(&self, ids: &[i64], token: i64) -> bool {
-        let renewed = async { sql::renew_lease(&*self.pool.client().await?, ids, self.config.lease, token).await };
+        let renewed =
+            async { sql::renew_lease(&*self.pool.client().await?, &self.to.name, ids, self.config.lease, token).await };
         match renewed.await {
             Ok(n) if n as usize == ids.len() => {
                 tracing::debug!(events = ids.len(), "a delivery goes on; its lease is renewed");
@@ -503,13 +553,32 @@ impl<H: Handler> Claimer<H> {
         }
     }
 
-    /// Turns a held claim into a lease under `token` and commits it; the delivery goes on.
-    /// Returns whether the lease was written.
-    async fn lease(&self, held: Held, ids: &[i64], token: i64) -> bool {
+    /// Turns a held claim into a lease under `token` and commits it; the delivery goes on: the
+    /// parked events are leased, the new ones copied into the parked events under the lease
+    /// (their outbox rows then finished, as far as this destination goes). Returns whether the
+    /// lease was written.
+    async fn lease(&self, held: Held, claimed: &[(i64, i32)], parked: &HashSet<i64>, token: i64) -> bool {
         let lease = self.config.lease;
         let had_new_lock = held.has_new_lock();
+        let delete = self.config.completion == Completion::Delete;
+        let to = self.to.name.as_str();
+        let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        let (was_parked, new): (Vec<i64>, Vec<i64>) = ids.iter().partition(|id| parked.contains(id));
+        let mut copies = sql::Copies::default();
+        for (id, attempt) in claimed.iter().filter(|(id, _)| !parked.contains(id)) {
+            // The attempt is counted, as the parked events' lease counts it.
+            copies.push(*id, lease, None, *attempt);
+        }
         let leased = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
-            sql::lease_held_events(db, ids, lease, token).await
+            let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
+            if !was_parked.is_empty() {
+                writes.push(Box::pin(sql::lease_held_parked(db, to, &was_parked, lease, token)));
+            }
+            if !new.is_empty() {
+                writes.push(Box::pin(sql::park_new_events(db, to, &copies, Some(token))));
+                writes.push(Box::pin(async { sql::finish_new_events(db, to, &new, delete).await.map(|n| n as u64) }));
+            }
+            futures::future::try_join_all(writes).await.map(drop)
         });
         match leased.await {
             Ok(_) => {
@@ -690,13 +759,16 @@ impl<H: Handler> Claimer<H> {
     /// failure here ends its transaction, so its events are claimable again at once; a leased
     /// one's is retried a few times and then left to the lease. Either way the events are
     /// delivered again, which at-least-once delivery allows.
-    async fn record(&self, held: Option<Held>, token: i64, outcomes: Outcomes) {
-        let writes = Writes::of(&outcomes);
+    async fn record(&self, held: Option<Held>, token: i64, outcomes: Outcomes, parked: &HashSet<i64>) {
+        let leased = held.is_none();
+        let writes = Writes::of(&outcomes, |id| leased || parked.contains(&id));
         let delete = self.config.completion == Completion::Delete;
+        let to = self.to.name.as_str();
         match held {
             Some(held) => {
-                let recorded = held
-                    .commit_after(async |db: &deadpool_postgres::ClientWrapper| write(db, delete, None, &writes).await);
+                let recorded = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
+                    write(db, to, delete, None, &writes).await
+                });
                 if let Err(e) = recorded.await {
                     tracing::error!(error = %e, events = outcomes.events.len(), "recording delivery outcomes failed; the claim's transaction ended, so its events are claimable again and will be delivered again");
                     return;
@@ -706,7 +778,7 @@ impl<H: Handler> Claimer<H> {
                 let mut tries = 0;
                 loop {
                     tries += 1;
-                    let written = async { write(&*self.pool.client().await?, delete, Some(token), &writes).await };
+                    let written = async { write(&*self.pool.client().await?, to, delete, Some(token), &writes).await };
                     match written.await {
                         Ok(()) => break,
                         Err(e) if tries < 4 => {
@@ -723,9 +795,10 @@ impl<H: Handler> Claimer<H> {
         }
         self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { counted: true, .. })));
         self.metrics.delivered(outcomes.latencies.into_iter());
-        self.metrics.dead_lettered(writes.buried.0.len());
-        if !writes.buried.0.is_empty() {
-            log_buried(&writes.buried.0, &writes.buried.1);
+        let (ids, errors): (Vec<i64>, Vec<String>) = writes.buried().map(|(id, e)| (*id, e.clone())).unzip();
+        self.metrics.dead_lettered(ids.len());
+        if !ids.is_empty() {
+            log_buried(&ids, &errors);
         }
     }
 }
@@ -752,23 +825,36 @@ fn log_buried(ids: &[i64], errors: &[String]) {
     );
 }
 
-/// Runs the statements of one batch's outcomes on `db`, pipelined (one round trip for all);
+/// Runs the statements of one batch's outcomes for destination `to` on `db`, pipelined (one
+/// round trip for all, run in order: the copies of new events before their rows are finished);
 /// `token`: the lease's, or `None` for a held claim.
-async fn write(db: &deadpool_postgres::ClientWrapper, delete: bool, token: Option<i64>, w: &Writes) -> Result<()> {
+async fn write(
+    db: &deadpool_postgres::ClientWrapper,
+    to: &str,
+    delete: bool,
+    token: Option<i64>,
+    w: &Writes,
+) -> Result<()> {
     let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
-    if !w.delivered.0.is_empty() {
-        writes.push(Box::pin(sql::complete_events(db, delete, &w.delivered.0, &w.delivered.1, token)));
+    if !w.new_waiting.ids.is_empty() {
+        writes.push(Box::pin(sql::park_new_events(db, to, &w.new_waiting, None)));
     }
-    for (ids, delays, errors, attempts) in &w.retried {
-        if !ids.is_empty() {
-            writes.push(Box::pin(sql::reschedule_events(db, ids, delays, errors, attempts, token)));
-        }
+    if !w.new_buried.0.is_empty() {
+        writes.push(Box::pin(sql::bury_new_events(db, to, &w.new_buried.0, &w.new_buried.1, &w.new_buried.2)));
     }
-    if !w.buried.0.is_empty() {
-        writes.push(Box::pin(sql::bury_events(db, &w.buried.0, &w.buried.1, &w.buried.2, token)));
+    if !w.new_ids.is_empty() {
+        writes
+            .push(Box::pin(async move { sql::finish_new_events(db, to, &w.new_ids, delete).await.map(|n| n as u64) }));
     }
-    if !w.released.0.is_empty() {
-        writes.push(Box::pin(sql::release_events(db, &w.released.0, &w.released.1, token, w.released_why.as_deref())));
+    if !w.parked_delivered.is_empty() {
+        writes.push(Box::pin(sql::complete_parked(db, to, &w.parked_delivered, token)));
+    }
+    if !w.parked_waiting.ids.is_empty() {
+        writes.push(Box::pin(sql::reschedule_parked(db, to, &w.parked_waiting, token)));
+    }
+    if !w.parked_buried.0.is_empty() {
+        let (ids, errors, attempts) = &w.parked_buried;
+        writes.push(Box::pin(sql::bury_parked(db, to, ids, errors, attempts, token)));
     }
     futures::future::try_join_all(writes).await.map(drop)
 }

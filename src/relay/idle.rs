@@ -58,6 +58,8 @@ pub(crate) struct Idle {
     pool: RelayPool,
     /// This relay's row in `outbox_relay.relays`.
     relay_id: i64,
+    /// The destination it delivers to, in its row.
+    destination: String,
     /// Backend pid of the listener connection while it listens; 0 while it does not.
     listener_pid: AtomicI32,
     /// Held by the one worker that lingers for the whole relay.
@@ -73,10 +75,11 @@ pub(crate) struct Idle {
 }
 
 impl Idle {
-    pub(crate) fn new(pool: RelayPool, relay_id: i64) -> Self {
+    pub(crate) fn new(pool: RelayPool, relay_id: i64, destination: String) -> Self {
         Idle {
             pool,
             relay_id,
+            destination,
             listener_pid: AtomicI32::new(0),
             lingering: Mutex::default(),
             marked: Mutex::default(),
@@ -125,7 +128,8 @@ impl Idle {
         }
         let client = self.pool.client().await?;
         if waiting {
-            sql::mark_waiting(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire)).await?;
+            sql::mark_waiting(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), &self.destination)
+                .await?;
         } else {
             sql::mark_busy(&*client, self.relay_id).await?;
         }
@@ -145,14 +149,15 @@ impl Idle {
     /// Publishes the breaker's state in the relay's row, for `status`.
     pub(crate) async fn publish_breaker(&self, open: bool) -> Result<()> {
         let client = self.pool.client().await?;
-        sql::set_breaker(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), open).await
+        sql::set_breaker(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), open, &self.destination)
+            .await
     }
 
     /// Publishes the concurrency limit and the deliveries in flight in the relay's row, for
     /// `status`.
     async fn publish_deliveries(&self, listener_pid: i32, limit: i32, in_flight: i32) -> Result<()> {
         let client = self.pool.client().await?;
-        sql::set_deliveries(&*client, self.relay_id, listener_pid, limit, in_flight).await
+        sql::set_deliveries(&*client, self.relay_id, listener_pid, limit, in_flight, &self.destination).await
     }
 
     /// Removes the relay's row (shutdown): writers need not notify a relay that is gone.

@@ -46,6 +46,8 @@ mod metrics;
 mod pauses;
 mod rate;
 mod report;
+mod route;
+mod sweeper;
 mod timer;
 mod worker;
 
@@ -60,6 +62,8 @@ use tracing::Instrument;
 pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{CLAIM_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot, Percentiles, RelayMetrics};
+pub(crate) use route::validate_destination_name;
+pub use route::{DEFAULT_DESTINATION, Route, TopicPattern};
 
 use crate::connect::{DatabaseUrl, pool_error};
 use crate::error::{Error, ErrorKind, Result};
@@ -84,11 +88,24 @@ const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
 /// relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await?;
 /// # Ok(()) }
 /// ```
+///
+/// Several destinations, each with its own [`Route`]: every event goes to each destination whose
+/// topic pattern matches it, and each destination is delivered to on its own (see [`Route`]).
+///
+/// ```no_run
+/// # async fn f(erp: outbox_relay::HandlerFn<fn(outbox_relay::Event) -> std::future::Ready<Result<(), outbox_relay::DeliveryError>>>,
+/// #            mailer: outbox_relay::HandlerFn<fn(outbox_relay::Event) -> std::future::Ready<Result<(), outbox_relay::DeliveryError>>>) -> Result<(), outbox_relay::Error> {
+/// use outbox_relay::{Outbox, Relay, RelayConfig, Route};
+/// let outbox = Outbox::connect("postgres://app@localhost/shop").await?;
+/// let routes = vec![Route::new("erp", "order.#", erp)?, Route::new("mailer", "mail.*", mailer)?.rate_limit(Some(20.0))];
+/// Relay::with_routes(&outbox, RelayConfig::default(), routes)?.run(std::future::pending()).await?;
+/// # Ok(()) }
+/// ```
 pub struct Relay<H: Handler> {
     outbox: Outbox,
     config: RelayConfig,
-    handler: H,
-    metrics: Arc<RelayMetrics>,
+    routes: Vec<Route<H>>,
+    metrics: Vec<Arc<RelayMetrics>>,
 }
 
 /// The relay's own connection pool (its sessions run with `synchronous_commit = off`), with
@@ -113,42 +130,131 @@ impl RelayPool {
 }
 
 impl<H: Handler> Relay<H> {
-    /// A relay for `outbox`'s database; the configuration is validated here.
+    /// A relay for `outbox`'s database that delivers every event to `handler` (one destination,
+    /// named [`DEFAULT_DESTINATION`]); the configuration is validated here.
     pub fn new(outbox: &Outbox, config: RelayConfig, handler: H) -> Result<Self> {
-        config.validate()?;
-        Ok(Relay { outbox: outbox.clone(), config, handler, metrics: Arc::default() })
+        let route = Route::new(DEFAULT_DESTINATION, "#", handler)?;
+        Relay::with_routes(outbox, config, vec![route])
     }
 
-    /// Live counters, readable while the relay runs.
+    /// A relay for `outbox`'s database that delivers each event to every route whose pattern
+    /// matches its topic. The configuration, and each route's with its own settings, is
+    /// validated here; two routes may not share a name.
+    pub fn with_routes(outbox: &Outbox, config: RelayConfig, routes: Vec<Route<H>>) -> Result<Self> {
+        config.validate()?;
+        if routes.is_empty() {
+            return Err(Error::config("a relay needs at least one route"));
+        }
+        for (n, route) in routes.iter().enumerate() {
+            if routes[..n].iter().any(|other| other.name == route.name) {
+                return Err(Error::config(format!(
+                    "two routes are named {:?}: each destination needs a name of its own",
+                    route.name
+                )));
+            }
+            route.config(&config).validate().map_err(|e| Error::config(format!("route {:?}: {e}", route.name)))?;
+        }
+        let metrics = routes.iter().map(|_| Arc::default()).collect();
+        Ok(Relay { outbox: outbox.clone(), config, routes, metrics })
+    }
+
+    /// Live counters of the first route (the only one of a relay built with [`Relay::new`]),
+    /// readable while the relay runs.
     pub fn metrics(&self) -> Arc<RelayMetrics> {
-        self.metrics.clone()
+        self.metrics[0].clone()
+    }
+
+    /// Live counters of every route, by destination name, in the routes' order.
+    pub fn destination_metrics(&self) -> Vec<(String, Arc<RelayMetrics>)> {
+        self.routes.iter().zip(&self.metrics).map(|(route, metrics)| (route.name.clone(), metrics.clone())).collect()
     }
 
     /// Runs until `shutdown` resolves, then stops claiming, lets in-flight deliveries finish
     /// within `shutdown_grace` (after which they are cut off and their events released), closes
-    /// the listener and returns.
+    /// the listeners and returns.
     ///
     /// Database outages while running are not errors: the relay logs them and retries. Only a
     /// failure to start is returned: a pool that cannot be built, or a database that answers
     /// but cannot be relayed from (a migration of this version missing, a role without the
     /// privileges the relay needs), each with the reason.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
-        let Relay { outbox, config, handler, metrics } = self;
+        let Relay { outbox, config, routes, metrics } = self;
         let url = outbox.url().clone();
-        // Per worker: a held claim in delivery and the next claim (or two in delivery); and the
-        // bookkeeping beside them (marks, the race closure, the janitor).
-        let pool = RelayPool { pool: url.relay_pool(2 * config.workers + 3, config.lease)?, url: url.clone() };
+        // Per destination and worker: a held claim in delivery and the next claim (or two in
+        // delivery); and the bookkeeping beside them (marks, the race closure, registration,
+        // the janitor and the sweeper).
+        let connections = routes.iter().map(|route| 2 * route.config(&config).workers + 2).sum::<usize>() + 3;
+        let pool = RelayPool { pool: url.relay_pool(connections, config.lease)?, url: url.clone() };
         preflight(&pool, &config).await?;
         tracing::info_span!("relay", workers = config.workers).in_scope(|| {
             tracing::info!(
                 database = %url,
                 batch_size = config.batch_size,
                 poll_interval = ?config.poll_interval,
+                destinations = %routes.iter().map(|r| format!("{} ({})", r.name, r.pattern)).collect::<Vec<_>>().join(", "),
                 "relay starting"
             );
         });
-
         let stop = CancellationToken::new();
+        let mut services = JoinSet::new();
+        if !config.janitor_interval.is_zero() {
+            let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
+            services.spawn(janitor.run().instrument(tracing::info_span!("janitor")));
+        }
+        let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
+        services.spawn(sweeper.run().instrument(tracing::info_span!("sweeper")));
+        let engines = routes.into_iter().zip(metrics).map(|(route, metrics)| {
+            let span = tracing::info_span!("destination", name = %route.name);
+            let engine = Engine {
+                config: route.config(&config),
+                name: route.name,
+                pattern: route.pattern,
+                handler: route.handler,
+                metrics,
+                pool: pool.clone(),
+                outbox: outbox.clone(),
+            };
+            engine.run(stop.clone()).instrument(span)
+        });
+        let engines = futures::future::join_all(engines);
+        let stopping = async {
+            shutdown.await;
+            tracing::info!("relay stopping: no new claims; in-flight deliveries finish");
+            stop.cancel();
+        };
+        futures::future::join(engines, stopping).await;
+        if tokio::time::timeout(STOP_BOUND, drain(&mut services)).await.is_err() {
+            services.abort_all();
+            drain(&mut services).await;
+        }
+        pool.pool.close();
+        tracing::info!("relay stopped");
+        Ok(())
+    }
+}
+
+/// The delivery to one destination: its registration, workers, listener, timer, breaker,
+/// limits and pauses.
+struct Engine<H> {
+    name: String,
+    pattern: TopicPattern,
+    config: RelayConfig,
+    handler: H,
+    metrics: Arc<RelayMetrics>,
+    pool: RelayPool,
+    outbox: Outbox,
+}
+
+impl<H: Handler> Engine<H> {
+    /// Registers the destination (again and again while the database does not answer), then
+    /// delivers to it until `stop`.
+    async fn run(self, stop: CancellationToken) {
+        let Engine { name, pattern, config, handler, metrics, pool, outbox } = self;
+        let to = tokio::select! {
+            _ = stop.cancelled() => return,
+            to = register(&pool, &name, &pattern) => to,
+        };
+        let url = pool.url.clone();
         let abort = CancellationToken::new();
         let work = Arc::new(Notify::new());
         // Commits through this process's Outbox wake a worker for as long as this lives.
@@ -158,7 +264,7 @@ impl<H: Handler> Relay<H> {
         // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
         timer.parked_may_be_due();
         let reporter = Arc::new(report::Reporter::default());
-        let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX)));
+        let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX), name.clone()));
         let pauses = Arc::new(pauses::Pauses::default());
         let pauses_changed = Arc::new(Notify::new());
         metrics.set_running(true);
@@ -182,6 +288,7 @@ impl<H: Handler> Relay<H> {
             work: work.clone(),
             new_gate: tokio::sync::Mutex::new(()),
             pauses: pauses.clone(),
+            to,
         });
 
         let mut services = JoinSet::new();
@@ -207,6 +314,7 @@ impl<H: Handler> Relay<H> {
             pauses::run(
                 pauses,
                 pool.clone(),
+                name.clone(),
                 work.clone(),
                 pauses_changed,
                 metrics.clone(),
@@ -222,10 +330,6 @@ impl<H: Handler> Relay<H> {
         services.spawn(
             report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),
         );
-        if !config.janitor_interval.is_zero() {
-            let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
-            services.spawn(janitor.run().instrument(tracing::info_span!("janitor")));
-        }
         let mut workers = JoinSet::new();
         for n in 0..config.workers {
             let worker = worker::Worker {
@@ -240,10 +344,8 @@ impl<H: Handler> Relay<H> {
         // Whatever was committed before we started is there to claim.
         work.notify_one();
 
-        shutdown.await;
+        stop.cancelled().await;
         drop(woken_by_commits);
-        tracing::info!("relay stopping: no new claims; in-flight deliveries finish");
-        stop.cancel();
         work.notify_waiters();
         let drained = tokio::time::timeout(config.shutdown_grace, drain(&mut workers)).await;
         if drained.is_err() {
@@ -267,11 +369,43 @@ impl<H: Handler> Relay<H> {
                 "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
             );
         }
-        pool.pool.close();
         metrics.set_running(false);
         report::summary(&metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
-        tracing::info!("relay stopped");
-        Ok(())
+    }
+}
+
+/// Registers the destination `name`, trying again with capped backoff while the database does
+/// not answer.
+async fn register(pool: &RelayPool, name: &str, pattern: &TopicPattern) -> sql::Destination {
+    let mut failures = 0;
+    loop {
+        let registered = async {
+            let mut client = pool.client().await?;
+            sql::register_destination(&mut client, name, pattern.as_str(), pattern.dotted_regex().as_deref()).await
+        };
+        match registered.await {
+            Ok(registered) => {
+                if registered.new {
+                    tracing::info!(pattern = %pattern, "destination registered: it starts with the events no destination has passed yet");
+                }
+                if let Some(was) = registered.pattern_was {
+                    tracing::warn!(pattern = %pattern, was = %was, "the destination's topic pattern changed");
+                }
+                return registered.destination;
+            }
+            Err(e) => {
+                failures += 1;
+                let pause = backoff::retry_delay(
+                    failures,
+                    std::time::Duration::from_millis(100),
+                    STOP_BOUND,
+                    0.5,
+                    rand::random(),
+                );
+                tracing::warn!(error = %e, retry_in = ?pause, "registering the destination failed; trying again");
+                tokio::time::sleep(pause).await;
+            }
+        }
     }
 }
 
@@ -297,6 +431,15 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ("outbox_relay.relays", "UPDATE"),
         ("outbox_relay.relays", "DELETE"),
         ("outbox_relay.pauses", "SELECT"),
+        ("outbox_relay.parked", "SELECT"),
+        ("outbox_relay.parked", "INSERT"),
+        ("outbox_relay.parked", "UPDATE"),
+        ("outbox_relay.parked", "DELETE"),
+        ("outbox_relay.destinations", "SELECT"),
+        ("outbox_relay.destinations", "INSERT"),
+        ("outbox_relay.destinations", "UPDATE"),
+        ("outbox_relay.positions", "SELECT"),
+        ("outbox_relay.positions", "INSERT"),
     ];
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);

@@ -1,4 +1,5 @@
-//! Pauses: which topics no claim takes, as the `outbox_relay.pauses` table says. A pause or
+//! Pauses: which topics no claim of this destination takes, as the `outbox_relay.pauses` table
+//! says (a pause names a destination, or every one). A pause or
 //! resume notifies the relays' channel, and the listener has them re-read at once; they are
 //! re-read every [`REFRESH`] besides (a notification can be lost while the listener reconnects).
 
@@ -65,9 +66,11 @@ struct Update {
 
 /// Re-reads the pauses every [`REFRESH`] until `stop`, logs each change and wakes the workers
 /// when something is resumed. While the database does not answer the last pauses read stay.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     pauses: Arc<Pauses>,
     pool: RelayPool,
+    destination: String,
     work: Arc<Notify>,
     changed: Arc<Notify>,
     metrics: Arc<RelayMetrics>,
@@ -78,6 +81,8 @@ pub(crate) async fn run(
         let read = async { sql::pauses(&*pool.client().await?).await };
         match read.await {
             Ok(rows) => {
+                let rows: Vec<_> =
+                    rows.into_iter().filter(|p| p.destination.as_ref().is_none_or(|d| *d == destination)).collect();
                 let all = rows.iter().any(|p| p.topic.is_none());
                 let topics: Vec<String> = rows.into_iter().filter_map(|p| p.topic).collect();
                 metrics.set_paused(all, topics.len());
@@ -86,7 +91,7 @@ pub(crate) async fn run(
                 if update.first || update.changed {
                     match shown {
                         (true, _) => {
-                            tracing::warn!("delivery is paused for every topic (outbox-relay resume lifts it)")
+                            tracing::warn!("delivery to this destination is paused (outbox-relay resume lifts it)")
                         }
                         (false, topics) if !topics.is_empty() => {
                             tracing::warn!(topics = %topics, "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)")

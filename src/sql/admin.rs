@@ -22,32 +22,43 @@ macro_rules! age_ms {
     };
 }
 
-/// The queue at a glance. An event is *ready* when it is due and deliverable: without a key, or
-/// the head (lowest pending id) of its key; a due event behind its key's head (which is in
-/// flight, in a retry's backoff, or delayed) is *held by its key*, not lag. One scan of the
-/// outbox and one of its pending keys (`offset 0` keeps the planner from copying the `ready`
-/// test, and the heads' aggregate with it, into every aggregate that reads it).
+/// The queue at a glance, over every destination. New events (in the outbox, not yet passed by
+/// every destination) count as ready, or delayed; a destination's parked event is *ready* when it
+/// is due and deliverable: without a key, or the head (lowest id) of its key there; a due event
+/// behind its key's head (which is in flight, in a retry's backoff, or delayed) is *held by its
+/// key*, not lag. One scan of the outbox and one of the parked events (`offset 0` keeps the
+/// planner from copying the `ready` test, and the heads' aggregate with it, into every aggregate
+/// that reads it).
 const QUEUE_STATS: &str = concat!(
     "with heads as (
-    select min(id) as id from outbox_relay.outbox where processed_at is null and key is not null group by key
+    select destination, min(id) as id from outbox_relay.parked where key is not null group by destination, key
+),
+n as (
+    select count(*) filter (where processed_at is null and available_at <= now()) as ready,
+           count(*) filter (where processed_at is null and available_at > now()) as delayed,
+           count(*) filter (where processed_at is not null) as processed,
+           min(created_at) filter (where processed_at is null) as oldest,
+           min(available_at) filter (where processed_at is null and available_at <= now()) as oldest_ready
+      from outbox_relay.outbox
 )
-select count(*) filter (where ready),
+select (select ready from n) + count(*) filter (where ready),
        count(*) filter (where due and not ready),
-       count(*) filter (where processed_at is null and available_at > now() and lease_token is null),
-       count(*) filter (where processed_at is null and available_at > now() and lease_token is not null),
-       count(*) filter (where processed_at is not null),
+       (select delayed from n) + count(*) filter (where available_at > now() and lease_token is null),
+       count(*) filter (where available_at > now() and lease_token is not null),
+       (select processed from n),
        (select count(*) from outbox_relay.dead_letters),
+       (select count(*) from outbox_relay.dead_letters where destination = ''),
        ",
-    age_ms!("min(created_at) filter (where processed_at is null)"),
+    age_ms!("least((select oldest from n), min(created_at))"),
     ",
        ",
-    age_ms!("min(available_at) filter (where ready)"),
+    age_ms!("least((select oldest_ready from n), min(available_at) filter (where ready))"),
     ",
-       coalesce(max(attempts) filter (where processed_at is null), 0),
+       coalesce(max(attempts), 0),
        pg_notification_queue_usage()
-  from (select o.*, processed_at is null and available_at <= now() as due,
-               processed_at is null and available_at <= now() and (key is null or id in (select id from heads)) as ready
-          from outbox_relay.outbox o offset 0) o"
+  from (select o.*, available_at <= now() as due,
+               available_at <= now() and (key is null or (destination, id) in (select destination, id from heads)) as ready
+          from outbox_relay.parked o offset 0) o"
 );
 
 /// Counts ready, held, delayed, in-flight, processed and dead events.
@@ -60,17 +71,18 @@ pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
         in_flight: row.get(3),
         processed: row.get(4),
         dead_letters: row.get(5),
-        oldest_pending_age_ms: row.get(6),
-        oldest_ready_age_ms: row.get(7),
-        max_attempts: row.get(8),
-        notification_queue_usage: row.get(9),
+        unrouted: row.get(6),
+        oldest_pending_age_ms: row.get(7),
+        oldest_ready_age_ms: row.get(8),
+        max_attempts: row.get(9),
+        notification_queue_usage: row.get(10),
     })
 }
 
 /// The most common errors of pending events, with how many events have each, for `status`.
 const EVENT_ERRORS_TOP: &str = "\
-select last_error, count(*) from outbox_relay.outbox
- where processed_at is null and last_error is not null
+select last_error, count(*) from outbox_relay.parked
+ where last_error is not null
  group by last_error order by count(*) desc, last_error limit $1";
 
 /// The `limit` most common errors of pending events.
@@ -83,7 +95,8 @@ pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<Error
 /// marked waiting for a notification.
 const RELAYS_CONNECTED: &str = "\
 select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false),
-       coalesce(r.breaker, 'closed') = 'open', r.breaker_since, r.delivery_limit, r.deliveries_in_flight
+       coalesce(r.breaker, 'closed') = 'open', r.breaker_since, r.delivery_limit, r.deliveries_in_flight,
+       r.destination
   from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
  where a.datname = current_database() and a.application_name = 'outbox-relay listener'
  order by a.backend_start";
@@ -102,13 +115,14 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
             breaker_since: r.get(5),
             delivery_limit: r.get(6),
             deliveries_in_flight: r.get(7),
+            destination: r.get(8),
         })
         .collect())
 }
 
 const DEAD_LETTER_LIST: &str = "\
-select id, topic, key, payload, created_at, attempts, last_error, failed_at
-  from outbox_relay.dead_letters order by id limit $1";
+select id, topic, key, payload, created_at, attempts, last_error, failed_at, destination
+  from outbox_relay.dead_letters order by id, destination limit $1";
 
 /// Up to `limit` dead letters, oldest id first.
 pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<DeadLetter>> {
@@ -124,31 +138,40 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
             attempts: r.get(5),
             last_error: r.get(6),
             failed_at: r.get(7),
+            destination: r.get(8),
         })
         .collect())
 }
 
-/// Puts dead letters back into the outbox under their own ids, deliverable at once, attempts reset:
-/// parked, so that a revived event is claimed as its key's head (its id is older than the key's
-/// later events).
-/// With `$2`, every dead letter; otherwise the ids `$1`, all or none: when one of them is not a
-/// dead letter, nothing is revived.
+/// Puts dead letters back, under their own ids and uuids, deliverable at once, attempts reset:
+/// into their destination's parked events, so that a revived event is claimed as its key's head
+/// there (its id is older than the key's later events); one that no destination's pattern matched
+/// (destination '') into the outbox, as a new event for every destination.
+/// With `$2`, every dead letter; otherwise those with the ids `$1` (at every destination), all or
+/// none: when one of the ids is no dead letter's, nothing is revived.
 const DEAD_LETTER_RETRY: &str = "\
 with wanted as (select distinct unnest($1::int8[]) as id),
 revived as (
     delete from outbox_relay.dead_letters
      where $2 or (id in (select id from wanted)
-                  and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted))
+                  and (select count(distinct id) from outbox_relay.dead_letters where id in (select id from wanted))
                       = (select count(*) from wanted))
-    returning id, uuid, topic, key, payload, created_at
+    returning destination, id, uuid, topic, key, payload, created_at
 ),
-inserted as (
-    insert into outbox_relay.outbox (id, uuid, topic, key, payload, created_at, parked)
-    select id, uuid, topic, key, payload, created_at, true from revived
+parked as (
+    insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at)
+    select destination, id, uuid, topic, key, payload, created_at from revived where destination <> ''
+    on conflict (destination, id) do nothing
+    returning id
+),
+unrouted as (
+    insert into outbox_relay.outbox (id, uuid, topic, key, payload, created_at)
+    select id, uuid, topic, key, payload, created_at from revived where destination = ''
+    on conflict (id) do nothing
     returning id
 )
-select i.id from inserted i
- cross join (select pg_notify('outbox_relay', 'parked') where exists (select 1 from inserted)) n(v)";
+select r.id from (select id from parked union select id from unrouted) r
+ cross join (select count(*) from (select pg_notify('outbox_relay', 'parked') from parked limit 1) p) n(v)";
 
 /// Puts the dead letters `ids` (all or none of them), or every one, back into the outbox;
 /// returns their ids.
@@ -157,7 +180,7 @@ pub(crate) async fn retry_dead_letters(db: &impl Db, ids: &[i64], all_of_them: b
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-const DEAD_LETTER_IDS: &str = "select id from outbox_relay.dead_letters where id = any($1)";
+const DEAD_LETTER_IDS: &str = "select distinct id from outbox_relay.dead_letters where id = any($1)";
 
 /// Which of `ids` are dead letters.
 pub(crate) async fn dead_letter_ids(db: &impl Db, ids: &[i64]) -> Result<Vec<i64>> {
@@ -178,7 +201,8 @@ const DEAD_LETTER_PURGE_IDS: &str = "\
 with wanted as (select distinct unnest($1::int8[]) as id)
 delete from outbox_relay.dead_letters
  where id in (select id from wanted)
-   and (select count(*) from outbox_relay.dead_letters where id in (select id from wanted)) = (select count(*) from wanted)
+   and (select count(distinct id) from outbox_relay.dead_letters where id in (select id from wanted))
+       = (select count(*) from wanted)
 returning id";
 
 /// Deletes the dead letters `ids`, all or none of them; returns the ids deleted.
@@ -195,35 +219,48 @@ pub(crate) const PARKED_DUE: &str = "parked";
 /// trigger's are empty): the listeners have the pauses re-read at once.
 pub(crate) const PAUSES_CHANGED: &str = "pauses";
 
-/// Pauses `topic` ('' for every topic) and tells the relays; 1 when it was not paused before.
+/// Pauses `topic` ('' for every topic) at `destination` ('' for every destination) and tells the
+/// relays; 1 when it was not paused before.
 const PAUSE_INSERT: &str = "\
-with paused as (insert into outbox_relay.pauses (topic) values ($1) on conflict (topic) do nothing returning 1)
+with paused as (
+    insert into outbox_relay.pauses (destination, topic) values ($2, $1) on conflict (destination, topic) do nothing
+    returning 1
+)
 select (select count(*) from paused), pg_notify('outbox_relay', 'pauses')";
 
-/// Pauses `topic`, '' meaning every topic; true when it was not paused before.
-pub(crate) async fn pause(db: &impl Db, topic: &str) -> Result<bool> {
-    Ok(one(db, PAUSE_INSERT, &[&topic], "pausing delivery").await?.get::<_, i64>(0) == 1)
+/// Pauses `topic` at `destination`, '' meaning every topic or every destination; true when it
+/// was not paused before.
+pub(crate) async fn pause(db: &impl Db, topic: &str, destination: &str) -> Result<bool> {
+    Ok(one(db, PAUSE_INSERT, &[&topic, &destination], "pausing delivery").await?.get::<_, i64>(0) == 1)
 }
 
 const PAUSE_DELETE: &str = "\
-with lifted as (delete from outbox_relay.pauses where topic = $1 returning 1)
+with lifted as (delete from outbox_relay.pauses where topic = $1 and destination = $2 returning 1)
 select (select count(*) from lifted), pg_notify('outbox_relay', 'pauses')";
 
-/// Lifts the pause of `topic` ('' for the pause of every topic); true when there was one.
-pub(crate) async fn resume(db: &impl Db, topic: &str) -> Result<bool> {
-    Ok(one(db, PAUSE_DELETE, &[&topic], "resuming delivery").await?.get::<_, i64>(0) == 1)
+/// Lifts the pause of `topic` at `destination` ('' for the pause of every topic or every
+/// destination); true when there was one.
+pub(crate) async fn resume(db: &impl Db, topic: &str, destination: &str) -> Result<bool> {
+    Ok(one(db, PAUSE_DELETE, &[&topic, &destination], "resuming delivery").await?.get::<_, i64>(0) == 1)
 }
 
-const PAUSE_LIST: &str = "select topic, paused_at, paused_by from outbox_relay.pauses order by topic";
+const PAUSE_LIST: &str =
+    "select topic, paused_at, paused_by, destination from outbox_relay.pauses order by destination, topic";
 
-/// The pauses in place, the pause of every topic first.
+/// The pauses in place: of every destination first, and of every topic first.
 pub(crate) async fn pauses(db: &impl Db) -> Result<Vec<Pause>> {
     let rows = all(db, PAUSE_LIST, &[], "reading the pauses").await?;
     Ok(rows
         .iter()
         .map(|r| {
             let topic: String = r.get(0);
-            Pause { topic: (!topic.is_empty()).then_some(topic), paused_at: r.get(1), paused_by: r.get(2) }
+            let destination: String = r.get(3);
+            Pause {
+                topic: (!topic.is_empty()).then_some(topic),
+                destination: (!destination.is_empty()).then_some(destination),
+                paused_at: r.get(1),
+                paused_by: r.get(2),
+            }
         })
         .collect())
 }
@@ -253,23 +290,29 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
     })
 }
 
-/// Events with this id or key, pending or processed in the outbox, or dead: the one with the id
-/// first, then newest first.
+/// Events with this id or key, in the outbox (new or processed), waiting for a destination, or
+/// dead: the one with the id first, then newest first.
 const EVENT_LOOKUP: &str = "\
 select * from (
-  (select id, topic, key, payload, created_at, attempts, last_error,
-          case when processed_at is not null then 'processed'
-               when available_at > now() and lease_token is not null then 'in flight'
-               when available_at > now() then 'delayed' else 'pending' end,
-          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
+  (select id, topic, key, payload, created_at, attempts, null::text as last_error,
+          case when processed_at is not null then 'processed' else 'new' end,
+          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end,
+          null::text as destination
      from outbox_relay.outbox where id = $1 or key = $2
     order by coalesce(id = $1, false) desc, id desc limit $3)
   union all
-  (select id, topic, key, payload, created_at, attempts, last_error, 'dead', failed_at
+  (select id, topic, key, payload, created_at, attempts, last_error,
+          case when available_at > now() and lease_token is not null then 'in flight'
+               when available_at > now() then 'delayed' else 'pending' end,
+          available_at, destination
+     from outbox_relay.parked where id = $1 or key = $2
+    order by coalesce(id = $1, false) desc, id desc limit $3)
+  union all
+  (select id, topic, key, payload, created_at, attempts, last_error, 'dead', failed_at, destination
      from outbox_relay.dead_letters where id = $1 or key = $2
     order by coalesce(id = $1, false) desc, id desc limit $3)
 ) found
-order by coalesce(id = $1, false) desc, id desc limit $3";
+order by coalesce(id = $1, false) desc, id desc, destination nulls first limit $3";
 
 /// Up to `limit` events whose id is `id` or whose key is `key`, wherever they are.
 pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {
@@ -286,6 +329,54 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
             last_error: r.get(6),
             state: r.get(7),
             since: r.get(8),
+            destination: r.get(9),
+        })
+        .collect())
+}
+
+/// Every registered destination with its pattern and what waits for it.
+const DESTINATION_STATS: &str = concat!(
+    "select d.name, d.pattern,
+       (select count(*) from outbox_relay.outbox e
+         where e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+           and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))),
+       (select count(*) from outbox_relay.parked x where x.destination = d.name and x.available_at <= now()),
+       (select count(*) from outbox_relay.parked x
+         where x.destination = d.name and x.available_at > now() and x.lease_token is null),
+       (select count(*) from outbox_relay.parked x
+         where x.destination = d.name and x.available_at > now() and x.lease_token is not null),
+       (select count(*) from outbox_relay.dead_letters x where x.destination = d.name),
+       (select coalesce(max(x.attempts), 0) from outbox_relay.parked x where x.destination = d.name),
+       ",
+    age_ms!("p.at"),
+    ",
+       exists (select 1 from outbox_relay.pauses s where s.destination in ('', d.name) and s.topic = ''),
+       (select count(*) from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
+         where r.destination = d.name and a.datname = current_database())
+  from outbox_relay.destinations d left join lateral (
+        select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p on true
+ order by d.name"
+);
+
+/// Every registered destination, by name.
+pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::DestinationStats>> {
+    let rows = all(db, DESTINATION_STATS, &[], "reading the destinations").await?;
+    Ok(rows
+        .iter()
+        .map(|r| crate::queue::DestinationStats {
+            name: r.get(0),
+            pattern: r.get(1),
+            new: r.get(2),
+            due: r.get(3),
+            delayed: r.get(4),
+            in_flight: r.get(5),
+            dead_letters: r.get(6),
+            max_attempts: r.get(7),
+            position_age_ms: r.get(8),
+            paused: r.get(9),
+            relays: r.get(10),
         })
         .collect())
 }

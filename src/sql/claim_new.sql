@@ -1,48 +1,53 @@
--- The claim of new events (migration 0008; src/sql/events.rs runs it). Parameters: $1 the
--- batch, $2 an earlier dead letter holds its key, $3 the paused topics.
+-- The claim of new events for one destination (migrations 0008 and 0012; src/sql/events.rs
+-- runs it). Parameters: $1 the batch, $2 an earlier dead letter holds its key, $3 the paused
+-- topics, $4 the destination, $5 its lock's number, $6 its pattern as a regular expression over
+-- '.' || topic (null: every topic; see src/relay/route.rs).
 --
--- One transaction at a time claims new events: the advisory lock is held until it ends (one
--- that another transaction holds turns this claim away). The position is the newest row of
--- `positions`, read from the end of its index. The new events are the delta from its snapshot to
--- this statement's: the events of transactions past its xmax and of those in progress then,
--- that this statement sees (an event this statement cannot see is not in the delta: its
--- transaction is in progress for this statement's snapshot too, so in the next delta's list).
--- Nothing below the position is read, so no dead entry of a delivered event is ever on the path.
--- A delta larger than the batch goes on from `after_id`, in id order, between the two snapshots
--- kept. The position was read before the lock: if another claim's commit overtook it in between,
--- the insert of the next position conflicts and nothing is claimed.
+-- One transaction at a time claims a destination's new events: the advisory lock is held until
+-- it ends (one that another transaction holds turns this claim away). The position is the
+-- destination's newest row of `positions`, read from the end of its index. The new events are the
+-- delta from its snapshot to this statement's: the events of transactions past its xmax and of
+-- those in progress then, that this statement sees (an event this statement cannot see is not in
+-- the delta: its transaction is in progress for this statement's snapshot too, so in the next
+-- delta's list). Nothing below the position is read, so no dead entry of a delivered event is
+-- ever on the path. Of the delta, the events the pattern matches are taken; the position moves
+-- past the others too. A delta with more matching events than the batch goes on from `after_id`,
+-- in id order, between the two snapshots kept. The position was read before the lock: if another
+-- claim's commit overtook it in between, the insert of the next position conflicts and nothing
+-- is claimed.
 with lock as materialized (
-    select pg_try_advisory_xact_lock(1869901932, 0) as held
+    select pg_try_advisory_xact_lock(1869901932, $5::int4) as held
 ),
 pos as materialized (
     select p.n, p.since, p.snapshot, p.after_id
       from lock l cross join lateral (
         select q.n, q.since, q.snapshot, q.after_id from outbox_relay.positions q
-         where l.held order by q.n desc limit 1) p
+         where l.held and q.destination = $4::text order by q.n desc limit 1) p
 ),
 -- The delta through the xid index (each probe ordered by xid, so that no plan walks the ids
--- from the first and filters on xid: that walk would pass every event ever delivered), then
--- sorted.
+-- from the first and filters on xid: that walk would pass every event ever delivered), each
+-- event with whether the pattern matches it, then sorted.
 delta as materialized (
-    select e.id from pos k cross join lateral (
-        select e.id from outbox_relay.outbox e
-         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and not e.parked
+    select e.id, e.matches from pos k cross join lateral (
+        select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
+         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot)
          order by e.xid) e
     union all
-    select e.id from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
+    select e.id, e.matches from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
-        select e.id from outbox_relay.outbox e
-         where k.after_id is null and e.xid = x.xid and not e.parked
+        select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
+         where k.after_id is null and e.xid = x.xid
          order by e.xid) e
 ),
 cand as materialized (
     select x.id from (
-        select d.id from delta d
+        select d.id from delta d where d.matches
         union all
         select c.id from pos k cross join lateral (
             select e.id from outbox_relay.outbox e
-             where k.after_id is not null and e.id > k.after_id and not e.parked
+             where k.after_id is not null and e.id > k.after_id
                and pg_visible_in_snapshot(e.xid, k.snapshot) and not pg_visible_in_snapshot(e.xid, k.since)
+               and ($6::text is null or ('.' || e.topic) ~ $6::text)
              order by e.id limit $1::int8 + 1) c
     ) x order by x.id limit $1::int8 + 1
 ),
@@ -50,24 +55,25 @@ taken as materialized (
     select c.id from cand c order by c.id limit $1::int8
 ),
 moved as (
-    insert into outbox_relay.positions (n, since, snapshot, after_id)
-    select k.n + 1,
+    insert into outbox_relay.positions (destination, n, since, snapshot, after_id)
+    select $4::text, k.n + 1,
            case when k.after_id is null then k.snapshot else k.since end,
            case when k.after_id is null then pg_current_snapshot() else k.snapshot end,
            case when (select count(*) from cand) > $1::int8 then (select max(t.id) from taken t) end
       from pos k
-     where k.after_id is not null or exists (select 1 from cand)
+     where k.after_id is not null or exists (select 1 from delta)
     on conflict do nothing
     returning n
 )
 -- The events in id order, each with whether it can be handed over now: not delayed (by the
 -- clock after the snapshot: a writer that began after this transaction and committed before its
--- snapshot has an `available_at` past now()), not paused, not behind a parked event of its key,
--- not held by an earlier dead letter of its key (with $2). Then one marker row (id null): how
--- long until the next parked event is due (when one is due later), whether this transaction holds
--- the lock, whether it moved the position, whether more new events wait (cut short), and whether
--- another claim's commit overtook its read of the position (it found new events or a cut delta's
--- end but could not move the position: it claimed nothing, and must look again).
+-- snapshot has an `available_at` past now()), not paused, not behind an event of its key parked
+-- for this destination, not held by an earlier dead letter of its key at this destination (with
+-- $2). Then one marker row (id null): how long until the destination's next parked event is due
+-- (when one is due later), whether this transaction holds the lock, whether it moved the
+-- position, whether more new events wait (cut short), and whether another claim's commit
+-- overtook its read of the position (it found new events or a cut delta's end but could not move
+-- the position: it claimed nothing, and must look again).
 -- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
 -- one primary key probe each: no plan may choose to walk an index from its start, past the
 -- dead entries a held snapshot keeps.)
@@ -77,22 +83,22 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
        o.uuid,
        o.available_at <= clock_timestamp() and coalesce(o.topic <> all($3::text[]), true)
        and (o.key is null or (
-            select b.id from outbox_relay.outbox b
-             where b.parked and b.processed_at is null and b.key = o.key and b.id < o.id
-             order by b.key, b.id limit 1) is null)
+            select b.id from outbox_relay.parked b
+             where b.destination = $4::text and b.key = o.key and b.id < o.id
+             order by b.destination, b.key, b.id limit 1) is null)
        and not ($2 and o.key is not null and exists (
-            select 1 from outbox_relay.dead_letters d where d.key = o.key and d.id < o.id)) as ready,
+            select 1 from outbox_relay.dead_letters d where d.destination = $4::text and d.key = o.key and d.id < o.id)) as ready,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
        null::boolean as overtaken
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
 select null, null, null, null, null, null, null, null, null,
-       (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.outbox e
-         where e.parked and e.processed_at is null and e.available_at > now() and isfinite(e.available_at)),
+       (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
+         where e.destination = $4::text and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),
        exists (select 1 from moved),
        (select count(*) from cand) > $1::int8,
-       exists (select 1 from pos k where k.after_id is not null or exists (select 1 from cand))
+       exists (select 1 from pos k where k.after_id is not null or exists (select 1 from delta))
          and not exists (select 1 from moved)
 order by 1

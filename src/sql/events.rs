@@ -106,9 +106,6 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
 const CLAIM_NEW: &str = include_str!("claim_new.sql");
 const CLAIM_PARKED: &str = include_str!("claim_parked.sql");
 
-/// Parks new events that cannot be handed over now (delayed, paused, behind their key).
-const EVENT_PARK_NEW: &str = "update outbox_relay.outbox set parked = true where id = any($1) and not parked";
-
 /// A claimed event as the claim returns it.
 pub(crate) struct ClaimedRow {
     pub(crate) id: i64,
@@ -122,10 +119,13 @@ pub(crate) struct ClaimedRow {
     pub(crate) attempts: i32,
     /// Its age at the claim; `None` for a `created_at` outside 1970 to 9999.
     pub(crate) age: Option<Duration>,
+    /// It was claimed from the destination's parked events (else from the new ones).
+    pub(crate) parked: bool,
 }
 
-fn claimed_row(row: &tokio_postgres::Row, id: i64) -> ClaimedRow {
+fn claimed_row(row: &tokio_postgres::Row, id: i64, parked: bool) -> ClaimedRow {
     ClaimedRow {
+        parked,
         id,
         uuid: row.get(7),
         topic: row.get(1),
@@ -135,6 +135,17 @@ fn claimed_row(row: &tokio_postgres::Row, id: i64) -> ClaimedRow {
         attempts: row.get(5),
         age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
     }
+}
+
+/// The destination a relay's claims are for, as the statements take it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Destination {
+    /// Its name (`outbox_relay.destinations.name`).
+    pub(crate) name: String,
+    /// The second key of its new events' lock.
+    pub(crate) lock_id: i32,
+    /// Its pattern as a regular expression over the topic; `None` matches every topic.
+    pub(crate) topic_regex: Option<String>,
 }
 
 /// What a claim looks at, and in which order.
@@ -153,6 +164,8 @@ pub(crate) struct Turn {
     pub(crate) walk_keys: i32,
     /// Topics not to claim (paused). A paused head holds its key's later events back.
     pub(crate) paused: std::sync::Arc<[String]>,
+    /// Outbox rows every destination has passed are deleted (else marked processed).
+    pub(crate) delete: bool,
 }
 
 /// What a claim found.
@@ -193,30 +206,38 @@ const OVERTAKEN_MAX: usize = 4;
 /// key with an earlier event in the dead letters is held. Runs inside the caller's READ
 /// COMMITTED transaction, which holds the events until it ends. New events that cannot be
 /// handed over now are parked in it, with every later new event of their key.
-pub(crate) async fn claim_events(db: &impl Db, batch: i64, dead_letters_hold: bool, turn: &Turn) -> Result<Claimed> {
+pub(crate) async fn claim_events(
+    db: &impl Db,
+    to: &Destination,
+    batch: i64,
+    dead_letters_hold: bool,
+    turn: &Turn,
+) -> Result<Claimed> {
     let mut claimed = Claimed::default();
     if turn.parked && turn.parked_first {
-        claim_parked(db, batch, dead_letters_hold, turn, &mut claimed).await?;
+        claim_parked(db, to, batch, dead_letters_hold, turn, &mut claimed).await?;
     }
     let room = batch - claimed.rows.len() as i64;
     if turn.new && room > 0 {
-        claim_new(db, room, dead_letters_hold, turn, &mut claimed).await?;
+        claim_new(db, to, room, dead_letters_hold, turn, &mut claimed).await?;
     }
     let room = batch - claimed.rows.len() as i64;
     if turn.parked && !turn.parked_first && room > 0 {
-        claim_parked(db, room, dead_letters_hold, turn, &mut claimed).await?;
+        claim_parked(db, to, room, dead_letters_hold, turn, &mut claimed).await?;
     }
     Ok(claimed)
 }
 
 async fn claim_new(
     db: &impl Db,
+    to: &Destination,
     batch: i64,
     dead_letters_hold: bool,
     turn: &Turn,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&batch, &dead_letters_hold, &&*turn.paused];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&batch, &dead_letters_hold, &&*turn.paused, &to.name, &to.lock_id, &to.topic_regex];
     for _ in 0..OVERTAKEN_MAX {
         let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
         let mut fresh = Vec::with_capacity(rows.len());
@@ -231,7 +252,7 @@ async fn claim_new(
                 overtaken = row.get::<_, Option<bool>>(13).unwrap_or(false);
                 continue;
             };
-            fresh.push((claimed_row(row, id), row.get::<_, Option<bool>>(8).unwrap_or(false)));
+            fresh.push((claimed_row(row, id, false), row.get::<_, Option<bool>>(8).unwrap_or(false)));
         }
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
@@ -239,7 +260,7 @@ async fn claim_new(
         }
         // A key whose event waits holds its later ones back too (they are in id order).
         let mut waiting_keys: HashSet<String> = HashSet::new();
-        let mut park = Vec::new();
+        let mut park = Copies::default();
         for (row, ready) in fresh {
             let wait = match &row.key {
                 None => !ready,
@@ -251,13 +272,16 @@ async fn claim_new(
                 }
             };
             if wait {
-                park.push(row.id);
+                park.push(row.id, Duration::ZERO, None, row.attempts - 1);
             } else {
                 claimed.rows.push(row);
             }
         }
-        if !park.is_empty() {
-            count(db, EVENT_PARK_NEW, &[&park], "parking new events that wait").await?;
+        if !park.ids.is_empty() {
+            // A copy waits for this destination; the outbox row is done with once every
+            // destination has passed it.
+            park_new_events(db, &to.name, &park, None).await?;
+            finish_new_events(db, &to.name, &park.ids, turn.delete).await?;
             claimed.parked_new = true;
         }
         // The position moved but the claim returns no event (all parked, or the end of a cut
@@ -272,13 +296,14 @@ async fn claim_new(
 
 async fn claim_parked(
     db: &impl Db,
+    to: &Destination,
     limit: i64,
     dead_letters_hold: bool,
     turn: &Turn,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name];
     let rows = all(db, CLAIM_PARKED, &params, "claiming parked events").await?;
     let before = claimed.rows.len();
     for row in &rows {
@@ -286,7 +311,7 @@ async fn claim_parked(
             claimed.walked_to = Some(row.get(8));
             continue;
         };
-        let row = claimed_row(row, id);
+        let row = claimed_row(row, id, true);
         claimed.parked_keyed |= row.key.is_some();
         claimed.rows.push(row);
     }
@@ -294,134 +319,204 @@ async fn claim_parked(
     Ok(())
 }
 
-/// Turns held events (new ones held by this transaction's lock, parked ones by its row locks)
-/// into leased parked ones, counting the attempt, so that the transaction can commit while their
-/// delivery goes on.
-const EVENT_LEASE_HELD: &str = "\
-update outbox_relay.outbox
-   set parked = true, available_at = now() + $2::int8 * interval '1 microsecond',
-       attempts = least(attempts, 2147483646) + 1,
-       lease_token = $3
- where id = any($1)";
+// What became of claimed events. An event claimed from the new ones is, for this destination,
+// passed by the position the claim moved: whatever its outcome, its outbox row is done with as
+// far as this destination goes (`finish_new_events`), and what still waits for this destination
+// is a copy in `parked` (`park_new_events`) or a dead letter (`bury_new_events`), written first.
+// An event claimed from `parked` changes there. The statements on parked events take the claim's
+// lease token, or null for a held claim (its locks already say the rows are this claim's);
+// `attempts` are set as the relay counted them: the attempt just made, or one fewer where it is
+// given back.
 
-/// Leases the held events `ids` for `lease` under `token`.
-pub(crate) async fn lease_held_events(db: &impl Db, ids: &[i64], lease: Duration, token: i64) -> Result<u64> {
-    count(db, EVENT_LEASE_HELD, &[&ids, &micros(lease), &token], "turning a held claim into a lease").await
+/// Per new event that waits for this destination: its id, how long from now it waits (at least
+/// until its own `available_at`), its error and its attempts.
+#[derive(Debug, Default)]
+pub(crate) struct Copies {
+    pub(crate) ids: Vec<i64>,
+    pub(crate) delays: Vec<i64>,
+    pub(crate) errors: Vec<Option<String>>,
+    pub(crate) attempts: Vec<i32>,
 }
 
-const EVENT_RENEW_LEASE: &str = "\
-update outbox_relay.outbox set available_at = now() + $3::int8 * interval '1 microsecond'
- where id = any($1) and lease_token = $2 and processed_at is null";
-
-/// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery
-/// that goes on); returns how many still carry the token.
-pub(crate) async fn renew_lease(db: &impl Db, ids: &[i64], lease: Duration, token: i64) -> Result<u64> {
-    count(db, EVENT_RENEW_LEASE, &[&ids, &token, &micros(lease)], "renewing a lease").await
-}
-
-// The outcome statements take `$2`, the claim's token, or null for a held claim (its locks
-// already say the rows are this claim's). An event that is not done goes to the parked
-// events (a retry, or given back). `attempts` are set as the relay counted them: the
-// attempt just made, or one fewer where it is given back.
-
-const EVENT_MARK_PROCESSED: &str = "\
-update outbox_relay.outbox set processed_at = now(), lease_token = null, last_error = null,
-       attempts = f.attempts
-  from unnest($1::int8[], $3::int4[]) as f(id, attempts)
- where outbox.id = f.id and ($2::int8 is null or lease_token = $2)";
-
-const EVENT_DELETE_PROCESSED: &str =
-    "delete from outbox_relay.outbox where id = any($1) and ($2::int8 is null or lease_token = $2)";
-
-/// Records the deliveries `ids` (their attempts `attempts`): marks the rows processed, or
-/// deletes them.
-pub(crate) async fn complete_events(
-    db: &impl Db,
-    delete: bool,
-    ids: &[i64],
-    attempts: &[i32],
-    token: Option<i64>,
-) -> Result<u64> {
-    if delete {
-        count(db, EVENT_DELETE_PROCESSED, &[&ids, &token], "recording deliveries").await
-    } else {
-        count(db, EVENT_MARK_PROCESSED, &[&ids, &token, &attempts], "recording deliveries").await
+impl Copies {
+    pub(crate) fn push(&mut self, id: i64, delay: Duration, error: Option<String>, attempts: i32) {
+        self.ids.push(id);
+        self.delays.push(micros(delay));
+        self.errors.push(error);
+        self.attempts.push(attempts);
     }
 }
 
-const EVENT_RESCHEDULE: &str = "\
-update outbox_relay.outbox o
-   set parked = true, available_at = now() + f.delay_us * interval '1 microsecond', last_error = f.error,
-       lease_token = null,
-       attempts = f.attempts
-  from unnest($1::int8[], $3::int8[], $4::text[], $5::int4[]) as f(id, delay_us, error, attempts)
- where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
+const PARKED_COPY: &str = "\
+insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at, attempts,
+                                 last_error, lease_token)
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at,
+       greatest(o.available_at, now() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
+  from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
+  join outbox_relay.outbox o on o.id = f.id
+ order by f.n
+on conflict (destination, id) do nothing";
 
-/// Reschedules failed deliveries: per event a delay, an error and its attempts.
-pub(crate) async fn reschedule_events(
+/// Copies new events into the destination's parked events (under the lease `token`, if any).
+pub(crate) async fn park_new_events(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&destination, &c.ids, &c.delays, &c.errors, &c.attempts, &token];
+    count(db, PARKED_COPY, &params, "parking events for a destination").await
+}
+
+const DEAD_LETTER_NEW: &str = "\
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+  from unnest($2::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
+  join outbox_relay.outbox o on o.id = f.id
+on conflict (destination, id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Copies new events into the dead letters of the destination, with their errors and attempts.
+pub(crate) async fn bury_new_events(
     db: &impl Db,
+    destination: &str,
     ids: &[i64],
-    delays: &[Duration],
+    errors: &[String],
+    attempts: &[i32],
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &errors, &attempts];
+    count(db, DEAD_LETTER_NEW, &params, "moving events to the dead letters").await
+}
+
+/// Deletes (`$3`) or marks processed the outbox rows `$2` that every registered destination but
+/// `$1` has passed: `$1`'s claim passed them in this transaction. A destination has passed an
+/// event when its newest position's snapshot sees the event's transaction, or when it is in
+/// the position's cut delta at or below `after_id`.
+const OUTBOX_FINISH: &str = "\
+with others as materialized (
+    select p.since, p.snapshot, p.after_id
+      from outbox_relay.destinations d cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+     where d.name <> $1::text
+),
+done as materialized (
+    select e.id from outbox_relay.outbox e
+     where e.id = any($2::int8[]) and e.processed_at is null
+       and not exists (
+        select 1 from others p
+         where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
+),
+deleted as (delete from outbox_relay.outbox where $3 and id in (select id from done) returning 1),
+marked as (update outbox_relay.outbox set processed_at = now() where not $3 and id in (select id from done) returning 1)
+select (select count(*) from deleted) + (select count(*) from marked)";
+
+/// Deletes (`delete`) or marks processed the outbox rows `ids`, which `destination`'s claim has
+/// passed in this transaction, where every other destination has passed them too (the janitor
+/// does the rest); returns how many.
+pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i64], delete: bool) -> Result<i64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&destination, &ids, &delete];
+    Ok(one(db, OUTBOX_FINISH, &params, "recording deliveries").await?.get(0))
+}
+
+/// Turns held parked events into leased ones, counting the attempt, so that the transaction can
+/// commit while their delivery goes on (held new events are copied with `park_new_events`).
+const PARKED_LEASE_HELD: &str = "\
+update outbox_relay.parked
+   set available_at = now() + $3::int8 * interval '1 microsecond',
+       attempts = least(attempts, 2147483646) + 1,
+       lease_token = $4
+ where destination = $1 and id = any($2)";
+
+/// Leases the held parked events `ids` for `lease` under `token`.
+pub(crate) async fn lease_held_parked(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    lease: Duration,
+    token: i64,
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &micros(lease), &token];
+    count(db, PARKED_LEASE_HELD, &params, "turning a held claim into a lease").await
+}
+
+const PARKED_RENEW_LEASE: &str = "\
+update outbox_relay.parked set available_at = now() + $4::int8 * interval '1 microsecond'
+ where destination = $1 and id = any($2) and lease_token = $3";
+
+/// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery
+/// that goes on); returns how many still carry the token.
+pub(crate) async fn renew_lease(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    lease: Duration,
+    token: i64,
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &token, &micros(lease)];
+    count(db, PARKED_RENEW_LEASE, &params, "renewing a lease").await
+}
+
+const PARKED_DELIVERED: &str = "\
+delete from outbox_relay.parked where destination = $1 and id = any($2) and ($3::int8 is null or lease_token = $3)";
+
+/// Records the deliveries of parked events `ids`.
+pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64], token: Option<i64>) -> Result<u64> {
+    count(db, PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
+}
+
+const PARKED_RESCHEDULE: &str = "\
+update outbox_relay.parked o
+   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
+       lease_token = null, attempts = f.attempts
+  from unnest($2::int8[], $4::int8[], $5::text[], $6::int4[]) as f(id, delay_us, error, attempts)
+ where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)";
+
+/// Reschedules parked events: per event a delay, an error (none keeps the last) and its
+/// attempts. Failed deliveries and events given back alike.
+pub(crate) async fn reschedule_parked(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&destination, &c.ids, &token, &c.delays, &c.errors, &c.attempts];
+    count(db, PARKED_RESCHEDULE, &params, "rescheduling parked events").await
+}
+
+const DEAD_LETTER_PARKED: &str = "\
+with failed as (
+    delete from outbox_relay.parked o
+     using unnest($2::int8[], $4::text[], $5::int4[]) as f(id, error, attempts)
+     where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)
+    returning o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+)
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
+select $1, id, uuid, topic, key, payload, created_at, attempts, error from failed
+on conflict (destination, id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Moves parked events to the destination's dead letters with their errors and attempts.
+pub(crate) async fn bury_parked(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
     errors: &[String],
     attempts: &[i32],
     token: Option<i64>,
 ) -> Result<u64> {
-    let delays: Vec<i64> = delays.iter().map(|d| micros(*d)).collect();
-    count(db, EVENT_RESCHEDULE, &[&ids, &token, &delays, &errors, &attempts], "rescheduling failed deliveries").await
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&destination, &ids, &token, &errors, &attempts];
+    count(db, DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await
 }
-
-const EVENT_RELEASE: &str = "\
-update outbox_relay.outbox o
-   set parked = true, available_at = now(), lease_token = null, attempts = f.attempts,
-       last_error = coalesce($4, o.last_error)
-  from unnest($1::int8[], $3::int4[]) as f(id, attempts)
- where o.id = f.id and ($2::int8 is null or o.lease_token = $2)";
-
-/// Gives back claimed events that were not delivered (shutdown, an open breaker, behind an
-/// event of their key that was not delivered): parked, due at once, with the attempts they had
-/// before the claim, and `why` as their `last_error` when given.
-pub(crate) async fn release_events(
-    db: &impl Db,
-    ids: &[i64],
-    attempts: &[i32],
-    token: Option<i64>,
-    why: Option<&str>,
-) -> Result<u64> {
-    count(db, EVENT_RELEASE, &[&ids, &token, &attempts, &why], "releasing events").await
-}
-
-const EVENT_BURY: &str = "\
-with failed as (
-    delete from outbox_relay.outbox o
-     using unnest($1::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
-     where o.id = f.id and ($2::int8 is null or o.lease_token = $2)
-    returning o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
-)
-insert into outbox_relay.dead_letters (id, uuid, topic, key, payload, created_at, attempts, last_error)
-select id, uuid, topic, key, payload, created_at, attempts, error from failed
-on conflict (id) do update
-   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
 
 /// Prepares every statement that records outcomes or leases a held claim, so that they can be
 /// pipelined before a COMMIT.
 pub(crate) async fn prepare_outcomes(db: &impl Db) -> Result<()> {
-    for sql in
-        [EVENT_MARK_PROCESSED, EVENT_DELETE_PROCESSED, EVENT_RESCHEDULE, EVENT_RELEASE, EVENT_BURY, EVENT_LEASE_HELD]
-    {
+    for sql in [
+        PARKED_COPY,
+        DEAD_LETTER_NEW,
+        OUTBOX_FINISH,
+        PARKED_LEASE_HELD,
+        PARKED_DELIVERED,
+        PARKED_RESCHEDULE,
+        DEAD_LETTER_PARKED,
+    ] {
         db.prepare(sql).await.map_err(|e| crate::error::Error::database("preparing the outcome statements", e))?;
     }
     Ok(())
-}
-
-/// Moves events to the dead letters with their errors and attempts, keeping ids.
-pub(crate) async fn bury_events(
-    db: &impl Db,
-    ids: &[i64],
-    errors: &[String],
-    attempts: &[i32],
-    token: Option<i64>,
-) -> Result<u64> {
-    count(db, EVENT_BURY, &[&ids, &token, &errors, &attempts], "moving events to the dead letters").await
 }
 
 const EVENT_DELETE_EXPIRED: &str = "\
@@ -438,15 +533,15 @@ pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: 
     count(db, EVENT_DELETE_EXPIRED, &[&micros(age), &batch], "deleting old processed events").await
 }
 
-/// Every position but the newest (the one that counts; a claim reads it from the end of the
-/// index, so the dead rows this leaves are never on its path).
+/// Every position but each destination's newest (the one that counts; a claim reads it from the
+/// end of the index, so the dead rows this leaves are never on its path).
 ///
 /// Only rows older than ten minutes go: a claim detects that another overtook its read of the
 /// position by the next row's key, so that row must outlive any claim statement in flight.
 const POSITIONS_PRUNE: &str = "\
 delete from outbox_relay.positions p
  where p.at < now() - interval '10 minutes'
-   and p.n < (select max(q.n) from outbox_relay.positions q)";
+   and p.n < (select max(q.n) from outbox_relay.positions q where q.destination = p.destination)";
 
 /// Deletes the old positions; returns how many.
 pub(crate) async fn prune_positions(db: &impl Db) -> Result<u64> {
@@ -458,12 +553,13 @@ mod tests {
     use super::*;
     use serde_json::Value;
 
-    /// Every `Seq Scan` of the outbox in an EXPLAIN (FORMAT JSON) plan.
+    /// Every `Seq Scan` of the outbox or the parked events in an EXPLAIN (FORMAT JSON) plan.
     fn outbox_seq_scans(plan: &Value, found: &mut Vec<String>) {
         match plan {
             Value::Object(node) => {
                 if node.get("Node Type") == Some(&Value::from("Seq Scan"))
-                    && node.get("Relation Name") == Some(&Value::from("outbox"))
+                    && (node.get("Relation Name") == Some(&Value::from("outbox"))
+                        || node.get("Relation Name") == Some(&Value::from("parked")))
                 {
                     found.push(plan.to_string());
                 }
@@ -487,9 +583,12 @@ mod tests {
             .batch_execute(
                 "insert into outbox_relay.outbox (topic, payload) select 'bench', '{}' from generate_series(1, 100000);
                  insert into outbox_relay.outbox (topic, key, payload) select 'bench', 'k' || (g % 100), '{}' from generate_series(1, 10000) g;
-                 insert into outbox_relay.outbox (topic, payload, parked) select 'bench', '{}', true from generate_series(1, 100000);
-                 insert into outbox_relay.outbox (topic, key, payload, parked) select 'bench', 'k' || (g % 100), '{}', true from generate_series(1, 10000) g;
+                 insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at)
+                 select 'default', g, gen_random_uuid(), 'bench', '{}', now() from generate_series(1, 100000) g;
+                 insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at)
+                 select 'default', g, gen_random_uuid(), 'bench', 'k' || (g % 100), '{}', now() from generate_series(100001, 110000) g;
                  analyze outbox_relay.outbox;
+                 analyze outbox_relay.parked;
                  set plan_cache_mode = force_generic_plan",
             )
             .await
@@ -498,8 +597,9 @@ mod tests {
         client.batch_execute(&format!("prepare claim_parked as {CLAIM_PARKED}")).await.unwrap();
         for paused in ["{}", "{mail.send}"] {
             for (name, args) in [
-                ("claim_new", format!("500, false, '{paused}'")),
-                ("claim_parked", format!("500, false, '', 1000, '{paused}'")),
+                ("claim_new", format!("500, false, '{paused}', 'default', 1, null")),
+                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$'")),
+                ("claim_parked", format!("500, false, '', 1000, '{paused}', 'default'")),
             ] {
                 client.batch_execute("begin").await.unwrap();
                 let row =

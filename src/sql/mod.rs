@@ -7,6 +7,7 @@
 //! nothing left behind on the caller's connection). Errors name what was being done.
 
 mod admin;
+mod destinations;
 mod events;
 mod inbox;
 mod migrations;
@@ -20,6 +21,7 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, Row};
 
 pub(crate) use self::admin::*;
+pub(crate) use self::destinations::*;
 pub(crate) use self::events::*;
 pub(crate) use self::inbox::*;
 pub(crate) use self::migrations::*;

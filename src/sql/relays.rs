@@ -24,12 +24,13 @@ pub(crate) async fn ping(client: &tokio_postgres::Client, doing: &str) -> Result
 }
 
 const RELAY_MARK_WAITING: &str = "\
-insert into outbox_relay.relays (id, listener_pid, waiting) values ($1, $2, true)
+insert into outbox_relay.relays (id, listener_pid, waiting, destination) values ($1, $2, true, $3)
 on conflict (id) do update set waiting = true, listener_pid = excluded.listener_pid, updated_at = now()";
 
-/// Marks relay `id` waiting: from the commit of this statement on, every insert notifies.
-pub(crate) async fn mark_waiting(db: &impl Db, id: i64, listener_pid: i32) -> Result<()> {
-    count(db, RELAY_MARK_WAITING, &[&id, &listener_pid], "marking the relay waiting").await.map(drop)
+/// Marks relay `id` (delivering to `destination`) waiting: from the commit of this statement on,
+/// every insert notifies.
+pub(crate) async fn mark_waiting(db: &impl Db, id: i64, listener_pid: i32, destination: &str) -> Result<()> {
+    count(db, RELAY_MARK_WAITING, &[&id, &listener_pid, &destination], "marking the relay waiting").await.map(drop)
 }
 
 const RELAY_MARK_BUSY: &str = "update outbox_relay.relays set waiting = false, updated_at = now() where id = $1";
@@ -40,17 +41,21 @@ pub(crate) async fn mark_busy(db: &impl Db, id: i64) -> Result<()> {
 }
 
 const RELAY_BREAKER: &str = "\
-insert into outbox_relay.relays (id, listener_pid, waiting, breaker, breaker_since) values ($1, $2, false, $3, now())
+insert into outbox_relay.relays (id, listener_pid, waiting, breaker, breaker_since, destination)
+values ($1, $2, false, $3, now(), $4)
 on conflict (id) do update set breaker = excluded.breaker, breaker_since = now(), updated_at = now()";
 
 /// Publishes relay `id`'s breaker state (`closed` or `open`), for `status`.
-pub(crate) async fn set_breaker(db: &impl Db, id: i64, listener_pid: i32, open: bool) -> Result<()> {
+pub(crate) async fn set_breaker(db: &impl Db, id: i64, listener_pid: i32, open: bool, destination: &str) -> Result<()> {
     let state = if open { "open" } else { "closed" };
-    count(db, RELAY_BREAKER, &[&id, &listener_pid, &state], "publishing the breaker's state").await.map(drop)
+    count(db, RELAY_BREAKER, &[&id, &listener_pid, &state, &destination], "publishing the breaker's state")
+        .await
+        .map(drop)
 }
 
 const RELAY_DELIVERIES: &str = "\
-insert into outbox_relay.relays (id, listener_pid, waiting, delivery_limit, deliveries_in_flight) values ($1, $2, false, $3, $4)
+insert into outbox_relay.relays (id, listener_pid, waiting, delivery_limit, deliveries_in_flight, destination)
+values ($1, $2, false, $3, $4, $5)
 on conflict (id) do update
    set delivery_limit = excluded.delivery_limit, deliveries_in_flight = excluded.deliveries_in_flight,
        updated_at = now()";
@@ -58,10 +63,17 @@ on conflict (id) do update
 /// Publishes relay `id`'s concurrency limit and its deliveries in flight, for `status` (the
 /// listener's pid only in a new row: the listener itself records a new one, and a pid read before
 /// a reconnect must not overwrite it).
-pub(crate) async fn set_deliveries(db: &impl Db, id: i64, listener_pid: i32, limit: i32, in_flight: i32) -> Result<()> {
-    count(db, RELAY_DELIVERIES, &[&id, &listener_pid, &limit, &in_flight], "publishing the concurrency limit")
-        .await
-        .map(drop)
+pub(crate) async fn set_deliveries(
+    db: &impl Db,
+    id: i64,
+    listener_pid: i32,
+    limit: i32,
+    in_flight: i32,
+    destination: &str,
+) -> Result<()> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&id, &listener_pid, &limit, &in_flight, &destination];
+    count(db, RELAY_DELIVERIES, &params, "publishing the concurrency limit").await.map(drop)
 }
 
 const RELAY_LISTENER: &str = "update outbox_relay.relays set listener_pid = $2, updated_at = now() where id = $1";

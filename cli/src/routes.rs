@@ -1,0 +1,312 @@
+//! Where `run` delivers: one `--sink`, `--route NAME=PATTERN=SINK` flags, or the destinations of
+//! a `--config` file, each with its own sink options where the file gives them.
+//!
+//! ```toml
+//! [[destination]]
+//! name = "erp"
+//! pattern = "order.#"
+//! sink = "https://erp.example.com/hooks/outbox"
+//! format = "cloudevents"
+//! signing_secrets = ["whsec_..."]
+//! headers = { Authorization = "Bearer ..." }
+//! timeout = "5s"
+//! concurrency = 32
+//!
+//! [[destination]]
+//! name = "mailer"
+//! pattern = "mail.*"
+//! sink = "http://127.0.0.1:8025/send"
+//! rate_limit = "20/s"
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+use outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
+use outbox_relay::{DEFAULT_DESTINATION, Route};
+use serde::Deserialize;
+
+use crate::{CliError, UsageError};
+
+/// One destination as the command line or the file gives it, before its sink is connected.
+#[derive(Debug)]
+pub(crate) struct Destination {
+    pub(crate) name: String,
+    pub(crate) pattern: String,
+    pub(crate) sink: String,
+    pub(crate) options: SinkOptions,
+    pub(crate) concurrency: Option<usize>,
+    pub(crate) fixed_concurrency: Option<bool>,
+    pub(crate) rate_limit: Option<f64>,
+}
+
+impl Destination {
+    /// Connects its sink (a bad spec is refused before anything touches the database) and makes
+    /// its route.
+    pub(crate) async fn route(self) -> Result<(Route<Sink>, String), CliError> {
+        let sink = Sink::connect(&self.sink, &self.options)
+            .await
+            .map_err(|e| UsageError(format!("destination {:?}: {e}", self.name)))?;
+        let shown = format!("{} ({}) -> {}", self.name, self.pattern, sink.describe());
+        let mut route = Route::new(self.name, &self.pattern, sink)?;
+        if let Some(concurrency) = self.concurrency {
+            route = route.concurrency(concurrency);
+        }
+        if let Some(fixed) = self.fixed_concurrency {
+            route = route.fixed_concurrency(fixed);
+        }
+        if self.rate_limit.is_some() {
+            route = route.rate_limit(self.rate_limit);
+        }
+        Ok((route, shown))
+    }
+}
+
+/// The single `--sink`: every event, to the destination `default`.
+pub(crate) fn single(sink: String, options: SinkOptions) -> Destination {
+    Destination {
+        name: DEFAULT_DESTINATION.to_string(),
+        pattern: "#".to_string(),
+        sink,
+        options,
+        concurrency: None,
+        fixed_concurrency: None,
+        rate_limit: None,
+    }
+}
+
+/// A `--route`: `NAME=PATTERN=SINK`, or `PATTERN=SINK` (named after its pattern). The sink is
+/// what follows the first `=` when that is `stdout` or a URL (`scheme://`), else what follows the
+/// second.
+pub(crate) fn parse_route(spec: &str, options: &SinkOptions) -> Result<Destination, CliError> {
+    let bad = |why: &str| {
+        UsageError(format!(
+            "--route {:?}: {why}; expected NAME=PATTERN=SINK or PATTERN=SINK, e.g. erp=order.#=https://erp.example/hook",
+            // A sink URL may carry a password: only what comes before it is shown.
+            spec.split_once('=').map_or(spec, |(first, _)| first)
+        ))
+    };
+    let (first, rest) = spec.split_once('=').ok_or_else(|| bad("there is no '='"))?;
+    let (name, pattern, sink) = if looks_like_sink(rest) {
+        (first, first, rest)
+    } else {
+        let (pattern, sink) = rest.split_once('=').ok_or_else(|| bad("no sink after the pattern"))?;
+        (first, pattern, sink)
+    };
+    if !looks_like_sink(sink) {
+        return Err(bad("the sink must be stdout or a URL (http://, https://, nats://, amqp://)").into());
+    }
+    Ok(Destination {
+        name: name.to_string(),
+        pattern: pattern.to_string(),
+        sink: sink.to_string(),
+        options: options.clone(),
+        concurrency: None,
+        fixed_concurrency: None,
+        rate_limit: None,
+    })
+}
+
+fn looks_like_sink(text: &str) -> bool {
+    text == "stdout"
+        || text.split_once("://").is_some_and(|(scheme, _)| {
+            !scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphanumeric() || c == '+')
+        })
+}
+
+/// A configuration file: its destinations.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(rename = "destination", default)]
+    destinations: Vec<FileDestination>,
+}
+
+/// One `[[destination]]` of the file; what it leaves out comes from the command line's flags.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileDestination {
+    name: String,
+    pattern: String,
+    sink: String,
+    format: Option<String>,
+    signing_secrets: Option<OneOrMany>,
+    headers: Option<BTreeMap<String, String>>,
+    timeout: Option<String>,
+    rate_limit: Option<String>,
+    concurrency: Option<usize>,
+    fixed_concurrency: Option<bool>,
+    subject_prefix: Option<String>,
+    create_stream: Option<String>,
+    exchange: Option<String>,
+    cloudevents_source: Option<String>,
+}
+
+/// One secret or a list of them (so that a single one given as a string is no type error that
+/// would print it).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The destinations of the file at `path`, each with the command line's sink options
+/// (`defaults`) where it gives none. Errors name the file, the destination and the setting, never
+/// a secret's value.
+pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Destination>, CliError> {
+    let shown = path.display();
+    let text = std::fs::read_to_string(path).map_err(|e| UsageError(format!("--config {shown}: {e}")))?;
+    let file: File = toml::from_str(&text).map_err(|e| {
+        let line = e.span().map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+        let at = line.map_or(String::new(), |line| format!(" (line {line})"));
+        // The message only: the error's own rendering quotes the line, which may hold a secret.
+        UsageError(format!("--config {shown}{at}: {}", e.message().trim()))
+    })?;
+    if file.destinations.is_empty() {
+        return Err(UsageError(format!("--config {shown}: no [[destination]] in it")).into());
+    }
+    file.destinations
+        .into_iter()
+        .map(|d| {
+            let name = d.name.clone();
+            d.resolve(defaults)
+                .map_err(|why| UsageError(format!("--config {shown}: destination {name:?}: {why}")).into())
+        })
+        .collect()
+}
+
+impl FileDestination {
+    fn resolve(self, defaults: &SinkOptions) -> Result<Destination, String> {
+        let mut options = defaults.clone();
+        if let Some(format) = &self.format {
+            options.http_format = format.parse::<HttpFormat>().map_err(|e| format!("format: {e}"))?;
+        }
+        if let Some(secrets) = self.signing_secrets {
+            options.signing_secrets = match secrets {
+                OneOrMany::One(one) => vec![Secret::new(one)],
+                OneOrMany::Many(many) => many.into_iter().map(Secret::new).collect(),
+            };
+        }
+        if let Some(headers) = self.headers {
+            options.headers = headers.into_iter().map(|(name, value)| (name, Secret::new(value))).collect();
+        }
+        if let Some(timeout) = &self.timeout {
+            options.timeout = parse_timeout(timeout).map_err(|e| format!("timeout: {e}"))?;
+        }
+        if let Some(prefix) = self.subject_prefix {
+            options.subject_prefix = prefix;
+        }
+        if self.create_stream.is_some() {
+            options.create_stream = self.create_stream;
+        }
+        if let Some(exchange) = self.exchange {
+            options.exchange = exchange;
+        }
+        if self.cloudevents_source.is_some() {
+            options.cloudevents_source = self.cloudevents_source;
+        }
+        let rate_limit = match &self.rate_limit {
+            Some(rate) => Some(crate::parse_rate(rate).map_err(|e| format!("rate_limit: {e}"))?),
+            None => None,
+        };
+        if let Some(concurrency) = self.concurrency {
+            crate::parse_concurrency(&concurrency.to_string()).map_err(|e| format!("concurrency: {e}"))?;
+        }
+        Ok(Destination {
+            name: self.name,
+            pattern: self.pattern,
+            sink: self.sink,
+            options,
+            concurrency: self.concurrency,
+            fixed_concurrency: self.fixed_concurrency,
+            rate_limit,
+        })
+    }
+}
+
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    crate::duration_in(Duration::from_millis(1), outbox_relay::sink::MAX_TIMEOUT)(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_parse_with_and_without_a_name() {
+        let o = SinkOptions::default();
+        let d = parse_route("erp=order.#=https://erp.example/hook?a=b", &o).unwrap();
+        assert_eq!(
+            (d.name.as_str(), d.pattern.as_str(), d.sink.as_str()),
+            ("erp", "order.#", "https://erp.example/hook?a=b")
+        );
+        let d = parse_route("mail.*=stdout", &o).unwrap();
+        assert_eq!((d.name.as_str(), d.pattern.as_str(), d.sink.as_str()), ("mail.*", "mail.*", "stdout"));
+        let d = parse_route("order.#=http://user:p=w@host/x", &o).unwrap();
+        assert_eq!(d.sink, "http://user:p=w@host/x");
+        for bad in ["stdout", "erp=order.#", "erp=order.#=ftp", "=stdout=x"] {
+            let e = parse_route(bad, &o).unwrap_err().to_string();
+            assert!(e.contains("--route"), "{bad}: {e}");
+        }
+        let e = parse_route("erp=order.#=notasink:secret", &o).unwrap_err().to_string();
+        assert!(!e.contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn a_file_gives_each_destination_its_own_options_and_errors_hide_secrets() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("relay.toml");
+        std::fs::write(
+            &path,
+            r##"
+[[destination]]
+name = "erp"
+pattern = "order.#"
+sink = "http://127.0.0.1:1/hook"
+format = "cloudevents"
+signing_secrets = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+headers = { Authorization = "Bearer hidden-token" }
+timeout = "5s"
+concurrency = 8
+rate_limit = "20/s"
+
+[[destination]]
+name = "all"
+pattern = "#"
+sink = "stdout"
+"##,
+        )
+        .unwrap();
+        let defaults = SinkOptions::default();
+        let read = read_file(&path, &defaults).unwrap();
+        assert_eq!(read.len(), 2);
+        assert_eq!(read[0].options.timeout, Duration::from_secs(5));
+        assert_eq!(read[0].options.http_format, HttpFormat::CloudEventsBinary);
+        assert_eq!(read[0].options.signing_secrets.len(), 1);
+        assert_eq!(read[0].concurrency, Some(8));
+        assert_eq!(read[0].rate_limit, Some(20.0));
+        assert_eq!(read[1].options, defaults);
+
+        std::fs::write(&path, "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\ntimout = \"5s\"\n")
+            .unwrap();
+        let e = read_file(&path, &defaults).unwrap_err().to_string();
+        assert!(e.contains("timout") && e.contains("line"), "{e}");
+
+        std::fs::write(&path, "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nheaders = { A = \"Bearer s3cr3t-value\" \n").unwrap();
+        let e = read_file(&path, &defaults).unwrap_err().to_string();
+        assert!(!e.contains("s3cr3t"), "{e}");
+
+        std::fs::write(
+            &path,
+            "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\ntimeout = \"-1s\"\n",
+        )
+        .unwrap();
+        let e = read_file(&path, &defaults).unwrap_err().to_string();
+        assert!(e.contains("destination \"erp\": timeout"), "{e}");
+
+        let e = read_file(&dir.path().join("missing.toml"), &defaults).unwrap_err().to_string();
+        assert!(e.contains("missing.toml"), "{e}");
+    }
+}

@@ -1,0 +1,63 @@
+//! The sweeper: finishes the outbox rows that every destination has passed but none finished.
+//!
+//! A claim finishes the rows it passes when every other destination has passed them already;
+//! a row whose last destination to pass it did not take it (its pattern does not match) is left
+//! for the sweeper, as is one that no destination's pattern matches (it goes to the dead letters
+//! of the destination '', saying so). With one destination that takes every topic, the sweeper
+//! finds nothing. It goes on from where it ended (a transaction id), so it never walks again
+//! over the rows it finished.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::RelayPool;
+use super::config::{Completion, RelayConfig};
+use crate::sql;
+
+/// How often the sweeper looks when its last look found less than a batch.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The sweeper and what it needs.
+pub(crate) struct Sweeper {
+    pub(crate) pool: RelayPool,
+    pub(crate) config: RelayConfig,
+    pub(crate) stop: CancellationToken,
+}
+
+impl Sweeper {
+    pub(crate) async fn run(self) {
+        let batch = i64::try_from(self.config.janitor_batch.max(1)).unwrap_or(i64::MAX);
+        let delete = self.config.completion == Completion::Delete;
+        let mut from = String::from("0");
+        loop {
+            let swept = async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, delete).await };
+            let mut pause = SWEEP_EVERY;
+            match swept.await {
+                Ok(swept) => {
+                    if swept.unrouted > 0 {
+                        tracing::warn!(
+                            events = swept.unrouted,
+                            "events that no destination's pattern matches went to the dead letters (destination ''); \
+                             add a route for them and retry them with outbox-relay dead-letters retry"
+                        );
+                    }
+                    if swept.finished > 0 {
+                        tracing::debug!(events = swept.finished, "finished events every destination passed");
+                    }
+                    if swept.finished >= batch {
+                        pause = Duration::ZERO;
+                    }
+                    if let Some(next) = swept.next {
+                        from = next;
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed; trying again in a second"),
+            }
+            tokio::select! {
+                _ = self.stop.cancelled() => return,
+                _ = tokio::time::sleep(pause) => {}
+            }
+        }
+    }
+}
