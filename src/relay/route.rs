@@ -332,3 +332,46 @@ mod tests {
         assert!(validate_destination_name(&"x".repeat(256)).is_err());
     }
 }
+
+#[cfg(test)]
+mod in_postgres {
+    use super::TopicPattern;
+
+    /// The claims match patterns in SQL, with `('.' || topic) ~ regex`: PostgreSQL's regular
+    /// expressions must say what `matches` says, for every pattern shape.
+    #[tokio::test]
+    async fn the_regular_expressions_match_in_postgresql_as_the_patterns_do() {
+        let db = outbox_relay_testkit::harness::TestDb::new().await;
+        let client = db.client().await;
+        let patterns = ["#", "order.*", "order.#", "#.failed", "a.#.b", "*.*", "*", "a-b:c/d_e.#", "#.#", "x.#.#.y"];
+        let topics = [
+            "order",
+            "order.placed",
+            "order.placed.eu",
+            "orders.placed",
+            "failed",
+            "mail.failed",
+            "a.b",
+            "a.x.y.b",
+            "a.x.y.c",
+            "x",
+            "a-b:c/d_e",
+            "a-b:c/d_e.z",
+            "aXb:c/d_e",
+            "x.y",
+            "x.q.y",
+            "x.q.r.y",
+        ];
+        for pattern in patterns {
+            let p = TopicPattern::parse(pattern).unwrap();
+            for topic in topics {
+                let in_sql: bool = client
+                    .query_one("select $1::text is null or ('.' || $2::text) ~ $1::text", &[&p.dotted_regex(), &topic])
+                    .await
+                    .unwrap()
+                    .get(0);
+                assert_eq!(in_sql, p.matches(topic), "{pattern} against {topic}: regex {:?}", p.dotted_regex());
+            }
+        }
+    }
+}

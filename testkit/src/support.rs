@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use outbox_relay::{
-    Completion, DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics,
+    Completion, DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics, Route,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -93,12 +93,25 @@ impl Deliveries {
 pub struct Running {
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
-    /// Its live counters.
+    /// Its live counters (of its first destination).
     pub metrics: Arc<RelayMetrics>,
+    /// Every destination's live counters, by name.
+    pub destinations: Vec<(String, Arc<RelayMetrics>)>,
 }
 
 /// Starts a relay in the background (`RUST_LOG` shows its logs).
 pub fn start<H: Handler>(outbox: &Outbox, config: RelayConfig, handler: H) -> Running {
+    let relay = Relay::new(outbox, config, handler).expect("valid relay config");
+    run(relay)
+}
+
+/// Starts a relay with several destinations in the background.
+pub fn start_routes<H: Handler>(outbox: &Outbox, config: RelayConfig, routes: Vec<Route<H>>) -> Running {
+    let relay = Relay::with_routes(outbox, config, routes).expect("valid relay config");
+    run(relay)
+}
+
+fn run<H: Handler>(relay: Relay<H>) -> Running {
     // RUST_LOG=outbox_relay=debug shows what the relay does in a failing test.
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt()
@@ -106,13 +119,13 @@ pub fn start<H: Handler>(outbox: &Outbox, config: RelayConfig, handler: H) -> Ru
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
             .try_init();
     }
-    let relay = Relay::new(outbox, config, handler).expect("valid relay config");
     let metrics = relay.metrics();
+    let destinations = relay.destination_metrics();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(relay.run(async move {
         stopped.await.ok();
     }));
-    Running { stop: Some(stop), task, metrics }
+    Running { stop: Some(stop), task, metrics, destinations }
 }
 
 impl Running {
@@ -135,6 +148,12 @@ impl Running {
     /// Its counters now.
     pub fn snapshot(&self) -> MetricsSnapshot {
         self.metrics.snapshot()
+    }
+
+    /// The counters of its destination `name` now.
+    pub fn snapshot_of(&self, name: &str) -> MetricsSnapshot {
+        let (_, metrics) = self.destinations.iter().find(|(n, _)| n == name).expect("a destination of this relay");
+        metrics.snapshot()
     }
 }
 
@@ -223,4 +242,91 @@ pub async fn listen(
     });
     client.batch_execute("listen outbox_relay").await.unwrap();
     (client, rx)
+}
+
+/// A real HTTP receiver (axum on a loopback port) that records each event it accepts, and can go
+/// away (its port refuses connections) and come back on the same port.
+pub struct HttpReceiver {
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    /// Per event id, what it accepted, in order: `(id, key)`.
+    accepted: Arc<Mutex<Vec<(i64, Option<String>)>>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl HttpReceiver {
+    /// Listens on a free loopback port, accepting every request.
+    pub async fn start() -> HttpReceiver {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a loopback port");
+        let addr = listener.local_addr().expect("its address");
+        let mut receiver = HttpReceiver { addr, accepted: Arc::default(), server: None };
+        receiver.serve(listener);
+        receiver
+    }
+
+    fn serve(&mut self, listener: tokio::net::TcpListener) {
+        use axum::http::{HeaderMap, StatusCode};
+        let accepted = self.accepted.clone();
+        let app = axum::Router::new().route(
+            "/hook",
+            axum::routing::post(move |headers: HeaderMap, body: axum::body::Bytes| {
+                let accepted = accepted.clone();
+                async move {
+                    let event: serde_json::Value = serde_json::from_slice(&body).expect("the event's JSON");
+                    let id = headers["outbox-event-id"].to_str().unwrap().parse::<i64>().unwrap();
+                    let key = event["key"].as_str().map(str::to_string);
+                    accepted.lock().unwrap().push((id, key));
+                    StatusCode::OK
+                }
+            }),
+        );
+        self.server = Some(tokio::spawn(async move { axum::serve(listener, app).await.expect("the receiver serves") }));
+    }
+
+    /// Its URL, for an HTTP sink.
+    pub fn url(&self) -> String {
+        format!("http://{}/hook", self.addr)
+    }
+
+    /// Closes the port: connections are refused until [`HttpReceiver::come_back`].
+    pub async fn go_away(&mut self) {
+        if let Some(server) = self.server.take() {
+            server.abort();
+            let _ = server.await;
+        }
+    }
+
+    /// Listens again on the same port.
+    pub async fn come_back(&mut self) {
+        let listener = tokio::net::TcpListener::bind(self.addr).await.expect("the receiver's port again");
+        self.serve(listener);
+    }
+
+    /// How many requests it accepted.
+    pub fn accepted(&self) -> usize {
+        self.accepted.lock().unwrap().len()
+    }
+
+    /// How many times it accepted each event id.
+    pub fn counts(&self) -> HashMap<i64, usize> {
+        let mut counts = HashMap::new();
+        for (id, _) in self.accepted.lock().unwrap().iter() {
+            *counts.entry(*id).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Per key, the ids in the order it first accepted them.
+    pub fn order_by_key(&self) -> HashMap<String, Vec<i64>> {
+        let mut seen = std::collections::HashSet::new();
+        let mut order: HashMap<String, Vec<i64>> = HashMap::new();
+        for (id, key) in self.accepted.lock().unwrap().iter() {
+            if let Some(key) = key
+                && seen.insert(*id)
+            {
+                order.entry(key.clone()).or_default().push(*id);
+            }
+        }
+        order
+    }
 }

@@ -17,6 +17,7 @@ mod orders_service;
 mod pauses;
 mod privileges;
 mod relay;
+mod routes;
 mod sql_publish;
 mod sqlx_publish;
 mod storage;

@@ -1,0 +1,366 @@
+//! Several destinations in one relay (issue 22), against real PostgreSQL and real HTTP receivers:
+//! each destination on its own (an outage, a pause, failures of one leave the others alone), an
+//! event routed to two destinations reaches each once, order per key per destination, and an
+//! event no pattern matches goes to the dead letters, never silently away.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_relay::sink::HttpSink;
+use outbox_relay::{Completion, DeliveryError, Event, Handler, RelayConfig, Route};
+use tokio::time::Instant;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, HttpReceiver, PATIENCE, config, eventually, eventually_within, recorder};
+
+/// Publishes `n` events of `topic`, keyed `<prefix>-<i % keys>`, in one transaction.
+async fn publish(db: &TestDb, topic: &str, n: i64, keys: i64) {
+    db.client()
+        .await
+        .execute(
+            "select outbox_relay.publish($1, jsonb_build_object('n', g), 'k-' || (g % $3::int8)) from generate_series(1, $2::int8) g",
+            &[&topic, &n, &keys],
+        )
+        .await
+        .unwrap();
+}
+
+async fn count(db: &TestDb, sql: &str) -> i64 {
+    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+/// The mailer's receiver refuses connections for 15 s while orders and mails are written in
+/// waves: each wave's orders reach the ERP during the outage, the mailer's breaker opens (and only
+/// its own), nothing is dead-lettered although three attempts would run out in well under a
+/// second, and once the mailer is back it gets every mail, once.
+#[tokio::test]
+async fn two_destinations_one_down_for_15s_the_other_flows_and_nothing_is_dead_lettered() {
+    let db = TestDb::new().await;
+    let erp = HttpReceiver::start().await;
+    let mut mailer = HttpReceiver::start().await;
+    mailer.go_away().await;
+    let cfg = RelayConfig {
+        max_attempts: 3,
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(100),
+        breaker_probe_min: Duration::from_millis(200),
+        breaker_probe_max: Duration::from_secs(1),
+        poll_interval: Duration::from_millis(200),
+        ..config()
+    };
+    let timeout = Duration::from_secs(2);
+    let routes = vec![
+        Route::new("erp", "order.#", HttpSink::new(&erp.url(), timeout).unwrap()).unwrap(),
+        Route::new("mailer", "mail.*", HttpSink::new(&mailer.url(), timeout).unwrap()).unwrap(),
+    ];
+    let relay = support::start_routes(&db.outbox, cfg, routes);
+    let outage = Instant::now();
+    let mut waves: i64 = 0;
+    while outage.elapsed() < Duration::from_secs(15) {
+        publish(&db, "order.placed", 10, 5).await;
+        // Ten keys: the breaker counts distinct events failing in a row, and a key's later
+        // events wait behind its head.
+        publish(&db, "mail.send", 10, 10).await;
+        waves += 1;
+        let wanted = 10 * waves as usize;
+        eventually("this wave's orders at the ERP while the mailer is down", || async { erp.accepted() >= wanted })
+            .await;
+        tokio::time::sleep(Duration::from_secs(1)).await; // the waves' pace over the outage
+    }
+    assert!(waves >= 10, "the waves spread over the outage: {waves}");
+    assert!(relay.snapshot_of("mailer").breaker_open, "{:?}", relay.snapshot_of("mailer"));
+    let erp_side = relay.snapshot_of("erp");
+    assert!(!erp_side.breaker_open && erp_side.breaker_opens == 0, "the ERP's breaker never opened: {erp_side:?}");
+    assert_eq!(mailer.accepted(), 0);
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!(stats.dead_letters, 0, "nothing dead-lettered during the outage: {stats:?}");
+    assert!(stats.max_attempts < 3, "the outage consumed no attempt: {stats:?}");
+    let shown = db.outbox.destinations().await.unwrap();
+    let mail = shown.iter().find(|d| d.name == "mailer").unwrap();
+    assert_eq!(
+        mail.new + mail.due + mail.delayed + mail.in_flight,
+        10 * waves,
+        "status shows the mails waiting: {mail:?}"
+    );
+
+    mailer.come_back().await;
+    eventually_within("every mail delivered", PATIENCE, || async { mailer.counts().len() as i64 == 10 * waves }).await;
+    relay.stop().await;
+    assert!(erp.counts().values().all(|n| *n == 1), "each order reached the ERP once");
+    assert!(mailer.counts().values().all(|n| *n == 1), "each mail reached the mailer once");
+    assert_eq!(erp.counts().len() as i64, 10 * waves);
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
+}
+
+/// One event whose topic two patterns match reaches both destinations once; another only the
+/// one whose pattern matches it; then nothing is left (completion delete): the outbox rows are
+/// finished once both destinations passed them, by a claim or by the sweeper.
+#[tokio::test]
+async fn an_event_routed_to_two_destinations_reaches_each_once_and_then_nothing_is_left() {
+    let db = TestDb::new().await;
+    let (erp, mut to_erp) = recorder();
+    let (audit, mut to_audit) = recorder();
+    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let routes = vec![
+        Route::new("erp", "order.*", erp.labelled("erp")).unwrap(),
+        Route::new("audit", "#", audit.labelled("audit")).unwrap(),
+    ];
+    let relay = support::start_routes(&db.outbox, cfg, routes);
+    publish(&db, "order.placed", 1, 1).await;
+    publish(&db, "user.created", 1, 1).await;
+    let order = to_erp.next().await;
+    assert_eq!(order.event.topic, "order.placed");
+    let mut at_audit: Vec<String> = to_audit.take(2).await.into_iter().map(|d| d.event.topic).collect();
+    at_audit.sort();
+    assert_eq!(at_audit, ["order.placed", "user.created"]);
+    eventually("both outbox rows finished", || async {
+        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(to_erp.counts().values().copied().collect::<Vec<_>>(), [1], "the ERP got the order once");
+    assert!(to_audit.counts().values().all(|n| *n == 1) && to_audit.counts().len() == 2);
+    assert!(to_erp.is_empty() && to_audit.is_empty());
+    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
+
+/// A pause of one destination holds only its events, survives a restart of the relay (it lives
+/// in the database), and once lifted every held event goes out, once.
+#[tokio::test]
+async fn a_paused_destination_stays_paused_across_a_restart_while_the_other_delivers() {
+    let db = TestDb::new().await;
+    let (erp, mut to_erp) = recorder();
+    let (mailer, mut to_mailer) = recorder();
+    let routes = |erp: &support::Recorder, mailer: &support::Recorder| {
+        vec![
+            Route::new("erp", "order.#", erp.clone()).unwrap(),
+            Route::new("mailer", "mail.#", mailer.clone()).unwrap(),
+        ]
+    };
+    assert!(db.outbox.pause_destination("mailer", None).await.unwrap());
+    let relay = support::start_routes(&db.outbox, config(), routes(&erp, &mailer));
+    publish(&db, "order.placed", 5, 5).await;
+    publish(&db, "mail.send", 5, 5).await;
+    to_erp.take(5).await;
+    eventually("the ERP's position past the mails too", || async {
+        let d = db.outbox.destinations().await.unwrap();
+        let erp = d.iter().find(|d| d.name == "erp").unwrap();
+        let mail = d.iter().find(|d| d.name == "mailer").unwrap();
+        erp.new == 0 && mail.new == 5 && mail.paused
+    })
+    .await;
+    assert!(to_mailer.is_empty(), "the paused mailer got nothing");
+    relay.stop().await;
+
+    let relay = support::start_routes(&db.outbox, config(), routes(&erp, &mailer));
+    publish(&db, "order.placed", 5, 5).await;
+    publish(&db, "mail.send", 5, 5).await;
+    to_erp.take(5).await;
+    eventually("the restarted relay's ERP side idle again", || async {
+        db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "erp" && d.new == 0)
+    })
+    .await;
+    assert!(to_mailer.is_empty(), "still paused after the restart");
+    let pauses = db.outbox.pauses().await.unwrap();
+    assert_eq!(pauses.len(), 1);
+    assert_eq!((pauses[0].destination.as_deref(), pauses[0].topic.as_deref()), (Some("mailer"), None));
+
+    assert!(db.outbox.resume_destination("mailer", None).await.unwrap());
+    let mails = to_mailer.take(10).await;
+    assert!(mails.iter().all(|d| d.event.topic == "mail.send"));
+    relay.stop().await;
+    assert!(to_mailer.counts().values().all(|n| *n == 1) && to_mailer.counts().len() == 10);
+    assert!(to_erp.counts().values().all(|n| *n == 1) && to_erp.counts().len() == 10);
+}
+
+/// Per destination, successful deliveries in the order they happened, and the failures.
+#[derive(Clone, Default)]
+struct Log(Arc<Mutex<Vec<(i64, String)>>>, Arc<std::sync::atomic::AtomicUsize>);
+
+impl Log {
+    fn push(&self, event: &Event) {
+        self.0.lock().unwrap().push((event.id, event.key.clone().unwrap_or_default()));
+    }
+
+    fn refuse(&self, why: &str) -> Result<(), DeliveryError> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Err(DeliveryError::transient(why))
+    }
+
+    fn refused(&self) -> usize {
+        self.1.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn by_key(&self) -> HashMap<String, Vec<i64>> {
+        let mut by_key: HashMap<String, Vec<i64>> = HashMap::new();
+        for (id, key) in self.0.lock().unwrap().iter() {
+            by_key.entry(key.clone()).or_default().push(*id);
+        }
+        by_key
+    }
+
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+}
+
+/// A destination that refuses the attempts `refuses` picks, and logs the others.
+struct Flaky {
+    log: Log,
+    refuses: fn(&Event) -> bool,
+}
+
+impl Handler for Flaky {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        if (self.refuses)(event) {
+            return self.log.refuse("the destination refuses this attempt");
+        }
+        self.log.push(event);
+        Ok(())
+    }
+}
+
+/// Both destinations take every event; each fails some events' first attempts (a different set
+/// each). Per destination every event is delivered, once, and each key's events in id order:
+/// a failing event holds its key at that destination only.
+#[tokio::test]
+async fn order_per_key_holds_per_destination_under_failures() {
+    let db = TestDb::new().await;
+    let (a_log, b_log) = (Log::default(), Log::default());
+    let a = Flaky { log: a_log.clone(), refuses: |event| event.id % 3 == 0 && event.attempts == 1 };
+    let b = Flaky { log: b_log.clone(), refuses: |event| event.id % 4 == 1 && event.attempts <= 2 };
+    let cfg = RelayConfig { batch_size: 16, breaker_threshold: 0, ..config() };
+    let routes = vec![Route::new("a", "order.#", a).unwrap(), Route::new("b", "#", b).unwrap()];
+    let relay = support::start_routes(&db.outbox, cfg, routes);
+    for _ in 0..4 {
+        publish(&db, "order.placed", 50, 10).await;
+    }
+    eventually_within("every event at both destinations", PATIENCE, || async {
+        a_log.len() == 200 && b_log.len() == 200
+    })
+    .await;
+    relay.stop().await;
+    for (name, log) in [("a", &a_log), ("b", &b_log)] {
+        let by_key = log.by_key();
+        assert_eq!(by_key.len(), 10, "{name}");
+        for (key, ids) in by_key {
+            assert!(ids.windows(2).all(|w| w[0] < w[1]), "{name}: key {key} out of order or twice: {ids:?}");
+        }
+    }
+    assert!(a_log.refused() >= 66 && b_log.refused() >= 100, "every planned failure happened");
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
+
+/// An event that no destination's pattern matches is not dropped: it goes to the dead letters
+/// of the destination '' saying so, `queue_stats` counts it, and once a route for it exists a
+/// retry delivers it.
+#[tokio::test]
+async fn an_event_no_route_matches_goes_to_the_dead_letters_and_a_retry_delivers_it() {
+    let db = TestDb::new().await;
+    let (erp, mut to_erp) = recorder();
+    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("erp", "order.#", erp.clone()).unwrap()]);
+    publish(&db, "user.created", 1, 1).await;
+    publish(&db, "order.placed", 1, 1).await;
+    to_erp.next().await;
+    eventually("the unrouted event in the dead letters", || async {
+        db.outbox.queue_stats().await.unwrap().unrouted == 1
+    })
+    .await;
+    relay.stop().await;
+    let dead = db.outbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].destination.as_str(), dead[0].topic.as_str()), ("", "user.created"));
+    assert!(
+        dead[0].last_error.contains("no destination's pattern matches") && dead[0].last_error.contains("erp order.#")
+    );
+
+    let (users, mut to_users) = recorder();
+    let routes = vec![Route::new("erp", "order.#", erp).unwrap(), Route::new("users", "user.*", users).unwrap()];
+    let relay = support::start_routes(&db.outbox, config(), routes);
+    eventually("the new destination registered", || async {
+        db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "users" && d.relays == 1)
+    })
+    .await;
+    let uuid: uuid::Uuid = db
+        .client()
+        .await
+        .query_one("select uuid from outbox_relay.dead_letters where id = $1", &[&dead[0].id])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(db.outbox.retry_dead_letters(&[dead[0].id]).await.unwrap(), [dead[0].id]);
+    let revived = to_users.next().await;
+    assert_eq!((revived.event.id, revived.event.uuid), (dead[0].id, uuid), "the same event, id and uuid kept");
+    relay.stop().await;
+    assert!(to_erp.is_empty(), "the ERP's pattern does not match it");
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+}
+
+/// A destination added to a database that another destination has delivered from starts where
+/// that one is (it does not get the events delivered before it existed); a destination that
+/// no relay serves any more keeps the outbox's rows until it is dropped, and dropping it lets
+/// them go.
+#[tokio::test]
+async fn a_new_destination_starts_where_the_others_are_and_dropping_one_lets_its_events_go() {
+    let db = TestDb::new().await;
+    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let (a, mut to_a) = recorder();
+    let relay = support::start_routes(&db.outbox, cfg.clone(), vec![Route::new("a", "#", a.clone()).unwrap()]);
+    publish(&db, "order.placed", 5, 5).await;
+    to_a.take(5).await;
+    relay.stop().await;
+    publish(&db, "order.placed", 5, 5).await;
+    let (b, mut to_b) = recorder();
+    let routes = vec![Route::new("a", "#", a.clone()).unwrap(), Route::new("b", "#", b).unwrap()];
+    let relay = support::start_routes(&db.outbox, cfg.clone(), routes);
+    let later: Vec<i64> = to_a.take(5).await.into_iter().map(|d| d.event.id).collect();
+    let mut at_b: Vec<i64> = to_b.take(5).await.into_iter().map(|d| d.event.id).collect();
+    at_b.sort();
+    let mut later_sorted = later.clone();
+    later_sorted.sort();
+    assert_eq!(at_b, later_sorted, "b starts where a was: the five events written while no relay ran");
+    relay.stop().await;
+
+    // Only a runs now: b's position keeps what a delivered, until b is dropped.
+    let relay = support::start_routes(&db.outbox, cfg, vec![Route::new("a", "#", a).unwrap()]);
+    publish(&db, "order.placed", 3, 3).await;
+    to_a.take(3).await;
+    eventually("b shown waiting, with no relay", || async {
+        db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "b" && d.new == 3 && d.relays == 0)
+    })
+    .await;
+    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 3, "kept for b");
+    assert_eq!(db.outbox.drop_destination("b").await.unwrap(), 0);
+    eventually("the rows finished once b is gone", || async {
+        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    assert!(db.outbox.drop_destination("b").await.unwrap_err().to_string().contains("no destination is named"));
+    relay.stop().await;
+    assert!(to_b.is_empty());
+}
+
+/// Bad routes are refused when the relay is built, naming the problem.
+#[tokio::test]
+async fn bad_routes_are_refused_naming_the_problem() {
+    let db = TestDb::new().await;
+    let (r, _) = recorder();
+    let e = Route::new("erp", "order..placed", r.clone()).unwrap_err().to_string();
+    assert!(e.contains("word 2 is empty"), "{e}");
+    let e = Route::new("e r p", "#", r.clone()).unwrap_err().to_string();
+    assert!(e.contains("not allowed"), "{e}");
+    let twice = vec![Route::new("erp", "#", r.clone()).unwrap(), Route::new("erp", "order.*", r.clone()).unwrap()];
+    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), twice).err().unwrap().to_string();
+    assert!(e.contains("two routes are named \"erp\""), "{e}");
+    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), Vec::<Route<support::Recorder>>::new())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("at least one route"), "{e}");
+    let zero = Route::new("erp", "#", r).unwrap().concurrency(0);
+    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), vec![zero]).err().unwrap().to_string();
+    assert!(e.contains("route \"erp\"") && e.contains("concurrency"), "{e}");
+}
