@@ -137,6 +137,9 @@ struct Report {
     keyed_drain: f64,
     receivers: ReceiversReport,
     stdout_throughput: f64,
+    /// The same events, every one to each of two such destinations (events per second drained,
+    /// each delivered twice).
+    stdout_two_destinations: f64,
     /// The JetStream drain, or why it was skipped.
     nats_throughput: Result<f64, String>,
     trickle: TrickleReport,
@@ -337,21 +340,24 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     // Alternately, so that the machine's drift hits both alike; the medians are compared.
     let sinks = DrainSetup::defaults(args.events);
     progress(format!(
-        "{} events to the stdout sink's work (to /dev/null) and to NATS JetStream at {}, alternately, {ROUNDS} rounds",
+        "{} events to the stdout sink's work (to /dev/null), to two such destinations (every event to each) and to NATS JetStream at {}, alternately, {ROUNDS} rounds",
         sinks.events, args.nats_url
     ));
     let nats = bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await?;
     if let Err(why) = &nats {
         eprintln!("  NATS skipped: {why}");
     }
-    let (mut stdout_rates, mut nats_rates) = (Vec::new(), Vec::new());
+    let (mut stdout_rates, mut two_rates, mut nats_rates) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
         stdout_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, bench::DevNullLines).await?));
+        let two = bench::drain_to_each(&outbox, sinks, &["stdout-a", "stdout-b"], bench::DevNullLines).await?;
+        two_rates.push(rate(sinks.events, two));
         if let Ok(sink) = &nats {
             nats_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, sink.clone()).await?));
         }
     }
     let stdout_throughput = median(&mut stdout_rates);
+    let stdout_two_destinations = median(&mut two_rates);
     let nats_throughput = nats.map(|_| median(&mut nats_rates));
 
     progress(format!(
@@ -399,6 +405,7 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         keyed_drain,
         receivers,
         stdout_throughput,
+        stdout_two_destinations,
         nats_throughput,
         trickle,
         trickle_latency,
@@ -452,6 +459,8 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "drain_keyed_events_per_s": rounded(r.keyed_drain, 1),
         "drain_keys": KEYS,
         "stdout_events_per_s": rounded(r.stdout_throughput, 1),
+        "stdout_two_destinations_events_per_s": rounded(r.stdout_two_destinations, 1),
+        "stdout_two_destinations_share_of_one": rounded(r.stdout_two_destinations / r.stdout_throughput, 3),
         "nats_events_per_s": r.nats_throughput.as_ref().ok().map(|v| rounded(*v, 1)),
         "nats_share_of_stdout": r.nats_throughput.as_ref().ok().map(|v| rounded(v / r.stdout_throughput, 3)),
         "trickle_events_per_s": TRICKLE_RATE,
@@ -646,6 +655,12 @@ fn print_table(args: &BenchArgs, r: &Report) {
         "  {:<44}{:>12} events/s (median of {ROUNDS})",
         "to the stdout sink's work (/dev/null)",
         grouped(r.stdout_throughput)
+    );
+    println!(
+        "  {:<44}{:>12} events/s (median of {ROUNDS}; {:.0} % of one; each event delivered twice)",
+        "to two such destinations, every event to each",
+        grouped(r.stdout_two_destinations),
+        r.stdout_two_destinations / r.stdout_throughput * 100.0
     );
     match &r.nats_throughput {
         Ok(nats) => println!(

@@ -455,9 +455,14 @@ impl<H: Handler> Claimer<H> {
             } else {
                 let delivery = self.deliver(&events);
                 tokio::pin!(delivery);
-                let decided: Vec<(i64, i32)> = outcomes.events.iter().map(|(id, attempt, _)| (*id, *attempt)).collect();
-                let results =
-                    self.while_delivering(delivery, &mut held, &events, &decided, &parked, token, claimed_at).await;
+                // The rows no handler can be given too: their outcome is recorded by a lease's
+                // token like the others'.
+                let claimed: Vec<(i64, i32)> = events
+                    .iter()
+                    .map(|e| (e.id, e.attempts))
+                    .chain(outcomes.events.iter().map(|(id, attempt, _)| (*id, *attempt)))
+                    .collect();
+                let results = self.while_delivering(delivery, &mut held, &claimed, &parked, token, claimed_at).await;
                 match results {
                     // Cut off at shutdown: the events go back, the attempt not counted.
                     None => outcomes.release_all(&events),
@@ -494,8 +499,7 @@ impl<H: Handler> Claimer<H> {
         &self,
         mut delivery: F,
         held: &mut Option<Held>,
-        events: &[Event],
-        decided: &[(i64, i32)],
+        claimed: &[(i64, i32)],
         parked: &HashSet<i64>,
         token: i64,
         claimed_at: Instant,
@@ -504,20 +508,13 @@ impl<H: Handler> Claimer<H> {
         // With `hold` zero the claim was leased when it was claimed.
         let mut next = claimed_at + if held.is_some() { self.config.effective_hold() } else { renew_every };
         let mut leased = held.is_none();
-        let mut claimed: Vec<(i64, i32)> = Vec::new();
-        let mut ids: Vec<i64> = Vec::new();
+        let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
         loop {
             tokio::select! {
                 done = &mut delivery => return done,
                 () = tokio::time::sleep_until(next) => {
-                    if claimed.is_empty() {
-                        // The rows no handler can be given too: their outcome is recorded by the
-                        // lease's token like the others'.
-                        claimed = events.iter().map(|e| (e.id, e.attempts)).chain(decided.iter().copied()).collect();
-                        ids = claimed.iter().map(|(id, _)| *id).collect();
-                    }
                     match held.take() {
-                        Some(claim) => leased = self.lease(claim, &claimed, parked, token).await,
+                        Some(claim) => leased = self.lease(claim, claimed, parked, token).await,
                         None if leased => leased = self.renew(&ids, token).await,
                         None => {}
                     }

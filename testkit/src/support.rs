@@ -244,13 +244,16 @@ pub async fn listen(
     (client, rx)
 }
 
+/// An event an [`HttpReceiver`] accepted: its id and key.
+type Accepted = (i64, Option<String>);
+
 /// A real HTTP receiver (axum on a loopback port) that records each event it accepts, and can go
 /// away (its port refuses connections) and come back on the same port.
 pub struct HttpReceiver {
     /// Where it listens.
     pub addr: std::net::SocketAddr,
-    /// Per event id, what it accepted, in order: `(id, key)`.
-    accepted: Arc<Mutex<Vec<(i64, Option<String>)>>>,
+    /// What it accepted, in order.
+    accepted: Arc<Mutex<Vec<Accepted>>>,
     server: Option<tokio::task::JoinHandle<()>>,
 }
 

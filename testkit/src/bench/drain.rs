@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::{Completion, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, handler_fn};
+use outbox_relay::{
+    Completion, DEFAULT_DESTINATION, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, Route, handler_fn,
+};
 use tokio::sync::oneshot;
 
 use super::latency::stop_relay;
@@ -91,6 +93,18 @@ pub async fn drain_with<H: Handler>(
     Ok(drain_measured(outbox, setup, config, handler).await?.elapsed)
 }
 
+/// [`drain_to`] with one destination per name, each taking every event (pattern `#`) and
+/// delivering to a clone of `handler`: done when every destination has recorded every event.
+pub async fn drain_to_each<H: Handler + Clone>(
+    outbox: &Outbox,
+    setup: DrainSetup,
+    names: &[&str],
+    handler: H,
+) -> Result<Duration, BoxError> {
+    let routes = names.iter().map(|name| Route::new(*name, "#", handler.clone())).collect::<Result<Vec<_>, _>>()?;
+    Ok(drain_routes(outbox, setup, setup.config(), routes).await?.elapsed)
+}
+
 /// A drain's figures.
 pub(super) struct Drained {
     /// When the relay was started.
@@ -108,13 +122,25 @@ pub(super) async fn drain_measured<H: Handler>(
     config: RelayConfig,
     handler: H,
 ) -> Result<Drained, BoxError> {
+    drain_routes(outbox, setup, config, vec![Route::new(DEFAULT_DESTINATION, "#", handler)?]).await
+}
+
+/// [`drain_measured`] with several destinations: done when each has recorded every event its
+/// pattern matches (each must match every event); the metrics are the first destination's.
+async fn drain_routes<H: Handler>(
+    outbox: &Outbox,
+    setup: DrainSetup,
+    config: RelayConfig,
+    routes: Vec<Route<H>>,
+) -> Result<Drained, BoxError> {
     if setup.events == 0 {
         return Err("a drain needs at least one event".into());
     }
     config.validate()?;
     prefill(outbox, setup.events, setup.keys).await?;
-    let relay = Relay::new(outbox, config, handler)?;
+    let relay = Relay::with_routes(outbox, config, routes)?;
     let metrics = relay.metrics();
+    let all: Vec<_> = relay.destination_metrics().into_iter().map(|(_, m)| m).collect();
     let (shutdown, stop) = oneshot::channel::<()>();
     let events = setup.events as u64;
 
@@ -125,7 +151,7 @@ pub(super) async fn drain_measured<H: Handler>(
     let limit = DRAIN_TIMEOUT_BASE + DRAIN_TIMEOUT_PER_EVENT * u32::try_from(setup.events).unwrap_or(u32::MAX);
     // Done when the relay has recorded every delivery (checked every millisecond).
     let drained = tokio::time::timeout(limit, async {
-        while metrics.snapshot().delivered < events {
+        while all.iter().any(|m| m.snapshot().delivered < events) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     })
@@ -147,11 +173,20 @@ pub(super) async fn drain_measured<H: Handler>(
     Ok(Drained { started, elapsed, metrics: snapshot })
 }
 
-/// Empties the outbox and fills it with `events` deliverable events (over `keys` keys, or
-/// none), then vacuums and analyzes it.
+/// Empties the outbox and the destinations (each drain's relay registers its own, starting from
+/// the origin: one left by another drain would keep the rows this one's claims finish), and
+/// fills the outbox with `events` deliverable events (over `keys` keys, or none), then vacuums
+/// and analyzes it.
 async fn prefill(outbox: &Outbox, events: usize, keys: Option<usize>) -> Result<(), BoxError> {
     let client = outbox.connection().await?;
-    client.batch_execute("truncate outbox_relay.outbox").await.map_err(db("truncating the outbox"))?;
+    client
+        .batch_execute(
+            "truncate outbox_relay.outbox, outbox_relay.parked;
+             delete from outbox_relay.destinations;
+             delete from outbox_relay.positions where destination <> ''",
+        )
+        .await
+        .map_err(db("truncating the outbox"))?;
     let keys = keys.map(i64::try_from).transpose()?;
     client.execute(PREFILL_SQL, &[&i64::try_from(events)?, &keys]).await.map_err(db("pre-filling the outbox"))?;
     client.batch_execute("vacuum analyze outbox_relay.outbox").await.map_err(db("vacuuming the outbox"))?;

@@ -98,7 +98,7 @@ mod write;
 pub use outbox_relay::Percentiles;
 
 pub use self::drain::{
-    ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_with,
+    ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_to_each, drain_with,
 };
 pub use self::held::{HELD_WRITERS, HeldReport, HeldSnapshot, Phase, held_snapshot};
 pub use self::latency::{LatencyProbe, WakePath, latency};
