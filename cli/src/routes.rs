@@ -159,7 +159,7 @@ pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Desti
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| UsageError(format!("--config {shown}: {e}")))?;
     let file: File = toml::from_str(&text).map_err(|e| {
-        let line = e.span().map(|span| text[..span.start.min(text.len())].lines().count().max(1));
+        let line = e.span().map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
         let at = line.map_or(String::new(), |line| format!(" (line {line})"));
         // The message only: the error's own rendering quotes the line, which may hold a secret.
         UsageError(format!("--config {shown}{at}: {}", e.message().trim()))

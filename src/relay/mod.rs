@@ -203,12 +203,25 @@ impl<H: Handler> Relay<H> {
         }
         let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
         services.spawn(sweeper.run().instrument(tracing::info_span!("sweeper")));
-        let engines = routes.into_iter().zip(metrics).map(|(route, metrics)| {
+        // Every destination registered before any claims: new ones start at one same position.
+        let mut shutdown = std::pin::pin!(shutdown);
+        let registered = tokio::select! {
+            registered = register(&pool, &routes) => Some(registered),
+            () = &mut shutdown => None,
+        };
+        let Some(registered) = registered else {
+            stop.cancel();
+            drain(&mut services).await;
+            pool.pool.close();
+            tracing::info!("relay stopped before its destinations were registered");
+            return Ok(());
+        };
+        let engines = routes.into_iter().zip(metrics).zip(registered).map(|((route, metrics), to)| {
             let span = tracing::info_span!("destination", name = %route.name);
             let engine = Engine {
                 config: route.config(&config),
                 name: route.name,
-                pattern: route.pattern,
+                to,
                 handler: route.handler,
                 metrics,
                 pool: pool.clone(),
@@ -237,7 +250,8 @@ impl<H: Handler> Relay<H> {
 /// limits and pauses.
 struct Engine<H> {
     name: String,
-    pattern: TopicPattern,
+    /// The destination as registered.
+    to: sql::Destination,
     config: RelayConfig,
     handler: H,
     metrics: Arc<RelayMetrics>,
@@ -246,14 +260,9 @@ struct Engine<H> {
 }
 
 impl<H: Handler> Engine<H> {
-    /// Registers the destination (again and again while the database does not answer), then
-    /// delivers to it until `stop`.
+    /// Delivers to the destination until `stop`.
     async fn run(self, stop: CancellationToken) {
-        let Engine { name, pattern, config, handler, metrics, pool, outbox } = self;
-        let to = tokio::select! {
-            _ = stop.cancelled() => return,
-            to = register(&pool, &name, &pattern) => to,
-        };
+        let Engine { name, to, config, handler, metrics, pool, outbox } = self;
         let url = pool.url.clone();
         let abort = CancellationToken::new();
         let work = Arc::new(Notify::new());
@@ -374,24 +383,30 @@ impl<H: Handler> Engine<H> {
     }
 }
 
-/// Registers the destination `name`, trying again with capped backoff while the database does
-/// not answer.
-async fn register(pool: &RelayPool, name: &str, pattern: &TopicPattern) -> sql::Destination {
+/// Registers every route's destination, trying again with capped backoff while the database
+/// does not answer.
+async fn register<H>(pool: &RelayPool, routes: &[Route<H>]) -> Vec<sql::Destination> {
+    let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
+    let all: Vec<sql::ToRegister<'_>> = routes
+        .iter()
+        .zip(&regexes)
+        .map(|(r, regex)| sql::ToRegister { name: &r.name, pattern: r.pattern.as_str(), topic_regex: regex.as_deref() })
+        .collect();
     let mut failures = 0;
     loop {
-        let registered = async {
-            let mut client = pool.client().await?;
-            sql::register_destination(&mut client, name, pattern.as_str(), pattern.dotted_regex().as_deref()).await
-        };
+        let registered = async { sql::register_destinations(&mut pool.client().await?, &all).await };
         match registered.await {
             Ok(registered) => {
-                if registered.new {
-                    tracing::info!(pattern = %pattern, "destination registered: it starts with the events no destination has passed yet");
+                for (r, route) in registered.iter().zip(routes) {
+                    let _span = tracing::info_span!("destination", name = %route.name).entered();
+                    if r.new {
+                        tracing::info!(pattern = %route.pattern, "destination registered: it starts with the events no destination has passed yet");
+                    }
+                    if let Some(was) = &r.pattern_was {
+                        tracing::warn!(pattern = %route.pattern, was = %was, "the destination's topic pattern changed");
+                    }
                 }
-                if let Some(was) = registered.pattern_was {
-                    tracing::warn!(pattern = %pattern, was = %was, "the destination's topic pattern changed");
-                }
-                return registered.destination;
+                return registered.into_iter().map(|r| r.destination).collect();
             }
             Err(e) => {
                 failures += 1;
@@ -402,7 +417,7 @@ async fn register(pool: &RelayPool, name: &str, pattern: &TopicPattern) -> sql::
                     0.5,
                     rand::random(),
                 );
-                tracing::warn!(error = %e, retry_in = ?pause, "registering the destination failed; trying again");
+                tracing::warn!(error = %e, retry_in = ?pause, "registering the destinations failed; trying again");
                 tokio::time::sleep(pause).await;
             }
         }

@@ -1,7 +1,7 @@
 //! Destinations: registering them, finishing what every destination has passed, and dropping one
 //! (migration 0012).
 
-use super::{Db, all, count, one};
+use super::{Db, all as all_rows, count, one};
 use crate::error::Result;
 use crate::sql::Destination;
 
@@ -64,71 +64,92 @@ pub(crate) struct Registered {
     pub(crate) new: bool,
 }
 
-/// Registers the destination `name` with `pattern` (as a regular expression over the topic:
-/// `topic_regex`, `None` for every topic), or finds it and sets its pattern; in its own
-/// transaction.
-pub(crate) async fn register_destination(
+/// One destination to register: its name, its pattern, and the pattern as a regular expression
+/// over the topic (`None` for every topic).
+pub(crate) struct ToRegister<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) pattern: &'a str,
+    pub(crate) topic_regex: Option<&'a str>,
+}
+
+/// Registers the destinations `all`, or finds them and sets their patterns, in one transaction:
+/// the new ones start at one same position (so that none of a relay's destinations misses what
+/// another of them claims first).
+pub(crate) async fn register_destinations(
     client: &mut deadpool_postgres::Object,
-    name: &str,
-    pattern: &str,
-    topic_regex: Option<&str>,
-) -> Result<Registered> {
-    let tx = client.transaction().await.map_err(|e| crate::error::Error::database("registering a destination", e))?;
-    count(&tx, DESTINATIONS_LOCK, &[], "registering a destination").await?;
-    let found = all(&tx, DESTINATION_GET, &[&name], "registering a destination").await?;
-    let registered = match found.first() {
-        Some(row) => {
-            let was: String = row.get(1);
-            let changed = was != pattern;
-            if changed {
-                count(&tx, DESTINATION_SET_PATTERN, &[&name, &pattern, &topic_regex], "registering a destination")
-                    .await?;
+    all: &[ToRegister<'_>],
+) -> Result<Vec<Registered>> {
+    let fail = |e| crate::error::Error::database("registering the destinations", e);
+    let tx = client.transaction().await.map_err(fail)?;
+    count(&tx, DESTINATIONS_LOCK, &[], "registering the destinations").await?;
+    let mut registered = Vec::with_capacity(all.len());
+    let mut waited = false;
+    for to in all {
+        let found = all_rows(&tx, DESTINATION_GET, &[&to.name], "registering a destination").await?;
+        let (lock_id, pattern_was, new) = match found.first() {
+            Some(row) => {
+                let was: String = row.get(1);
+                let changed = was != to.pattern;
+                if changed {
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+                        [&to.name, &to.pattern, &to.topic_regex];
+                    count(&tx, DESTINATION_SET_PATTERN, &params, "registering a destination").await?;
+                }
+                (row.get(3), changed.then_some(was), false)
             }
-            Registered {
-                destination: Destination {
-                    name: name.to_string(),
-                    lock_id: row.get(3),
-                    topic_regex: topic_regex.map(str::to_string),
-                },
-                pattern_was: changed.then_some(was),
-                new: false,
+            None => {
+                if !waited {
+                    one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
+                    waited = true;
+                }
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&to.name, &to.pattern, &to.topic_regex];
+                (one(&tx, DESTINATION_INSERT, &params, "registering a destination").await?.get(0), None, true)
             }
-        }
-        None => {
-            one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
-            let row =
-                one(&tx, DESTINATION_INSERT, &[&name, &pattern, &topic_regex], "registering a destination").await?;
-            Registered {
-                destination: Destination {
-                    name: name.to_string(),
-                    lock_id: row.get(0),
-                    topic_regex: topic_regex.map(str::to_string),
-                },
-                pattern_was: None,
-                new: true,
-            }
-        }
-    };
-    tx.commit().await.map_err(|e| crate::error::Error::database("registering a destination", e))?;
+        };
+        registered.push(Registered {
+            destination: Destination {
+                name: to.name.to_string(),
+                lock_id,
+                topic_regex: to.topic_regex.map(str::to_string),
+            },
+            pattern_was,
+            new,
+        });
+    }
+    tx.commit().await.map_err(fail)?;
     Ok(registered)
 }
 
-/// Finishes the outbox rows below the horizon, the oldest transaction that some destination's
-/// position has not passed: deletes them (`$3`) or marks them processed, from the transaction
-/// `$1` on (where the last sweep ended), at most `$2`. A row that no destination's pattern matches
-/// goes to the dead letters of the destination '' instead, saying so. Returns how many rows it
-/// finished, how many of those went to the dead letters, and where the next sweep starts.
+/// Finishes the outbox rows that every registered destination has passed: deletes them (`$3`)
+/// or marks them processed, from the transaction `$1` on (where the last sweep ended), at most
+/// `$2`. A destination has passed an event when its newest position's snapshot sees the event's
+/// transaction, or the event is in the position's cut delta at or below `after_id` (as in
+/// `OUTBOX_FINISH`). Below the horizon (the oldest transaction some position's snapshot does not
+/// see as ended) every row is passed; from there to the lowest xmax, each row is tested. A row
+/// that no destination's pattern matches goes to the dead letters of the destination '' instead,
+/// saying so. Returns how many rows it finished, how many of those went to the dead letters, and
+/// where the next sweep starts: the horizon, or, after a full batch, the last row it took if that
+/// is lower (no row it left behind is skipped).
 const OUTBOX_SWEEP: &str = "\
-with horizon as materialized (
-    select min(pg_snapshot_xmin(case when p.after_id is null then p.snapshot else p.since end)) as h
+with newest as materialized (
+    select p.since, p.snapshot, p.after_id
       from outbox_relay.destinations d cross join lateral (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p
 ),
+horizon as materialized (
+    select min(pg_snapshot_xmin(case when after_id is null then snapshot else since end)) as h,
+           min(pg_snapshot_xmax(snapshot)) as top
+      from newest
+),
 gone as materialized (
     select e.id, e.xid, e.uuid, e.topic, e.key, e.payload, e.created_at, e.attempts
       from outbox_relay.outbox e, horizon h
-     where e.xid >= $1::text::xid8 and e.xid < h.h and e.processed_at is null
+     where e.xid >= $1::text::xid8 and e.xid < h.top and e.processed_at is null
+       and not exists (
+        select 1 from newest p
+         where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
      order by e.xid limit $2
        for update of e skip locked
 ),
@@ -154,7 +175,7 @@ marked as (
     returning 1
 )
 select (select count(*) from gone), (select count(*) from unrouted),
-       case when (select count(*) from gone) >= $2 then (select max(xid) from gone)
+       case when (select count(*) from gone) >= $2 then least((select max(xid) from gone), (select h from horizon))
             else (select h from horizon) end::text";
 
 /// What one sweep did.

@@ -364,3 +364,31 @@ async fn bad_routes_are_refused_naming_the_problem() {
     let e = outbox_relay::Relay::with_routes(&db.outbox, config(), vec![zero]).err().unwrap().to_string();
     assert!(e.contains("route \"erp\"") && e.contains("concurrency"), "{e}");
 }
+
+/// The sweeper finishes what every destination has passed even while a transaction older than
+/// the event stays open (a report, a forgotten session: every position's snapshot then has that
+/// transaction in progress, below the event): a row no pattern matches reaches the dead letters
+/// with the transaction still open, and one both destinations passed without taking it is gone.
+#[tokio::test]
+async fn the_sweeper_finishes_passed_rows_while_an_older_transaction_stays_open() {
+    let db = TestDb::new().await;
+    let held = db.client().await;
+    held.batch_execute("begin; select pg_current_xact_id();").await.unwrap();
+    let (a, mut to_a) = recorder();
+    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let routes = vec![Route::new("a", "order.#", a.clone()).unwrap(), Route::new("b", "mail.#", a).unwrap()];
+    let relay = support::start_routes(&db.outbox, cfg, routes);
+    publish(&db, "user.created", 1, 1).await;
+    publish(&db, "order.placed", 1, 1).await;
+    to_a.next().await;
+    eventually("the unrouted event dead-lettered while the old transaction is open", || async {
+        db.outbox.queue_stats().await.unwrap().unrouted == 1
+    })
+    .await;
+    eventually("the order's row finished while the old transaction is open", || async {
+        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    held.batch_execute("commit").await.unwrap();
+    relay.stop().await;
+}

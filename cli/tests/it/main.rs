@@ -11,5 +11,6 @@ mod hostile;
 mod http;
 mod killed;
 mod operator;
+mod routes;
 mod secrets;
 mod webhooks;

@@ -1,0 +1,164 @@
+//! `run --route` and `run --config`, and the commands that show and operate destinations, run
+//! as an operator would.
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::binary::{cli, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate};
+use crate::harness::TestDb;
+use crate::relay_support::{PATIENCE, eventually};
+
+/// Two routes to stdout: each event goes to every route whose pattern matches (an order to one,
+/// an event of both to both), one no pattern matches goes to the dead letters, and `status`,
+/// `destinations list` and `dead-letters list` show what happened per destination.
+#[tokio::test]
+async fn run_with_two_routes_delivers_each_event_to_every_match_and_dead_letters_the_unrouted() {
+    let db = TestDb::new().await;
+    let mut child = spawn_run(&db.url, &["--route", "erp=order.#=stdout", "--route", "#.audited=stdout"]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let order = publish(&db, "order.placed", json!({"n": 1})).await;
+    let both = publish(&db, "order.audited", json!({"n": 2})).await;
+    let lost = publish(&db, "user.created", json!({"n": 3})).await;
+    let mut seen: Vec<i64> = Vec::new();
+    while seen.len() < 3 {
+        let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("no output").unwrap().expect("eof");
+        let event: Value = serde_json::from_str(&line).unwrap();
+        seen.push(event["id"].as_i64().unwrap());
+    }
+    seen.sort();
+    assert_eq!(seen, [order, both, both], "the order once, the audited order once per route");
+    eventually("the unrouted event dead-lettered", || async {
+        let out = cli(&db.url, &["status", "--json"]).await;
+        serde_json::from_str::<Value>(&stdout(&out)).unwrap()["unrouted"] == json!(1)
+    })
+    .await;
+
+    let out = cli(&db.url, &["status"]).await;
+    let text = stdout(&out);
+    assert!(text.contains("destinations              2"), "{text}");
+    assert!(text.contains("warning: 1 events matched no destination's pattern"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("erp ") && l.contains("order.#")), "{text}");
+    let out = cli(&db.url, &["destinations", "list", "--json"]).await;
+    let list: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let names: Vec<&str> = list.as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["#.audited", "erp"], "a route without a name is named after its pattern");
+    assert!(list.as_array().unwrap().iter().all(|d| d["relays"] == json!(1)));
+    let out = cli(&db.url, &["dead-letters", "list"]).await;
+    let text = stdout(&out);
+    assert!(text.contains("(no route)") && text.contains("user.created"), "{text}");
+    assert!(text.contains(&lost.to_string()));
+    assert_eq!(terminate(child).await, Some(0));
+}
+
+/// A configuration file gives each destination its own options; a pause of one destination
+/// holds only its events; `destinations drop` lets a gone destination's events go.
+#[tokio::test]
+async fn run_with_a_config_file_and_a_paused_destination() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    std::fs::write(
+        &config,
+        r##"
+[[destination]]
+name = "orders"
+pattern = "order.*"
+sink = "stdout"
+concurrency = 4
+
+[[destination]]
+name = "mailer"
+pattern = "mail.#"
+sink = "stdout"
+rate_limit = "1000/s"
+"##,
+    )
+    .unwrap();
+    let out = cli(&db.url, &["pause", "--destination", "mailer"]).await;
+    assert!(stdout(&out).contains("paused every topic at destination mailer"), "{}", stdout(&out));
+    let mut child = spawn_run(&db.url, &["--config", config.to_str().unwrap()]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mail = publish(&db, "mail.send", json!({"to": "ana"})).await;
+    let order = publish(&db, "order.placed", json!({"n": 1})).await;
+    let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.unwrap().unwrap().unwrap();
+    assert_eq!(serde_json::from_str::<Value>(&line).unwrap()["id"], json!(order), "the order, not the paused mail");
+    eventually("the mailer shown paused with its mail waiting", || async {
+        let out = cli(&db.url, &["destinations", "list", "--json"]).await;
+        let list: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        list.as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["name"] == json!("mailer") && d["paused"] == json!(true) && d["new"] == json!(1))
+    })
+    .await;
+    let out = cli(&db.url, &["resume", "--destination", "mailer"]).await;
+    assert!(stdout(&out).contains("resumed every topic at destination mailer"), "{}", stdout(&out));
+    let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.unwrap().unwrap().unwrap();
+    assert_eq!(serde_json::from_str::<Value>(&line).unwrap()["id"], json!(mail));
+    assert_eq!(terminate(child).await, Some(0));
+
+    // The mailer's relay is gone (a route removed): its events stay until it is dropped.
+    let mut child = spawn_run_as_shipped(&db.url, &["--route", "orders=order.*=stdout"]);
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    publish(&db, "mail.send", json!({"to": "bea"})).await;
+    publish(&db, "order.placed", json!({"n": 2})).await;
+    tokio::time::timeout(PATIENCE, lines.next_line()).await.unwrap().unwrap().unwrap();
+    eventually("status warns of the mailer nobody serves", || async {
+        stdout(&cli(&db.url, &["status"]).await)
+            .contains("destination mailer: 1 events wait for it and no relay delivers to it")
+    })
+    .await;
+    let out = cli(&db.url, &["destinations", "drop", "mailer"]).await;
+    assert!(stdout(&out).contains("dropped destination mailer"), "{}", stdout(&out));
+    let client = db.client().await;
+    let waiting = "select count(*) from outbox_relay.outbox where processed_at is null";
+    assert_eq!(
+        client.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0),
+        2,
+        "the mailer's position, which nobody moves, keeps the order and the mail"
+    );
+    eventually("the mail's row finished once the mailer is dropped", || async {
+        client.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0
+    })
+    .await;
+    let out = cli(&db.url, &["destinations", "drop", "mailer"]).await;
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no destination is named \"mailer\""), "{}", stderr(&out));
+    assert_eq!(terminate(child).await, Some(0));
+}
+
+/// Bad routes and files are refused before anything runs, with exit code 2 and a line that
+/// names the problem and never a secret.
+#[tokio::test]
+async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    let bad_pattern = "[[destination]]\nname = \"erp\"\npattern = \"order..placed\"\nsink = \"stdout\"\n";
+    let leaky = "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nheaders = { Authorization = \"Bearer s3cr3t-token\" \n";
+    let unknown = "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nsigning_secret = \"whsec_x\"\n";
+    for (file, expected) in [
+        (bad_pattern, "topic pattern \"order..placed\": word 2 is empty"),
+        (leaky, "(line 5)"),
+        (unknown, "unknown field `signing_secret`"),
+    ] {
+        std::fs::write(&config, file).unwrap();
+        let out = cli(&db.url, &["run", "--config", config.to_str().unwrap()]).await;
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains(expected), "{}", stderr(&out));
+        assert!(!stderr(&out).contains("s3cr3t") && !stderr(&out).contains("whsec_x"), "{}", stderr(&out));
+    }
+    for (args, expected) in [
+        (vec!["run", "--route", "erp=order.*"], "no sink after the pattern"),
+        (vec!["run", "--route", "erp=order.*=ftp://x"], "destination \"erp\": unknown sink"),
+        (vec!["run", "--route", "erp=order.*=notasink"], "the sink must be stdout or a URL"),
+        (vec!["run", "--route", "a=#=stdout", "--route", "a=order.*=stdout"], "two routes are named \"a\""),
+        (vec!["run", "--route", "a b=#=stdout"], "destination name \"a b\""),
+        (vec!["run", "--sink", "stdout", "--route", "a=#=stdout"], "cannot be used with"),
+        (vec!["run"], "required"),
+    ] {
+        let out = cli(&db.url, &args).await;
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(expected), "{args:?}: {}", stderr(&out));
+    }
+}
