@@ -137,15 +137,18 @@ async fn a_failing_key_holds_back_only_itself() {
     let log = Log::default();
     let relay = support::start(&db.outbox, RelayConfig { max_attempts: 1000, ..config() }, OneKeyStuck(log.clone()));
     eventually("the 200 events of the other keys delivered", || async { log.len() >= 200 }).await;
-    // (A batch hands a key's events over in rounds and records them when it is done.)
+    // (A batch hands a key's events over in rounds and records them when it is done: the
+    // delivered ones passed, nothing of theirs waiting for the destination.)
     eventually("their deliveries recorded", || async {
-        let done = "select count(*) from outbox_relay.outbox where processed_at is not null";
+        let done = "select count(*) from outbox_relay.outbox where key <> 'stuck' and processed_at is not null";
+        let waiting = "select count(*) from outbox_relay.parked where key <> 'stuck'";
         client.query_one(done, &[]).await.unwrap().get::<_, i64>(0) == 200
+            && client.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0
     })
     .await;
     let stuck: Vec<(i64, i32)> = client
         .query(
-            "select id, attempts from outbox_relay.outbox where key = 'stuck' and processed_at is null order by id",
+            "select id, attempts from outbox_relay.parked where destination = 'default' and key = 'stuck' order by id",
             &[],
         )
         .await
@@ -396,8 +399,12 @@ async fn an_outage_of_the_destination_dead_letters_nothing() {
     assert_eq!(stats.dead_letters, 0, "nothing dead-lettered during the outage: {stats:?}");
     assert!(stats.max_attempts < 3, "the outage consumed no attempt: {stats:?}");
     receiver.come_back().await;
+    // Delivered: the receiver has every event, and none waits for the destination any more.
     eventually_within("every event delivered", PATIENCE, || async {
-        db.outbox.queue_stats().await.unwrap().processed == 200
+        let stats = db.outbox.queue_stats().await.unwrap();
+        receiver.count() == 200
+            && stats.processed == 200
+            && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
     })
     .await;
     let snapshot = relay.snapshot();

@@ -24,11 +24,11 @@ pub async fn serve(app: Router) -> std::net::SocketAddr {
     addr
 }
 
-/// The `last_error` of every pending event, once each has one.
+/// The `last_error` of every event waiting for the destination `default`, once each has one.
 async fn errors_of_pending(db: &TestDb, count: i64) -> Vec<String> {
     let client = db.client().await;
-    let query =
-        "select last_error from outbox_relay.outbox where processed_at is null and last_error is not null order by id";
+    let query = "select last_error from outbox_relay.parked
+                  where destination = 'default' and last_error is not null order by id";
     eventually("every event failed once", || async { client.query(query, &[]).await.unwrap().len() as i64 == count })
         .await;
     client.query(query, &[]).await.unwrap().iter().map(|r| r.get(0)).collect()
@@ -79,15 +79,21 @@ async fn redirects_are_never_followed_and_the_error_names_the_location() {
         let relay = support::start(&db.outbox, relay_config, sink);
         db.outbox.publish(&NewEvent::new("order.placed", json!({"code": code}))).await.unwrap();
         let errors = errors_of_pending(&db, 1).await;
+        assert_eq!(relay.snapshot().delivered, 0, "{code}: nothing delivered");
         relay.stop().await;
         let error = &errors[0];
         assert!(error.contains(&format!("answered {code}")), "{error}");
         assert!(error.contains("redirects are not followed"), "{error}");
         assert!(error.contains(&format!("Location http://{addr}/elsewhere?token=***")), "{error}");
-        db.client().await.batch_execute("delete from outbox_relay.outbox").await.unwrap();
+        db.client()
+            .await
+            .batch_execute("delete from outbox_relay.parked; delete from outbox_relay.outbox")
+            .await
+            .unwrap();
     }
     assert_eq!(*reached.lock().unwrap(), 0, "the redirect's target must never be reached");
-    assert_eq!(db.outbox.queue_stats().await.unwrap().processed, 0);
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!((stats.processed, stats.dead_letters), (0, 0));
 }
 
 /// A receiver answering 500 with a body that never ends: only a few KiB are read, so the attempt
@@ -118,13 +124,18 @@ async fn an_endless_error_body_is_read_only_a_little() {
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({}))).await.unwrap();
     let client = db.client().await;
     eventually("five failed attempts", || async {
-        let row = client.query_one("select attempts from outbox_relay.outbox where id = $1", &[&id]).await.unwrap();
+        let attempts =
+            "select coalesce(max(attempts), 0) from outbox_relay.parked where destination = 'default' and id = $1";
+        let row = client.query_one(attempts, &[&id]).await.unwrap();
         row.get::<_, i32>(0) >= 5
     })
     .await;
     relay.stop().await;
-    let error: String =
-        client.query_one("select last_error from outbox_relay.outbox where id = $1", &[&id]).await.unwrap().get(0);
+    let error: String = client
+        .query_one("select last_error from outbox_relay.parked where destination = 'default' and id = $1", &[&id])
+        .await
+        .unwrap()
+        .get(0);
     assert!(error.contains("answered 500 Internal Server Error: xxxx"), "{error}");
     assert!(error.len() < 400, "the error keeps a snippet of the body, not the body: {} bytes", error.len());
 }
@@ -161,7 +172,10 @@ async fn retry_after_is_honoured() {
     let row = db
         .client()
         .await
-        .query_one("select available_at, attempts, last_error from outbox_relay.outbox where id = $1", &[&id])
+        .query_one(
+            "select available_at, attempts, last_error from outbox_relay.parked where destination = 'default' and id = $1",
+            &[&id],
+        )
         .await
         .unwrap();
     let next: SystemTime = row.get(0);

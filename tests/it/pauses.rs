@@ -9,11 +9,20 @@ use serde_json::json;
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, config, eventually, recorder};
 
+/// The attempts charged to the event `id` at the destination `default`, and whether it still
+/// waits for it: a copy parked for it, or an outbox row that no claim has passed yet (neither
+/// once it is delivered or dead-lettered).
 async fn attempts(db: &TestDb, id: i64) -> (i32, bool) {
     let row = db
         .client()
         .await
-        .query_one("select attempts, processed_at is null from outbox_relay.outbox where id = $1", &[&id])
+        .query_one(
+            "select coalesce(p.attempts, o.attempts), p.id is not null or o.processed_at is null
+               from outbox_relay.outbox o
+               full join (select * from outbox_relay.parked where destination = 'default') p on p.id = o.id
+              where coalesce(o.id, p.id) = $1",
+            &[&id],
+        )
         .await
         .unwrap();
     (row.get(0), row.get(1))

@@ -69,7 +69,10 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
         "insert into outbox_relay.outbox (topic, payload, attempts) values ('p.t', '{}', 2147483647)".to_string(),
         "insert into outbox_relay.outbox (topic, payload, created_at) values ('p.t', '{}', 'infinity')".to_string(),
         "insert into outbox_relay.outbox (topic, payload, processed_at) values ('p.t', '{}', now())".to_string(),
-        "insert into outbox_relay.outbox (topic, payload, lease_token) values ('p.t', '{}', 1)".to_string(),
+        // (a lease, a retry or a delay of the relay's is a copy parked for a destination)
+        "insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, lease_token)
+         values ('default', 1, gen_random_uuid(), 'p.t', '{}', now(), 1)"
+            .to_string(),
         format!("insert into outbox_relay.outbox (id, topic, payload) values ({next_id}, 'p.t', '{{}}')"),
         "insert into outbox_relay.audit (entity, entity_id, action, data, at) values ('o', '1', 'a', '{}', now())"
             .to_string(),

@@ -157,7 +157,8 @@ fn gated_handler() -> (impl Handler + Clone, tokio::sync::mpsc::UnboundedReceive
 }
 
 /// A second relay (polling every 100 ms) delivers the events `ids` a dead one left, each once;
-/// returns them in id order, once nothing is left pending.
+/// returns them in id order, once nothing is left pending: no outbox row that a destination has
+/// not passed, nothing waiting for the destination, nothing dead-lettered.
 async fn rescue(db: &TestDb, ids: &[i64]) -> Vec<Event> {
     let (handler, mut deliveries) = recorder();
     let rescuer =
@@ -166,8 +167,11 @@ async fn rescue(db: &TestDb, ids: &[i64]) -> Vec<Event> {
     got.sort_by_key(|e| e.id);
     assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
     rescuer.stop().await;
+    let client = db.client().await;
     let pending = "select count(*) from outbox_relay.outbox where processed_at is null";
-    assert_eq!(count(&db.client().await, pending).await, 0);
+    assert_eq!(count(&client, pending).await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 0, "nothing waits any more");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
     got
 }
 
@@ -194,7 +198,7 @@ async fn events_of_a_relay_that_died_holding_its_claim_come_back_at_once() {
         "select count(*) from pg_stat_activity where datname = current_database() and state = 'idle in transaction'";
     // (a next claim of the worker can be seen open for a moment too, before it finds nothing)
     eventually("the claim holds its transaction open", || async { count(&client, open).await == 1 }).await;
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 0, "a held claim writes no lease");
     crashed.crash().await;
 
     // (a lease of an hour: only the end of the dead relay's session can have freed them)
@@ -217,7 +221,12 @@ async fn events_of_a_crashed_relay_come_back_when_their_lease_ends() {
         db.outbox.publish_all(&(0..5).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
     started.recv().await.unwrap();
     eventually("the held claim turned into a lease", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null and attempts = 1").await
+        count(
+            &client,
+            "select count(*) from outbox_relay.parked
+              where destination = 'default' and lease_token is not null and attempts = 1",
+        )
+        .await
             == 5
     })
     .await;
@@ -252,8 +261,8 @@ async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
         seen.push(started.recv().await.unwrap());
     }
     // The lease's end moves on, past several leases' length.
-    let lease_end = "select extract(epoch from max(available_at))::float8 from outbox_relay.outbox
-                      where lease_token is not null";
+    let lease_end = "select extract(epoch from max(available_at))::float8 from outbox_relay.parked
+                      where destination = 'default' and lease_token is not null";
     eventually("the claim leased", || async {
         client.query_one(lease_end, &[]).await.unwrap().get::<_, Option<f64>>(0).is_some()
     })
@@ -264,24 +273,31 @@ async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
     })
     .await;
     assert!(started.try_recv().is_err(), "an event was handed over again while its delivery went on");
+    let leased = "select count(*) from outbox_relay.parked
+                   where destination = 'default' and lease_token is not null and attempts = 1 and last_error is null";
+    assert_eq!(count(&client, leased).await, 5, "every event leased, its one attempt counted, no failure");
     go_tx.send(true).unwrap();
+    // Recorded delivered: the leased copies are gone from the destination's parked events.
     eventually("every event recorded", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 5
+        count(&client, "select count(*) from outbox_relay.parked").await == 0
+            && relays.iter().map(|r| r.snapshot().delivered).sum::<u64>() >= 5
     })
     .await;
+    let snapshots: Vec<_> = relays.iter().map(|r| r.snapshot()).collect();
     for relay in relays {
         relay.stop().await;
     }
     assert!(started.try_recv().is_err(), "an event was handed over twice");
-    let row = client
-        .query_one(
-            "select count(*) filter (where attempts = 1 and last_error is null and lease_token is null), count(*)
-               from outbox_relay.outbox",
-            &[],
-        )
-        .await
-        .unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (5, 5), "one attempt each, no failure recorded");
+    let delivered: u64 = snapshots.iter().map(|m| m.delivered).sum();
+    let retried: u64 = snapshots.iter().map(|m| m.retried).sum();
+    let dead: u64 = snapshots.iter().map(|m| m.dead_lettered).sum();
+    assert_eq!((delivered, retried, dead), (5, 0, 0), "one attempt each, no failure recorded");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await,
+        5,
+        "every outbox row passed"
+    );
 }
 
 /// A batch leased while its delivery goes on parks its events; a later event of its key,
@@ -307,12 +323,19 @@ async fn an_event_parked_behind_a_leased_batch_follows_it_at_once() {
     let relay = support::start(&db.outbox, cfg, gated);
     let first = db.outbox.publish(&NewEvent::new("t", json!({"n": 0})).key("k")).await.unwrap();
     eventually("the first event's claim leased", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await == 1
+        count(
+            &client,
+            "select count(*) from outbox_relay.parked where destination = 'default' and lease_token is not null",
+        )
+        .await
+            == 1
     })
     .await;
     let second = db.outbox.publish(&NewEvent::new("t", json!({"n": 1})).key("k")).await.unwrap();
     eventually("the second event parked behind it", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where parked and lease_token is null").await == 1
+        count(&client, "select count(*) from outbox_relay.parked where destination = 'default' and lease_token is null")
+            .await
+            == 1
     })
     .await;
     go_tx.send(true).unwrap();
@@ -339,7 +362,7 @@ async fn a_transient_failure_is_recorded_and_rescheduled_within_the_backoff_boun
     let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
     failed.recv().await.unwrap();
     eventually("the failure to be recorded", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where last_error is not null").await == 1
+        count(&client, "select count(*) from outbox_relay.parked where last_error is not null").await == 1
     })
     .await;
     relay.stop().await;
@@ -347,7 +370,7 @@ async fn a_transient_failure_is_recorded_and_rescheduled_within_the_backoff_boun
         .query_one(
             "select attempts, last_error, lease_token is null,
                     available_at - now() between interval '29 minutes' and interval '60 minutes'
-               from outbox_relay.outbox where id = $1",
+               from outbox_relay.parked where destination = 'default' and id = $1",
             &[&id],
         )
         .await
@@ -386,11 +409,16 @@ async fn a_failing_sink_is_retried_until_it_recovers() {
     let row = db
         .client()
         .await
-        .query_one("select processed_at is not null, last_error from outbox_relay.outbox where id = $1", &[&id])
+        .query_one(
+            "select (select processed_at is not null from outbox_relay.outbox where id = $1),
+                    (select count(*) from outbox_relay.parked where id = $1),
+                    (select count(*) from outbox_relay.dead_letters where id = $1)",
+            &[&id],
+        )
         .await
         .unwrap();
-    assert!(row.get::<_, bool>(0));
-    assert_eq!(row.get::<_, Option<String>>(1), None);
+    assert_eq!(row.get::<_, Option<bool>>(0), Some(true), "the outbox row passed");
+    assert_eq!((row.get::<_, i64>(1), row.get::<_, i64>(2)), (0, 0), "its retry copy gone once delivered, none buried");
 }
 
 #[tokio::test]
@@ -446,8 +474,9 @@ async fn purge_removes_dead_letters_by_age() {
     db.client()
         .await
         .batch_execute(
-            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at)
-             values (1, 'a', '{}', now(), 3, 'x', now() - interval '2 days'), (2, 'b', '{}', now(), 3, 'x', now())",
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error, failed_at)
+             values ('default', 1, 'a', '{}', now(), 3, 'x', now() - interval '2 days'),
+                    ('default', 2, 'b', '{}', now(), 3, 'x', now())",
         )
         .await
         .unwrap();
@@ -519,8 +548,9 @@ async fn graceful_shutdown_finishes_in_flight_work_and_leaves_no_lease() {
     relay.stop().await;
     assert_eq!(deliveries.take(5).await.len(), 5, "the claimed batch was finished");
     let client = db.client().await;
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where lease_token is not null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 0, "no lease, nothing waits");
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
 #[tokio::test]
@@ -544,7 +574,7 @@ async fn deliveries_past_the_grace_period_are_cut_off_and_their_events_released(
     let row = client
         .query_one(
             "select count(*) filter (where lease_token is null and available_at <= now() and attempts = 0), count(*)
-               from outbox_relay.outbox",
+               from outbox_relay.parked where destination = 'default'",
             &[],
         )
         .await
@@ -562,17 +592,29 @@ async fn a_stale_worker_does_not_overwrite_a_newer_claim() {
     let id = db.outbox.publish(&NewEvent::new("t", json!({}))).await.unwrap();
     assert_eq!(started.recv().await.unwrap(), id);
     // Meanwhile another worker claimed the event (its lease had ended): a new token.
-    client
-        .execute("update outbox_relay.outbox set lease_token = 42, attempts = 2 where id = $1", &[&id])
+    let taken = client
+        .execute(
+            "update outbox_relay.parked set lease_token = 42, attempts = 2 where destination = 'default' and id = $1",
+            &[&id],
+        )
         .await
         .unwrap();
+    assert_eq!(taken, 1, "the leased copy of the event");
     go_tx.send(true).unwrap();
     relay.stop().await;
+    // The newer claim's copy is left as it was: not recorded delivered (deleted), not rescheduled.
     let row = client
-        .query_one("select processed_at is null, lease_token, attempts from outbox_relay.outbox where id = $1", &[&id])
+        .query_one(
+            "select count(*), max(lease_token), max(attempts) from outbox_relay.parked
+              where destination = 'default' and id = $1",
+            &[&id],
+        )
         .await
         .unwrap();
-    assert_eq!((row.get::<_, bool>(0), row.get::<_, Option<i64>>(1), row.get::<_, i32>(2)), (true, Some(42), 2));
+    assert_eq!(
+        (row.get::<_, i64>(0), row.get::<_, Option<i64>>(1), row.get::<_, Option<i32>>(2)),
+        (1, Some(42), Some(2))
+    );
 }
 
 #[tokio::test]

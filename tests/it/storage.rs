@@ -144,7 +144,7 @@ async fn a_dump_in_progress_holds_up_neither_delivery_nor_the_janitor() {
     dump.batch_execute(
         "begin isolation level repeatable read;
          lock table outbox_relay.outbox, outbox_relay.positions, outbox_relay.dead_letters,
-                    outbox_relay.idempotency in access share mode",
+                    outbox_relay.idempotency, outbox_relay.parked, outbox_relay.destinations in access share mode",
     )
     .await
     .unwrap();
@@ -240,7 +240,12 @@ async fn a_live_installation_gets_a_uuid_per_event_and_keeps_its_old_inbox_rows(
     load_live_0007(&db).await;
     let client = db.client().await;
     let uuids: Vec<outbox_relay::Uuid> = client
-        .query("select uuid from outbox_relay.outbox union all select uuid from outbox_relay.dead_letters", &[])
+        .query(
+            "select uuid from outbox_relay.outbox
+             union all select uuid from outbox_relay.parked
+             union all select uuid from outbox_relay.dead_letters",
+            &[],
+        )
         .await
         .unwrap()
         .iter()
@@ -268,7 +273,8 @@ async fn a_live_installation_gets_a_uuid_per_event_and_keeps_its_old_inbox_rows(
 /// a paused topic, a lease of a killed relay, and events never claimed. Every figure survives,
 /// a relay delivers exactly what is due (after the pause is lifted, the paused event too) and
 /// nothing that waits, a retried dead letter is delivered, and the receipts replay; all after
-/// migrating the installation to this build's storage (migration 0008).
+/// migrating the installation to this build's storage (migrations 0008 and 0012: what waits is
+/// parked for the destination `default`, which the relay of `Relay::new` delivers to).
 #[tokio::test]
 async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
     let db = TestDb::empty().await;
@@ -284,6 +290,7 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
     let dead = db.outbox.dead_letters(10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!((dead[0].id, dead[0].key.as_deref(), dead[0].attempts), (5, Some("acct-7"), 1));
+    assert_eq!(dead[0].destination, "default");
     assert!(dead[0].last_error.contains("answered 400"), "{}", dead[0].last_error);
     assert_eq!(db.outbox.pauses().await.unwrap().len(), 1);
 
@@ -308,13 +315,17 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
     assert!(deliveries.counts().values().all(|n| *n == 1));
 
     // Still waiting, as they were: the retries (attempts and errors kept), the follower of mail-1,
-    // the delayed event, the lease of the killed relay.
+    // the delayed event, the lease of the killed relay; all for the destination `default`, and no
+    // outbox row left unpassed.
     let waiting = db
         .client()
         .await
         .query(
-            "select id, attempts, last_error is not null, lease_token is not null from outbox_relay.outbox
-              where processed_at is null order by id",
+            "select id, attempts, last_error is not null, lease_token is not null from outbox_relay.parked
+              where destination = 'default'
+             union all
+             select id, attempts, false, false from outbox_relay.outbox where processed_at is null
+             order by id",
             &[],
         )
         .await
@@ -390,6 +401,12 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
     })
     .await;
     relay.stop().await;
+    // The destination the relay delivered to, and the number of its new events' lock.
+    let lock_id: i32 = client
+        .query_one("select lock_id from outbox_relay.destinations where name = 'default'", &[])
+        .await
+        .unwrap()
+        .get(0);
 
     // The relay's session settings (see `relay_pool`), and statistics taken while the outbox
     // looks empty: the trap a generic plan built from them would fall into (reading the whole
@@ -412,7 +429,8 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
         client.batch_execute("begin").await.unwrap();
         let before: i64 = client.query_one(OUTBOX_TUPLES_READ, &[]).await.unwrap().get(0);
         let paused: Vec<String> = Vec::new();
-        let rows = client.query(CLAIM, &[&500i64, &false, &paused]).await.unwrap();
+        let every_topic: Option<String> = None;
+        let rows = client.query(CLAIM, &[&500i64, &false, &paused, &"default", &lock_id, &every_topic]).await.unwrap();
         let rows: Vec<_> = rows.into_iter().filter(|r| r.get::<_, Option<i64>>(0).is_some()).collect();
         let read: i64 = client.query_one(OUTBOX_TUPLES_READ, &[]).await.unwrap().get::<_, i64>(0) - before;
         let by_index: Vec<String> = client

@@ -113,7 +113,7 @@ async fn the_listener_keeps_reading_under_a_burst_so_the_notification_queue_stay
     .await
     .unwrap();
     eventually("both workers busy", || async {
-        count(&fake, "select count(*) from outbox_relay.outbox where lease_token is not null").await >= 2
+        count(&fake, "select count(*) from outbox_relay.parked where lease_token is not null").await >= 2
     })
     .await;
 
@@ -126,8 +126,16 @@ async fn the_listener_keeps_reading_under_a_burst_so_the_notification_queue_stay
         async move { woken >= STATEMENTS as u64 }
     })
     .await;
-    let busy = count(&fake, "select count(*) from outbox_relay.outbox where processed_at is not null").await;
-    assert_eq!(busy, 0, "the workers were held the whole time");
+    // Delivered: passed by the destination, with no copy waiting for it and no dead letter.
+    let delivered = count(
+        &fake,
+        "select count(*) from outbox_relay.outbox o
+          where o.processed_at is not null
+            and not exists (select 1 from outbox_relay.parked p where p.id = o.id)
+            and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
+    )
+    .await;
+    assert_eq!((delivered, relay.snapshot().delivered), (0, 0), "the workers were held the whole time");
 
     // The same burst with a second listener that stops reading: it LISTENs, then sits in an open
     // transaction, and a backend in a transaction takes no notifications until it ends, so the
