@@ -380,8 +380,10 @@ impl std::error::Error for UsageError {}
 
 /// 2 for bad arguments (flags, a malformed database URL or sink), 1 for everything else.
 fn exit_code(error: &CliError) -> ExitCode {
+    let config = |e: &outbox_relay::Error| e.kind() == outbox_relay::ErrorKind::Config;
     let bad_arguments = error.is::<UsageError>()
-        || error.downcast_ref::<outbox_relay::Error>().is_some_and(|e| e.kind() == outbox_relay::ErrorKind::Config);
+        || error.downcast_ref::<outbox_relay::Error>().is_some_and(config)
+        || error.downcast_ref::<routes::AtDestination>().is_some_and(|e| config(&e.error));
     if bad_arguments { ExitCode::from(2) } else { ExitCode::FAILURE }
 }
 

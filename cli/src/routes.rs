@@ -45,9 +45,12 @@ impl Destination {
     /// Connects its sink (a bad spec is refused before anything touches the database) and makes
     /// its route.
     pub(crate) async fn route(self) -> Result<(Route<Sink>, String), CliError> {
-        let sink = Sink::connect(&self.sink, &self.options)
-            .await
-            .map_err(|e| UsageError(format!("destination {:?}: {e}", self.name)))?;
+        let sink = match Sink::connect(&self.sink, &self.options).await {
+            Ok(sink) => sink,
+            // `--sink`'s error as it was; a route's names the route.
+            Err(error) if self.name == DEFAULT_DESTINATION && self.pattern == "#" => return Err(error.into()),
+            Err(error) => return Err(AtDestination { name: self.name, error }.into()),
+        };
         let shown = format!("{} ({}) -> {}", self.name, self.pattern, sink.describe());
         let mut route = Route::new(self.name, &self.pattern, sink)?;
         if let Some(concurrency) = self.concurrency {
@@ -60,6 +63,26 @@ impl Destination {
             route = route.rate_limit(self.rate_limit);
         }
         Ok((route, shown))
+    }
+}
+
+/// A destination's sink that cannot be had, naming the destination; its exit code is the
+/// error's (2 for a bad spec, 1 for a broker that does not answer or refuses the login).
+#[derive(Debug)]
+pub(crate) struct AtDestination {
+    name: String,
+    pub(crate) error: outbox_relay::Error,
+}
+
+impl std::fmt::Display for AtDestination {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "destination {:?}: {}", self.name, self.error)
+    }
+}
+
+impl std::error::Error for AtDestination {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
     }
 }
 

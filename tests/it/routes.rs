@@ -207,15 +207,16 @@ impl Log {
     }
 }
 
-/// A destination that refuses the attempts `refuses` picks, and logs the others.
+/// A destination that refuses the attempts `refuses` picks (given the refusals so far), and logs
+/// the others.
 struct Flaky {
     log: Log,
-    refuses: fn(&Event) -> bool,
+    refuses: fn(&Event, usize) -> bool,
 }
 
 impl Handler for Flaky {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        if (self.refuses)(event) {
+        if (self.refuses)(event, self.log.refused()) {
             return self.log.refuse("the destination refuses this attempt");
         }
         self.log.push(event);
@@ -230,8 +231,8 @@ impl Handler for Flaky {
 async fn order_per_key_holds_per_destination_under_failures() {
     let db = TestDb::new().await;
     let (a_log, b_log) = (Log::default(), Log::default());
-    let a = Flaky { log: a_log.clone(), refuses: |event| event.id % 3 == 0 && event.attempts == 1 };
-    let b = Flaky { log: b_log.clone(), refuses: |event| event.id % 4 == 1 && event.attempts <= 2 };
+    let a = Flaky { log: a_log.clone(), refuses: |event, _| event.id % 3 == 0 && event.attempts == 1 };
+    let b = Flaky { log: b_log.clone(), refuses: |event, _| event.id % 4 == 1 && event.attempts <= 2 };
     let cfg = RelayConfig { batch_size: 16, breaker_threshold: 0, ..config() };
     let routes = vec![Route::new("a", "order.#", a).unwrap(), Route::new("b", "#", b).unwrap()];
     let relay = support::start_routes(&db.outbox, cfg, routes);
@@ -391,4 +392,49 @@ async fn the_sweeper_finishes_passed_rows_while_an_older_transaction_stays_open(
     .await;
     held.batch_execute("commit").await.unwrap();
     relay.stop().await;
+}
+
+/// A destination of either kind (the routes of a relay share one handler type).
+enum Either {
+    Flaky(Flaky),
+    Recorder(support::Recorder),
+}
+
+impl Handler for Either {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        match self {
+            Either::Flaky(h) => h.handle(event).await,
+            Either::Recorder(h) => h.handle(event).await,
+        }
+    }
+}
+
+/// One destination refuses an event on its only allowed attempt while the other takes it: the
+/// dead letter names the destination that refused it, the other has it once, the outbox row is
+/// done with, and a retry of the dead letter goes to the refusing destination only.
+#[tokio::test]
+async fn a_dead_letter_names_the_destination_that_refused_the_event_and_its_retry_goes_there_only() {
+    let db = TestDb::new().await;
+    let (b, mut to_b) = recorder();
+    let a_log = Log::default();
+    let a = Flaky { log: a_log.clone(), refuses: |_, refused| refused == 0 };
+    let routes =
+        vec![Route::new("a", "#", Either::Flaky(a)).unwrap(), Route::new("b", "#", Either::Recorder(b)).unwrap()];
+    let cfg = RelayConfig { max_attempts: 1, completion: Completion::Delete, ..config() };
+    let relay = support::start_routes(&db.outbox, cfg, routes);
+    publish(&db, "order.placed", 1, 1).await;
+    let delivered = to_b.next().await;
+    eventually("the dead letter at a", || async { db.outbox.queue_stats().await.unwrap().dead_letters == 1 }).await;
+    let dead = db.outbox.dead_letters(10).await.unwrap();
+    assert_eq!((dead[0].destination.as_str(), dead[0].id), ("a", delivered.event.id));
+    eventually("the outbox row done with", || async {
+        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    assert_eq!(db.outbox.retry_dead_letters(&[dead[0].id]).await.unwrap(), [dead[0].id]);
+    eventually("a has it on its second attempt", || async { a_log.len() == 1 }).await;
+    relay.stop().await;
+    assert!(to_b.is_empty(), "b had it once, and not again");
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
 }

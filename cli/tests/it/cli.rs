@@ -44,6 +44,10 @@ async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
         client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get::<_, i64>(0) == 0
     })
     .await;
+    // Deleted as delivered: nothing waits for the destination, nothing was dead-lettered.
+    let stats = db.outbox.queue_stats().await.unwrap();
+    assert_eq!((stats.pending, stats.held_by_key, stats.delayed, stats.in_flight), (0, 0, 0, 0), "{stats:?}");
+    assert_eq!(stats.dead_letters, 0, "{stats:?}");
     assert_eq!(terminate(child).await, Some(0));
 }
 
@@ -89,9 +93,13 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     let ok = publish(&db, "order.ok", json!({"n": 1})).await;
     let flaky = publish(&db, "order.flaky", json!({"n": 2})).await;
     let bad = publish(&db, "order.bad", json!({"n": 3})).await;
+    // Settled: every row passed by the destination, none waiting for it any more (the flaky one
+    // delivered at last), the bad one dead-lettered.
     eventually("all three events settled", || async {
         let stats = db.outbox.queue_stats().await.unwrap();
-        stats.processed == 2 && stats.dead_letters == 1
+        stats.processed == 3
+            && stats.dead_letters == 1
+            && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
     })
     .await;
     assert_eq!(terminate(child).await, Some(0));
@@ -113,6 +121,14 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].id, bad);
     assert!(dead[0].last_error.contains("400"), "{}", dead[0].last_error);
+}
+
+/// `events` rows in the outbox, every one passed by the destination (marked processed), and
+/// nothing waiting for it any more (no copy parked for a retry, a delay or a lease): each
+/// delivered or dead-lettered.
+pub async fn settled(db: &TestDb, events: i64) -> bool {
+    let stats = db.outbox.queue_stats().await.unwrap();
+    stats.processed == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
 }
 
 pub fn nats_url() -> String {
@@ -151,7 +167,8 @@ async fn run_nats_publishes_to_jetstream_once_per_event_id() {
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
     let first = publish(&db, "order.placed", json!({"n": 1})).await;
     publish(&db, "order.shipped", json!({"n": 2})).await;
-    eventually("both published", || async { db.outbox.queue_stats().await.unwrap().processed == 2 }).await;
+    eventually("both published", || async { settled(&db, 2).await }).await;
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "both delivered");
     assert_eq!(terminate(child).await, Some(0));
     assert_eq!(stream.info().await.unwrap().state.messages, 2);
     let message = stream.get_last_raw_message_by_subject(&format!("{prefix}.order.placed")).await.unwrap();
@@ -161,18 +178,25 @@ async fn run_nats_publishes_to_jetstream_once_per_event_id() {
     assert_eq!(headers.get("Nats-Msg-Id").map(|v| v.as_str()), body["uuid"].as_str(), "Nats-Msg-Id is the uuid");
     assert_eq!(headers.get("Outbox-Event-Id").map(|v| v.as_str()), Some(first.to_string().as_str()));
 
-    // A redelivery of the same event (a relay that died before recording the outcome) is
-    // dropped by the stream: Nats-Msg-Id is the event's uuid.
-    db.client()
+    // A redelivery of the same event (a relay that died before recording the outcome: its
+    // lease, a copy parked for the destination, ended) is dropped by the stream: Nats-Msg-Id is
+    // the event's uuid.
+    let leased = db
+        .client()
         .await
         .execute(
-            "update outbox_relay.outbox set processed_at = null, available_at = now(), parked = true where id = $1",
+            "insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at,
+                                              attempts, lease_token)
+             select 'default', id, uuid, topic, key, payload, created_at, now(), 1, 7
+               from outbox_relay.outbox where id = $1",
             &[&first],
         )
         .await
         .unwrap();
+    assert_eq!(leased, 1);
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
-    eventually("redelivered", || async { db.outbox.queue_stats().await.unwrap().processed == 2 }).await;
+    eventually("redelivered", || async { settled(&db, 2).await }).await;
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "redelivered, not dead-lettered");
     assert_eq!(terminate(child).await, Some(0));
     assert_eq!(stream.info().await.unwrap().state.messages, 2, "the duplicate was dropped");
     js.delete_stream(&prefix).await.unwrap();
@@ -186,22 +210,17 @@ async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() 
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix, "--timeout", "2s"]);
     let id = publish(&db, "order.placed", json!({})).await;
     let client = db.client().await;
+    // (a failed delivery waits for its retry as a copy parked for the destination)
+    let waiting = "select last_error from outbox_relay.parked where destination = 'default' and id = $1";
     eventually("the failure recorded", || async {
-        client
-            .query_one("select last_error is not null from outbox_relay.outbox where id = $1", &[&id])
-            .await
-            .unwrap()
-            .get(0)
+        client.query_opt(waiting, &[&id]).await.unwrap().is_some_and(|row| row.get::<_, Option<String>>(0).is_some())
     })
     .await;
     assert_eq!(terminate(child).await, Some(0));
-    let row = client
-        .query_one("select processed_at is null, last_error from outbox_relay.outbox where id = $1", &[&id])
-        .await
-        .unwrap();
-    assert!(row.get::<_, bool>(0));
-    let error: String = row.get(1);
+    let row = client.query_opt(waiting, &[&id]).await.unwrap().expect("the event still waits for the destination");
+    let error: String = row.get(0);
     assert!(error.contains("no JetStream stream captures subject"), "{error}");
+    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "pending, not dead-lettered");
 }
 
 /// The largest payload the API accepts fits, envelope and headers included, in NATS' default
@@ -212,7 +231,7 @@ async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_
     let db = TestDb::new().await;
     let js = nats().await;
     let prefix = unique("outboxbig");
-    stream_for(&js, &prefix).await;
+    let mut stream = stream_for(&js, &prefix).await;
     let largest = json!("x".repeat(outbox_relay::MAX_PAYLOAD_BYTES - 2));
     let big =
         db.outbox.publish(&outbox_relay::NewEvent::new("order.placed", largest).key("k".repeat(255))).await.unwrap();
@@ -227,17 +246,28 @@ async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_
     let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
     eventually("both settled", || async {
         let stats = db.outbox.queue_stats().await.unwrap();
-        stats.processed == 1 && stats.dead_letters == 1
+        settled(&db, 2).await && stats.dead_letters == 1
     })
     .await;
     assert_eq!(terminate(child).await, Some(0));
-    let processed: i64 = client
-        .query_one("select id from outbox_relay.outbox where processed_at is not null", &[])
+    // Delivered: passed, nothing waiting for the destination, not dead-lettered.
+    let delivered: Vec<i64> = client
+        .query(
+            "select id from outbox_relay.outbox o
+              where processed_at is not null
+                and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
+            &[],
+        )
         .await
         .unwrap()
-        .get(0);
-    assert_eq!(processed, big);
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(delivered, [big]);
+    assert_eq!(stream.info().await.unwrap().state.messages, 1, "the largest payload is in the stream");
     let dead = db.outbox.dead_letters(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_ne!(dead[0].id, big);
     assert!(dead[0].last_error.contains("cannot be a NATS subject"), "{}", dead[0].last_error);
     assert_eq!(dead[0].attempts, 1, "a permanent failure, not retried");
     js.delete_stream(&prefix).await.unwrap();
@@ -252,11 +282,12 @@ async fn status_json_matches_the_table() {
             "insert into outbox_relay.outbox (topic, payload, created_at) values ('ready', '{}', now() - interval '5 seconds');
              insert into outbox_relay.outbox (topic, payload) values ('ready', '{}');
              insert into outbox_relay.outbox (topic, payload, available_at) values ('later', '{}', now() + interval '1 hour');
-             insert into outbox_relay.outbox (topic, payload, available_at, lease_token, attempts)
-                 values ('leased', '{}', now() + interval '30 seconds', 7, 3);
+             insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
+                                              lease_token, attempts)
+                 values ('default', 900, gen_random_uuid(), 'leased', '{}', now(), now() + interval '30 seconds', 7, 3);
              insert into outbox_relay.outbox (topic, payload, processed_at) values ('done', '{}', now());
-             insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error)
-                 values (1000, 'dead', '{}', now(), 12, 'gave up');",
+             insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error)
+                 values ('default', 1000, 'dead', '{}', now(), 12, 'gave up');",
         )
         .await
         .unwrap();
@@ -270,6 +301,8 @@ async fn status_json_matches_the_table() {
     assert_eq!(status["dead_letters"], json!(1));
     assert!(status["oldest_pending_age_ms"].as_i64().unwrap() >= 5000, "{status}");
     assert_eq!(status["max_attempts"], json!(3));
+    assert_eq!(status["unrouted"], json!(0));
+    assert_eq!(status["destinations"], json!([]), "no relay registered a destination yet");
     assert!(status["notification_queue_usage"].as_f64().unwrap() < 0.01);
 
     let table = cli(&db.url, &["status"]).await;
@@ -282,10 +315,10 @@ async fn dead_letters_list_retry_and_purge() {
     db.client()
         .await
         .batch_execute(
-            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at) values
-                 (1001, 'a', '{\"n\": 1}', now(), 12, 'gave up after 12 attempts: 503', now()),
-                 (1002, 'b', '{}', now(), 1, '400: bad', now() - interval '3 days'),
-                 (1003, 'c', '{}', now(), 1, '400: bad', now());",
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error, failed_at) values
+                 ('default', 1001, 'a', '{\"n\": 1}', now(), 12, 'gave up after 12 attempts: 503', now()),
+                 ('default', 1002, 'b', '{}', now(), 1, '400: bad', now() - interval '3 days'),
+                 ('default', 1003, 'c', '{}', now(), 1, '400: bad', now());",
         )
         .await
         .unwrap();
@@ -294,20 +327,32 @@ async fn dead_letters_list_retry_and_purge() {
     let letters: Vec<Value> = serde_json::from_str(stdout(&list).trim()).unwrap();
     assert_eq!(letters.iter().map(|l| l["id"].as_i64().unwrap()).collect::<Vec<_>>(), vec![1001, 1002, 1003]);
     assert_eq!(letters[0]["last_error"], json!("gave up after 12 attempts: 503"));
+    assert_eq!(letters[0]["destination"], json!("default"));
     let table = cli(&db.url, &["dead-letters", "list"]).await;
     assert!(stdout(&table).contains("1001"));
+    let header = stdout(&table).lines().next().unwrap_or_default().to_string();
+    assert!(header.split_whitespace().take(2).eq(["id", "destination"]), "{header}");
+    let row_1001 = stdout(&table).lines().find(|l| l.trim_start().starts_with("1001")).unwrap_or_default().to_string();
+    assert!(row_1001.split_whitespace().take(2).eq(["1001", "default"]), "{row_1001}");
 
     let retry = cli(&db.url, &["dead-letters", "retry", "1001"]).await;
     assert!(retry.status.success(), "{}", stderr(&retry));
     assert!(stdout(&retry).contains("retried 1 dead letters: 1001"), "{}", stdout(&retry));
-    let row = db
-        .client()
-        .await
-        .query_one("select topic, attempts, payload from outbox_relay.outbox where id = 1001", &[])
+    // Back with its destination, to be delivered again: a copy parked for it, attempts reset.
+    let client = db.client().await;
+    let row = client
+        .query_one(
+            "select topic, attempts, payload, available_at <= now() from outbox_relay.parked
+              where destination = 'default' and id = 1001",
+            &[],
+        )
         .await
         .unwrap();
     assert_eq!((row.get::<_, String>(0), row.get::<_, i32>(1)), ("a".to_string(), 0));
     assert_eq!(row.get::<_, Value>(2), json!({"n": 1}));
+    assert!(row.get::<_, bool>(3), "deliverable at once");
+    let left = "select count(*) from outbox_relay.dead_letters where id = 1001";
+    assert_eq!(client.query_one(left, &[]).await.unwrap().get::<_, i64>(0), 0, "no longer a dead letter");
 
     let missing = cli(&db.url, &["dead-letters", "retry", "4242"]).await;
     assert!(!missing.status.success());

@@ -78,23 +78,28 @@ async fn publish_everything(db: &TestDb) -> HashMap<i64, String> {
     stored
 }
 
-/// Makes every event deliverable again (the runs keep delivered rows: `--completion mark`).
+/// Makes every event deliverable again (the runs keep delivered rows: `--completion mark`): a
+/// copy of each parked for the destination, due now, as a retry is.
 async fn redeliver(db: &TestDb) {
     let client = db.client().await;
-    client
+    let parked = client
         .execute(
-            "update outbox_relay.outbox set processed_at = null, available_at = now(), attempts = 0, parked = true",
+            "insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at)
+             select 'default', id, uuid, topic, key, payload, created_at from outbox_relay.outbox",
             &[],
         )
         .await
         .unwrap();
+    let events = client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get::<_, i64>(0);
+    assert_eq!(parked as i64, events, "every event waits for the destination again");
 }
 
+/// Every event delivered: passed by the destination, nothing waiting for it, nothing dead.
 async fn all_processed(db: &TestDb, count: usize) {
     eventually("every event delivered", || async {
         let stats = db.outbox.queue_stats().await.unwrap();
         assert_eq!(stats.dead_letters, 0, "nothing is dead-lettered");
-        stats.processed == count as i64
+        crate::cli::settled(db, count as i64).await
     })
     .await;
 }

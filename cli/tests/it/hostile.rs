@@ -81,8 +81,8 @@ async fn dead_letter_actions_on_missing_ids_do_nothing_and_say_so() {
     db.client()
         .await
         .batch_execute(
-            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error)
-             values (1, 'a', '{}', now(), 1, 'x')",
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error)
+             values ('default', 1, 'a', '{}', now(), 1, 'x')",
         )
         .await
         .unwrap();

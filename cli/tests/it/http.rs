@@ -57,14 +57,19 @@ async fn until_status(url: &str, status: u16) -> String {
 }
 
 /// Families as `prometheus_client.openmetrics.parser` (the Prometheus project's Python client)
-/// reads the text: name -> (type, sample name -> value, for samples without labels).
+/// reads the text: name -> (type, sample -> value), a sample named by its name, followed by its
+/// labels in braces when it has any (`name{a="x",b="y"}`, sorted by label).
 fn parse_openmetrics(text: &str) -> HashMap<String, (String, HashMap<String, f64>)> {
     const SCRIPT: &str = r#"
 import json, sys
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
+def key(s):
+    if not s.labels:
+        return s.name
+    return s.name + "{" + ",".join('%s="%s"' % (k, v) for k, v in sorted(s.labels.items())) + "}"
 out = {}
 for family in text_string_to_metric_families(sys.stdin.read()):
-    out[family.name] = [family.type, {s.name: s.value for s in family.samples if not s.labels}]
+    out[family.name] = [family.type, {key(s): s.value for s in family.samples}]
 print(json.dumps(out))
 "#;
     let mut child = std::process::Command::new("python3")
@@ -100,7 +105,9 @@ async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
     until_status(&format!("{base}/readyz"), 200).await;
     let (status, before) = get(&format!("{base}/metrics")).await.unwrap();
     assert_eq!(status, 200);
-    assert_eq!(sample(&before, "outbox_relay_events_delivered_total"), Some(0.0));
+    // The relay's families carry the destination: `default` for a single --sink.
+    let delivered = r#"outbox_relay_events_delivered_total{destination="default"}"#;
+    assert_eq!(sample(&before, delivered), Some(0.0), "{before}");
 
     for n in 0..3 {
         publish(&db, "order.placed", json!({"n": n})).await;
@@ -108,7 +115,7 @@ async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
     let url = format!("{base}/metrics");
     let text = until("the delivered counter reaches 3", || async {
         let (_, text) = get(&url).await?;
-        (sample(&text, "outbox_relay_events_delivered_total") == Some(3.0)).then_some(text)
+        (sample(&text, delivered) == Some(3.0)).then_some(text)
     })
     .await;
     let families = parse_openmetrics(&text);
@@ -130,19 +137,40 @@ async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
         ("outbox_relay_database_up", "gauge"),
         ("outbox_relay_listening", "gauge"),
         ("outbox_relay_paused", "gauge"),
+        ("outbox_relay_unrouted_dead_letters", "gauge"),
+        ("outbox_relay_destination_new_events", "gauge"),
+        ("outbox_relay_destination_parked_events", "gauge"),
+        ("outbox_relay_destination_dead_letters", "gauge"),
+        ("outbox_relay_destination_relays", "gauge"),
     ];
     for (name, kind) in expected {
         let (found, _) = families.get(name).unwrap_or_else(|| panic!("no family {name} in\n{text}"));
         assert_eq!(found, kind, "{name}");
     }
-    let value = |family: &str, sample: &str| families[family].1[sample];
-    assert_eq!(value("outbox_relay_events_delivered", "outbox_relay_events_delivered_total"), 3.0);
-    assert_eq!(value("outbox_relay_events_retried", "outbox_relay_events_retried_total"), 0.0);
-    assert_eq!(value("outbox_relay_delivery_latency_seconds", "outbox_relay_delivery_latency_seconds_count"), 3.0);
-    assert!(value("outbox_relay_claims", "outbox_relay_claims_total") >= 1.0);
+    let value = |family: &str, sample: &str| {
+        *families[family].1.get(sample).unwrap_or_else(|| panic!("no sample {sample} of {family} in\n{text}"))
+    };
+    // A family of the relay, or of a destination: its series for the destination `default`.
+    let of_default = |family: &str, sample: &str| value(family, &format!("{sample}{{destination=\"default\"}}"));
+    assert_eq!(of_default("outbox_relay_events_delivered", "outbox_relay_events_delivered_total"), 3.0);
+    assert_eq!(of_default("outbox_relay_events_retried", "outbox_relay_events_retried_total"), 0.0);
+    assert_eq!(of_default("outbox_relay_delivery_latency_seconds", "outbox_relay_delivery_latency_seconds_count"), 3.0);
+    assert!(of_default("outbox_relay_claims", "outbox_relay_claims_total") >= 1.0);
     assert_eq!(value("outbox_relay_database_up", "outbox_relay_database_up"), 1.0);
-    assert_eq!(value("outbox_relay_listening", "outbox_relay_listening"), 1.0);
+    assert_eq!(of_default("outbox_relay_listening", "outbox_relay_listening"), 1.0);
     assert_eq!(value("outbox_relay_pending_events", "outbox_relay_pending_events"), 0.0);
+    assert_eq!(value("outbox_relay_unrouted_dead_letters", "outbox_relay_unrouted_dead_letters"), 0.0);
+    assert_eq!(of_default("outbox_relay_destination_new_events", "outbox_relay_destination_new_events"), 0.0);
+    assert_eq!(of_default("outbox_relay_destination_parked_events", "outbox_relay_destination_parked_events"), 0.0);
+    assert_eq!(of_default("outbox_relay_destination_dead_letters", "outbox_relay_destination_dead_letters"), 0.0);
+    assert_eq!(of_default("outbox_relay_destination_relays", "outbox_relay_destination_relays"), 1.0);
+    // Nothing of the relay's without its destination: every series of its families is labelled.
+    for (family, _) in expected.iter().filter(|(name, _)| {
+        name.starts_with("outbox_relay_events_") || ["outbox_relay_claims", "outbox_relay_listening"].contains(name)
+    }) {
+        let unlabelled: Vec<&String> = families[*family].1.keys().filter(|k| !k.contains("destination=")).collect();
+        assert!(unlabelled.is_empty(), "{family}: {unlabelled:?}");
+    }
     assert_eq!(until_status(&format!("{base}/healthz"), 200).await, r#"{"status":"ok"}"#);
     assert_eq!(terminate(relay).await, Some(0));
 }
@@ -201,39 +229,67 @@ async fn a_pause_from_the_command_outlives_a_relay_restart() {
     let held = publish(&db, "mail.send", json!({})).await;
     let relay = spawn_run(&db.url, &["--sink", "stdout"]);
     let other = publish(&db, "erp.sync", json!({})).await;
-    let processed = |id: i64| {
+    // Delivered: passed by the destination (kept, marked processed), no copy of it waiting for
+    // the destination (a paused event waits as one), not dead-lettered.
+    let delivered = |id: i64| {
         let db = &db;
         async move {
             db.client()
                 .await
-                .query_one("select processed_at is not null from outbox_relay.outbox where id = $1", &[&id])
+                .query_one(
+                    "select coalesce((select processed_at is not null from outbox_relay.outbox where id = $1), false)
+                        and not exists (select 1 from outbox_relay.parked where id = $1)
+                        and not exists (select 1 from outbox_relay.dead_letters where id = $1)",
+                    &[&id],
+                )
                 .await
                 .unwrap()
                 .get::<_, bool>(0)
         }
     };
-    eventually("the other topic is delivered", || processed(other)).await;
-    assert!(!processed(held).await, "claims go in id order: the paused event was passed over");
-    assert_eq!(terminate(relay).await, Some(0));
+    // The paused event, waiting for the destination: its attempts so far.
+    let waiting_attempts = |id: i64| {
+        let db = &db;
+        async move {
+            db.client()
+                .await
+                .query_opt("select attempts from outbox_relay.parked where destination = 'default' and id = $1", &[&id])
+                .await
+                .unwrap()
+                .map(|row| row.get::<_, i32>(0))
+        }
+    };
+    eventually("the other topic is delivered", || delivered(other)).await;
+    assert!(!delivered(held).await, "claims go in id order: the paused event was passed over");
+    assert_eq!(waiting_attempts(held).await, Some(0), "the paused event waits, charged no attempt");
+    let output = terminate_with_output(relay).await;
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(printed_ids(&output), [other], "only the other topic reached the sink");
 
     let status = cli(&db.url, &["status"]).await;
-    assert!(stdout(&status).contains("paused                    mail.send"), "{}", stdout(&status));
+    assert!(stdout(&status).contains("paused                    topic mail.send"), "{}", stdout(&status));
     let relay = spawn_run(&db.url, &["--sink", "stdout"]);
     let other = publish(&db, "erp.sync", json!({})).await;
-    eventually("the restarted relay delivers the other topic", || processed(other)).await;
-    assert!(!processed(held).await, "still paused after the restart");
+    eventually("the restarted relay delivers the other topic", || delivered(other)).await;
+    assert!(!delivered(held).await, "still paused after the restart");
+    assert_eq!(waiting_attempts(held).await, Some(0), "still waiting, charged no attempt");
     let resumed = cli(&db.url, &["resume", "--topic", "mail.send"]).await;
     assert!(stdout(&resumed).contains("resumed topic mail.send"), "{}", stdout(&resumed));
-    eventually("the resumed event is delivered", || processed(held)).await;
-    let attempts: i32 = db
-        .client()
-        .await
-        .query_one("select attempts from outbox_relay.outbox where id = $1", &[&held])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(attempts, 1, "the pause cost it no attempt");
-    assert_eq!(terminate(relay).await, Some(0));
+    eventually("the resumed event is delivered", || delivered(held)).await;
+    let output = terminate_with_output(relay).await;
+    assert_eq!(output.status.code(), Some(0));
+    assert_eq!(printed_ids(&output), [other, held], "the other topic, then the resumed event");
+    let event: Value = serde_json::from_str(stdout(&output).lines().last().unwrap()).unwrap();
+    assert_eq!(event["attempts"], json!(1), "the pause cost it no attempt");
+}
+
+/// The ids of the events a `--sink stdout` relay printed, in order.
+fn printed_ids(output: &std::process::Output) -> Vec<i64> {
+    stdout(output)
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap_or_else(|e| panic!("not JSON: {line}: {e}")))
+        .map(|event| event["id"].as_i64().unwrap())
+        .collect()
 }
 
 /// `outbox-relay console` with these arguments.
@@ -327,8 +383,8 @@ async fn actions_say_exactly_what_they_act_on() {
     let client = db.client().await;
     client
         .batch_execute(
-            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error)
-             select g, 'invoice.issue', '{}', now(), 3, 'refused' from generate_series(1001, 1003) g",
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error)
+             select 'default', g, 'invoice.issue', '{}', now(), 3, 'refused' from generate_series(1001, 1003) g",
         )
         .await
         .unwrap();
@@ -532,8 +588,15 @@ async fn in_a_browser_a_dead_letter_is_shown_and_a_click_on_retry_delivers_it() 
     assert_eq!(delivered["id"], json!(id), "{delivered}");
     let done = page.find(fantoccini::Locator::Css(".done")).await.expect("the console says what it did");
     assert_eq!(done.text().await.unwrap(), format!("retried dead letter {id}"));
-    page.goto(&format!("{base}/?lookup={id}")).await.unwrap();
-    let found = page.find(fantoccini::Locator::Id("lookup-result")).await.unwrap().text().await.unwrap();
+    // Looked up: the outbox row, passed (kept, marked processed), and nothing else once the
+    // delivery is recorded: no copy waiting for the destination, no dead letter.
+    let found = until("the delivery recorded", || async {
+        page.goto(&format!("{base}/?lookup={id}")).await.ok()?;
+        let found = page.find(fantoccini::Locator::Id("lookup-result")).await.ok()?.text().await.ok()?;
+        let waiting = ["pending", "delayed", "in flight", "dead"].iter().any(|state| found.contains(state));
+        (!waiting).then_some(found)
+    })
+    .await;
     assert!(found.contains("processed"), "{found}");
 
     browser.client.clone().close().await.unwrap();

@@ -20,6 +20,16 @@ async fn count(client: &Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// The events not yet recorded delivered (nor dead-lettered): outbox rows the destination has
+/// not passed, and copies parked for it (a retry, a lease).
+const WAITING: &str = "select id from outbox_relay.outbox where processed_at is null
+                       union select id from outbox_relay.parked where destination = 'default'";
+
+/// How many events are not yet recorded delivered (see [`WAITING`]).
+async fn waiting(client: &Client) -> i64 {
+    count(client, &format!("select count(*) from ({WAITING}) w")).await
+}
+
 /// How long the test waits for the backlog to drain; only a hang should ever reach it.
 const LONG_PATIENCE: Duration = Duration::from_secs(90);
 
@@ -164,22 +174,17 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     let received_at_kill = receiver.requests.load(Ordering::SeqCst);
 
     // What the killed process had in flight: handed to the receiver and not recorded. (Its held
-    // claims left no trace in the rows, the server rolled them back; leased ones carry its token.)
+    // claims left no trace in the rows, the server rolled them back: their new events are not
+    // passed yet; leased ones are copies parked for the destination with its token.)
     let seen_at_kill: BTreeSet<i64> = receiver.seen.lock().unwrap().keys().copied().collect();
-    let unprocessed: BTreeSet<i64> = client
-        .query("select id from outbox_relay.outbox where processed_at is null", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let unprocessed: BTreeSet<i64> = client.query(WAITING, &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
     let in_flight: BTreeSet<i64> = seen_at_kill.intersection(&unprocessed).copied().collect();
     let bound = 2 * WORKERS * BATCH_SIZE;
     assert!(in_flight.len() <= bound, "{} events in flight at the kill; at most {bound} can be", in_flight.len());
 
     let second = RelayProcess::spawn(&db.url, &args);
     eventually_within("the second relay processed every event", LONG_PATIENCE, || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        waiting(&client).await == 0
     })
     .await;
     let second_log = second.log.clone();
@@ -209,6 +214,7 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
         twice.difference(&in_flight).collect::<Vec<_>>(),
         first_log.lock().unwrap()
     );
+    assert_eq!(waiting(&client).await, 0);
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
@@ -252,7 +258,7 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
 
     let second = RelayProcess::spawn(&db.url, &args);
     eventually_within("the second relay processed every event", LONG_PATIENCE, || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        waiting(&client).await == 0
     })
     .await;
     assert_eq!(count(&client, holding).await, 0, "the frozen relay's sessions were ended");

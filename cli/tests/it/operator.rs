@@ -1,7 +1,9 @@
 //! The command as an operator meets it on a bad day: a full disk under stdout, a sink that is
 //! down, flags out of range, a foot-gun of a purge, a database the relay cannot work with.
 
+use std::collections::HashMap;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -48,16 +50,19 @@ async fn stdout_on_a_full_disk_marks_nothing_delivered() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    eventually("every event attempted once", || async {
-        count(&db, "select count(*) from outbox_relay.outbox where last_error is not null").await == 300
-    })
-    .await;
+    // (a failed delivery waits for its retry as a copy parked for the destination)
+    let failed = "select count(*) from outbox_relay.parked
+                   where destination = 'default' and attempts >= 1 and last_error is not null";
+    eventually("every event attempted once", || async { count(&db, failed).await == 300 }).await;
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     tokio::time::timeout(PATIENCE, child.wait()).await.unwrap().unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox where processed_at is not null").await, 0);
+    // None delivered: every event still waits for the destination, none was dead-lettered.
+    assert_eq!(count(&db, failed).await, 300);
+    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 300);
+    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 0);
     let error: String =
-        db.client().await.query_one("select last_error from outbox_relay.outbox limit 1", &[]).await.unwrap().get(0);
+        db.client().await.query_one("select last_error from outbox_relay.parked limit 1", &[]).await.unwrap().get(0);
     assert!(error.contains("writing to stdout failed"), "{error}");
 }
 
@@ -111,8 +116,9 @@ async fn purge_needs_all_or_older_than() {
     db.client()
         .await
         .batch_execute(
-            "insert into outbox_relay.dead_letters (id, topic, payload, created_at, attempts, last_error, failed_at)
-             values (1, 'a', '{}', now(), 1, 'x', now() - interval '2 days'), (2, 'b', '{}', now(), 1, 'x', now())",
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error, failed_at)
+             values ('default', 1, 'a', '{}', now(), 1, 'x', now() - interval '2 days'),
+                    ('default', 2, 'b', '{}', now(), 1, 'x', now())",
         )
         .await
         .unwrap();
@@ -164,7 +170,9 @@ async fn a_failing_sink_is_logged_and_status_shows_why_events_wait() {
     assert!(warnings[0].contains("POST http://127.0.0.1:1/hooks failed"), "{}", warnings[0]);
     assert!(warnings[0].contains("retry_in="), "{}", warnings[0]);
     eventually("more than 40 failed attempts", || async {
-        count(&db, "select coalesce(sum(attempts), 0)::int8 from outbox_relay.outbox").await > 40
+        count(&db, "select coalesce(sum(attempts), 0)::int8 from outbox_relay.parked where destination = 'default'")
+            .await
+            > 40
     })
     .await;
 
@@ -264,18 +272,35 @@ async fn the_breaker_shows_in_the_log_and_in_status() {
     assert!(stdout(&table).contains("BREAKER OPEN"), "{}", stdout(&table));
 
     let listener = tokio::net::TcpListener::bind(addr).await.expect("the receiver's port");
-    let app = axum::Router::new().route("/hooks", axum::routing::post(|| async { axum::http::StatusCode::OK }));
+    // The receiver keeps the highest attempt each event reached it at (its `Outbox-Attempt`).
+    let attempts: Arc<Mutex<HashMap<i64, i64>>> = Arc::default();
+    let received = attempts.clone();
+    let app = axum::Router::new().route(
+        "/hooks",
+        axum::routing::post(move |headers: axum::http::HeaderMap| {
+            let received = received.clone();
+            async move {
+                let header = |name: &str| headers[name].to_str().unwrap().parse::<i64>().unwrap();
+                let attempt = header("outbox-attempt");
+                let mut received = received.lock().unwrap();
+                let highest = received.entry(header("outbox-event-id")).or_default();
+                *highest = attempt.max(*highest);
+                axum::http::StatusCode::OK
+            }
+        }),
+    );
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     next_line_containing(&mut log, &mut lines, "the destination is back").await;
     eventually("every event delivered", || async {
-        count(&db, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        attempts.lock().unwrap().len() == 40 && crate::cli::settled(&db, 40).await
     })
     .await;
     let status = cli(&db.url, &["status", "--json"]).await;
     let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
     assert_eq!(status["relays"][0]["breaker_open"], json!(false), "{status}");
     assert_eq!(status["dead_letters"], json!(0), "{status}");
-    assert!(count(&db, "select max(attempts)::int8 from outbox_relay.outbox").await < 3);
+    let highest = attempts.lock().unwrap().values().copied().max();
+    assert!(highest.is_some_and(|n| n < 3), "the outage consumed no attempt: delivered at attempt {highest:?}");
 
     assert_eq!(terminate_collecting(child, &mut log, &mut lines).await, Some(0));
     let opens = lines.iter().filter(|l| l.contains("the destination looks down")).count();
@@ -339,10 +364,8 @@ async fn status_shows_the_concurrency_limit_and_the_deliveries_in_flight() {
     assert!(stdout(&table).contains("limit 3 (3 in flight)"), "{}", stdout(&table));
 
     open.send_replace(true);
-    eventually("every event delivered", || async {
-        count(&db, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
-    })
-    .await;
+    eventually("every event delivered", || async { crate::cli::settled(&db, 10).await }).await;
+    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 0);
     eventually("nothing in flight", || async { relay().await["deliveries_in_flight"] == json!(0) }).await;
     let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
     assert_eq!(terminate_collecting(child, &mut log, &mut Vec::new()).await, Some(0));
