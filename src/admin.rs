@@ -203,15 +203,26 @@ impl Outbox {
 
     /// Drops the destination `name`, which no relay delivers to any more: events stop waiting
     /// for it (what was parked for it goes to its dead letters, saying why), and its position no
-    /// longer keeps events that every other destination has passed. A relay that still delivers
-    /// to it registers it again, starting where the destination furthest behind is. Returns how
+    /// longer keeps events that every other destination has passed. Refused while a connected
+    /// relay delivers to it (stop those relays first; a relay started later with a route of that
+    /// name registers it anew, starting where the destination furthest behind is). Returns how
     /// many parked events went to the dead letters; an error when no destination has that name.
     pub async fn drop_destination(&self, name: &str) -> Result<u64> {
         crate::relay::validate_destination_name(name)?;
         let dropped = self
             .bounded("dropping a destination", async { sql::drop_destination(&mut self.pooled().await?, name).await })
             .await?;
-        dropped.ok_or_else(|| crate::error::Error::invalid_input(format!("no destination is named {name:?}")))
+        match dropped {
+            sql::Dropped::Done(buried) => Ok(buried),
+            sql::Dropped::Unknown => {
+                Err(crate::error::Error::invalid_input(format!("no destination is named {name:?}")))
+            }
+            sql::Dropped::Served(pids) => Err(crate::error::Error::invalid_input(format!(
+                "destination {name:?} is delivered to by {} connected relay(s) (listener pids {}): stop them first; nothing was dropped",
+                pids.len(),
+                pids.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
+            ))),
+        }
     }
 
     /// The pauses in place: of every destination first, and of every topic first.

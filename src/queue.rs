@@ -103,6 +103,11 @@ pub struct DestinationStats {
     pub paused: bool,
     /// How many relays connected now deliver to it.
     pub relays: i64,
+    /// Whether it is registered: false for a name that only parked events carry (the migration's
+    /// `default` when no relay delivers to it under that name, a retried dead letter of a dropped
+    /// destination); its pattern is then empty and its events wait until a relay registers it or
+    /// it is dropped.
+    pub registered: bool,
 }
 
 /// An event in the dead letters.

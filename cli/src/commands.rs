@@ -289,7 +289,7 @@ fn print_destinations(destinations: &[outbox_relay::DestinationStats]) {
         println!(
             "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved}{paused}",
             crate::one_line(&d.name),
-            crate::one_line(&d.pattern),
+            if d.registered { crate::one_line(&d.pattern) } else { "(not registered)".to_string() },
             d.new,
             d.due,
             d.delayed,

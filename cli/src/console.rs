@@ -134,7 +134,13 @@ pub(crate) fn destination_warnings(destinations: &[outbox_relay::DestinationStat
     let mut warnings = Vec::new();
     for d in destinations {
         let waiting = d.new + d.due + d.delayed + d.in_flight;
-        if d.relays == 0 && waiting > 0 {
+        if !d.registered {
+            warnings.push(format!(
+                "{waiting} events wait for destination {}, which no relay registered: start a relay with a route of that \
+                 name, or `outbox-relay destinations drop {}` moves them to its dead letters",
+                d.name, d.name
+            ));
+        } else if d.relays == 0 && waiting > 0 {
             warnings.push(format!(
                 "destination {}: {waiting} events wait for it and no relay delivers to it (if it is gone, \
                  `outbox-relay destinations drop {}` stops it keeping them)",

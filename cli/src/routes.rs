@@ -104,10 +104,11 @@ pub(crate) fn single(sink: String, options: SinkOptions) -> Destination {
 /// second.
 pub(crate) fn parse_route(spec: &str, options: &SinkOptions) -> Result<Destination, CliError> {
     let bad = |why: &str| {
+        // A sink URL may carry a password: only a name or pattern before the first '=' is shown.
+        let first = spec.split_once('=').map_or(spec, |(first, _)| first);
+        let shown = if is_plain(first) { format!("{first:?}") } else { "(not shown)".to_string() };
         UsageError(format!(
-            "--route {:?}: {why}; expected NAME=PATTERN=SINK or PATTERN=SINK, e.g. erp=order.#=https://erp.example/hook",
-            // A sink URL may carry a password: only what comes before it is shown.
-            spec.split_once('=').map_or(spec, |(first, _)| first)
+            "--route {shown}: {why}; expected NAME=PATTERN=SINK or PATTERN=SINK, e.g. erp=order.#=https://erp.example/hook"
         ))
     };
     let (first, rest) = spec.split_once('=').ok_or_else(|| bad("there is no '='"))?;
@@ -129,6 +130,11 @@ pub(crate) fn parse_route(spec: &str, options: &SinkOptions) -> Result<Destinati
         fixed_concurrency: None,
         rate_limit: None,
     })
+}
+
+/// Whether `text` is made of the characters of names and patterns only (so no URL, no password).
+fn is_plain(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || "._-*#".contains(c))
 }
 
 fn looks_like_sink(text: &str) -> bool {
@@ -184,8 +190,9 @@ pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Desti
     let file: File = toml::from_str(&text).map_err(|e| {
         let line = e.span().map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
         let at = line.map_or(String::new(), |line| format!(" (line {line})"));
-        // The message only: the error's own rendering quotes the line, which may hold a secret.
-        UsageError(format!("--config {shown}{at}: {}", e.message().trim()))
+        // The message only: the error's own rendering quotes the line, which may hold a secret,
+        // and a value of the wrong type is named by its type, not shown.
+        UsageError(format!("--config {shown}{at}: {}", without_strings(e.message().trim())))
     })?;
     if file.destinations.is_empty() {
         return Err(UsageError(format!("--config {shown}: no [[destination]] in it")).into());
@@ -249,6 +256,33 @@ impl FileDestination {
     }
 }
 
+/// `message` with every `string "…"` serde quotes written `a string`.
+fn without_strings(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("string \"") {
+        out.push_str(&rest[..at]);
+        out.push_str("a string");
+        let after = &rest[at + "string \"".len()..];
+        // To the closing quote (serde escapes quotes inside), or the end.
+        let mut end = after.len();
+        let mut escaped = false;
+        for (i, c) in after.char_indices() {
+            match c {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = i + 1;
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        rest = &after[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 fn parse_timeout(text: &str) -> Result<Duration, String> {
     crate::duration_in(Duration::from_millis(1), outbox_relay::sink::MAX_TIMEOUT)(text)
 }
@@ -275,6 +309,10 @@ mod tests {
         }
         let e = parse_route("erp=order.#=notasink:secret", &o).unwrap_err().to_string();
         assert!(!e.contains("secret"), "{e}");
+        for leaky in ["https://user:pw@erp/hook", "https://user:pw@erp/hook?x=1", "amqp://u:pw@h/%2f"] {
+            let e = parse_route(leaky, &o).unwrap_err().to_string();
+            assert!(!e.contains("pw") && e.contains("(not shown)"), "{e}");
+        }
     }
 
     #[test]
@@ -320,6 +358,12 @@ sink = "stdout"
         std::fs::write(&path, "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nheaders = { A = \"Bearer s3cr3t-value\" \n").unwrap();
         let e = read_file(&path, &defaults).unwrap_err().to_string();
         assert!(!e.contains("s3cr3t"), "{e}");
+
+        let wrong_type =
+            "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nheaders = \"Bearer s3cr3t\"\n";
+        std::fs::write(&path, wrong_type).unwrap();
+        let e = read_file(&path, &defaults).unwrap_err().to_string();
+        assert!(!e.contains("s3cr3t") && e.contains("a string"), "{e}");
 
         std::fs::write(
             &path,

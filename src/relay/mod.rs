@@ -206,7 +206,7 @@ impl<H: Handler> Relay<H> {
         // Every destination registered before any claims: new ones start at one same position.
         let mut shutdown = std::pin::pin!(shutdown);
         let registered = tokio::select! {
-            registered = register(&pool, &routes) => Some(registered),
+            registered = register(&pool, &routes, config.completion == Completion::Delete) => Some(registered),
             () = &mut shutdown => None,
         };
         let Some(registered) = registered else {
@@ -385,7 +385,7 @@ impl<H: Handler> Engine<H> {
 
 /// Registers every route's destination, trying again with capped backoff while the database
 /// does not answer.
-async fn register<H>(pool: &RelayPool, routes: &[Route<H>]) -> Vec<sql::Destination> {
+async fn register<H>(pool: &RelayPool, routes: &[Route<H>], delete: bool) -> Vec<sql::Destination> {
     let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
     let all: Vec<sql::ToRegister<'_>> = routes
         .iter()
@@ -394,7 +394,7 @@ async fn register<H>(pool: &RelayPool, routes: &[Route<H>]) -> Vec<sql::Destinat
         .collect();
     let mut failures = 0;
     loop {
-        let registered = async { sql::register_destinations(&mut pool.client().await?, &all).await };
+        let registered = async { sql::register_destinations(&mut pool.client().await?, &all, delete).await };
         match registered.await {
             Ok(registered) => {
                 for (r, route) in registered.iter().zip(routes) {

@@ -5,7 +5,8 @@
 //! for the sweeper, as is one that no destination's pattern matches (it goes to the dead letters
 //! of the destination '', saying so). With one destination that takes every topic, the sweeper
 //! finds nothing. It goes on from where it ended (a transaction id), so it never walks again
-//! over the rows it finished.
+//! over the rows it finished, and reads at most a batch a sweep: a destination that is down (whose
+//! position holds rows) costs a batch's read a second, not the backlog's.
 
 use std::time::Duration;
 
@@ -30,11 +31,16 @@ impl Sweeper {
         let batch = i64::try_from(self.config.janitor_batch.max(1)).unwrap_or(i64::MAX);
         let delete = self.config.completion == Completion::Delete;
         let mut from = String::from("0");
+        let mut failing = false;
         loop {
             let swept = async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, delete).await };
             let mut pause = SWEEP_EVERY;
             match swept.await {
                 Ok(swept) => {
+                    if failing {
+                        tracing::info!("sweeping the outbox works again");
+                        failing = false;
+                    }
                     if swept.unrouted > 0 {
                         tracing::warn!(
                             events = swept.unrouted,
@@ -45,14 +51,21 @@ impl Sweeper {
                     if swept.finished > 0 {
                         tracing::debug!(events = swept.finished, "finished events every destination passed");
                     }
-                    if swept.finished >= batch {
+                    let moved = swept.next.as_ref().is_some_and(|next| *next != from);
+                    if swept.read >= batch && moved {
+                        // A backlog it can get through (not a destination that holds it): on.
                         pause = Duration::ZERO;
                     }
                     if let Some(next) = swept.next {
                         from = next;
                     }
                 }
-                Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed; trying again in a second"),
+                // Once per streak: the rows wait, and are finished when it works again.
+                Err(e) if !failing => {
+                    failing = true;
+                    tracing::warn!(error = %e, "sweeping the outbox failed; events every destination passed stay until it works (trying every second)");
+                }
+                Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed again"),
             }
             tokio::select! {
                 _ = self.stop.cancelled() => return,

@@ -353,8 +353,13 @@ const DESTINATION_STATS: &str = concat!(
     ",
        exists (select 1 from outbox_relay.pauses s where s.destination in ('', d.name) and s.topic = ''),
        (select count(*) from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
-         where r.destination = d.name and a.datname = current_database())
-  from outbox_relay.destinations d left join lateral (
+         where r.destination = d.name and a.datname = current_database()),
+       d.registered
+  from (select name, pattern, topic_regex, true as registered from outbox_relay.destinations
+        union all
+        select distinct x.destination, '', null, false from outbox_relay.parked x
+         where not exists (select 1 from outbox_relay.destinations r where r.name = x.destination)) d
+  left join lateral (
         select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p on true
  order by d.name"
@@ -377,6 +382,7 @@ pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::
             position_age_ms: r.get(8),
             paused: r.get(9),
             relays: r.get(10),
+            registered: r.get(11),
         })
         .collect())
 }

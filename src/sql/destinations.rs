@@ -42,7 +42,8 @@ with start as (
 ),
 furthest_behind as (
     select * from start
-     order by pg_snapshot_xmin(case when after_id is null then snapshot else since end), after_id nulls first
+     order by pg_snapshot_xmax(case when after_id is null then snapshot else since end),
+              pg_snapshot_xmin(case when after_id is null then snapshot else since end), after_id nulls first
      limit 1
 ),
 registered as (
@@ -72,36 +73,54 @@ pub(crate) struct ToRegister<'a> {
     pub(crate) topic_regex: Option<&'a str>,
 }
 
+/// How many rows one statement of the sweep that registration runs reads.
+const REGISTRATION_SWEEP_BATCH: i64 = 10_000;
+
 /// Registers the destinations `all`, or finds them and sets their patterns, in one transaction:
 /// the new ones start at one same position (so that none of a relay's destinations misses what
-/// another of them claims first).
+/// another of them claims first). Before a destination is added or its pattern changes, with
+/// every destination's claims held off, every row all destinations have passed is finished
+/// (`delete`: deleted, else marked processed) against the patterns they were passed under: a
+/// row no pattern matched goes to the dead letters now, and is not taken by a pattern that never
+/// saw it.
 pub(crate) async fn register_destinations(
     client: &mut deadpool_postgres::Object,
     all: &[ToRegister<'_>],
+    delete: bool,
 ) -> Result<Vec<Registered>> {
     let fail = |e| crate::error::Error::database("registering the destinations", e);
     let tx = client.transaction().await.map_err(fail)?;
     count(&tx, DESTINATIONS_LOCK, &[], "registering the destinations").await?;
-    let mut registered = Vec::with_capacity(all.len());
-    let mut waited = false;
+    let mut found = Vec::with_capacity(all.len());
     for to in all {
-        let found = all_rows(&tx, DESTINATION_GET, &[&to.name], "registering a destination").await?;
-        let (lock_id, pattern_was, new) = match found.first() {
-            Some(row) => {
-                let was: String = row.get(1);
+        let row = all_rows(&tx, DESTINATION_GET, &[&to.name], "registering a destination").await?;
+        found.push(row.first().map(|row| (row.get::<_, String>(1), row.get::<_, i32>(3))));
+    }
+    let changes = all.iter().zip(&found).any(|(to, found)| found.as_ref().is_none_or(|(was, _)| was != to.pattern));
+    if changes {
+        one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
+        let mut from = String::from("0");
+        loop {
+            let swept = sweep_outbox(&tx, &from, REGISTRATION_SWEEP_BATCH, delete).await?;
+            match swept.next {
+                Some(next) if swept.read >= REGISTRATION_SWEEP_BATCH && next != from => from = next,
+                _ => break,
+            }
+        }
+    }
+    let mut registered = Vec::with_capacity(all.len());
+    for (to, found) in all.iter().zip(found) {
+        let (lock_id, pattern_was, new) = match found {
+            Some((was, lock_id)) => {
                 let changed = was != to.pattern;
                 if changed {
                     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
                         [&to.name, &to.pattern, &to.topic_regex];
                     count(&tx, DESTINATION_SET_PATTERN, &params, "registering a destination").await?;
                 }
-                (row.get(3), changed.then_some(was), false)
+                (lock_id, changed.then_some(was), false)
             }
             None => {
-                if !waited {
-                    one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
-                    waited = true;
-                }
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&to.name, &to.pattern, &to.topic_regex];
                 (one(&tx, DESTINATION_INSERT, &params, "registering a destination").await?.get(0), None, true)
             }
@@ -121,15 +140,20 @@ pub(crate) async fn register_destinations(
 }
 
 /// Finishes the outbox rows that every registered destination has passed: deletes them (`$3`)
-/// or marks them processed, from the transaction `$1` on (where the last sweep ended), at most
-/// `$2`. A destination has passed an event when its newest position's snapshot sees the event's
-/// transaction, or the event is in the position's cut delta at or below `after_id` (as in
-/// `OUTBOX_FINISH`). Below the horizon (the oldest transaction some position's snapshot does not
-/// see as ended) every row is passed; from there to the lowest xmax, each row is tested. A row
-/// that no destination's pattern matches goes to the dead letters of the destination '' instead,
-/// saying so. Returns how many rows it finished, how many of those went to the dead letters, and
-/// where the next sweep starts: the horizon, or, after a full batch, the last row it took if that
-/// is lower (no row it left behind is skipped).
+/// or marks them processed. It reads at most `$2` rows in xid order from the transaction `$1`
+/// on (where the last sweep ended), up to the lowest xmax of the positions' snapshots, and
+/// finishes those that every destination has passed (a destination has passed an event when its
+/// newest position's snapshot sees the event's transaction, or the event is in the position's cut
+/// delta at or below `after_id`, as in `OUTBOX_FINISH`). A row that no destination's pattern
+/// matches goes to the dead letters of the destination '' instead, saying so.
+///
+/// Returns how many rows it finished, how many of those went to the dead letters, how many it
+/// read, and where the next sweep starts: at the first row it read that some destination has not
+/// passed, else past what it read, and never past the oldest transaction still running (whose
+/// rows it cannot see yet). So a row is read again only while a destination has not passed it,
+/// and then at most `$2` rows a sweep. With no destination registered it reads nothing and
+/// stays where it is. (The lowest and highest xid8 are ordered probes, not min or max, which
+/// older servers lack for xid8.)
 const OUTBOX_SWEEP: &str = "\
 with newest as materialized (
     select p.since, p.snapshot, p.after_id
@@ -138,19 +162,24 @@ with newest as materialized (
          where q.destination = d.name order by q.n desc limit 1) p
 ),
 horizon as materialized (
-    select min(pg_snapshot_xmin(case when after_id is null then snapshot else since end)) as h,
-           min(pg_snapshot_xmax(snapshot)) as top
-      from newest
+    select (select pg_snapshot_xmax(n.snapshot) from newest n order by 1 limit 1) as top,
+           pg_snapshot_xmin(pg_current_snapshot()) as running
+),
+seen as materialized (
+    select e.id, e.xid, e.processed_at,
+           not exists (
+            select 1 from newest p
+             where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                        or (p.after_id is not null and e.id <= p.after_id
+                            and pg_visible_in_snapshot(e.xid, p.snapshot)))) as passed
+      from outbox_relay.outbox e, horizon h
+     where e.xid >= $1::text::xid8 and e.xid < h.top
+     order by e.xid limit $2
 ),
 gone as materialized (
-    select e.id, e.xid, e.uuid, e.topic, e.key, e.payload, e.created_at, e.attempts
-      from outbox_relay.outbox e, horizon h
-     where e.xid >= $1::text::xid8 and e.xid < h.top and e.processed_at is null
-       and not exists (
-        select 1 from newest p
-         where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
-                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
-     order by e.xid limit $2
+    select e.id, e.uuid, e.topic, e.key, e.payload, e.created_at, e.attempts
+      from outbox_relay.outbox e
+     where e.id in (select s.id from seen s where s.passed and s.processed_at is null)
        for update of e skip locked
 ),
 unrouted as materialized (
@@ -174,14 +203,19 @@ marked as (
      where not $3 and id in (select id from gone) and id not in (select id from unrouted)
     returning 1
 )
-select (select count(*) from gone), (select count(*) from unrouted),
-       case when (select count(*) from gone) >= $2 then least((select max(xid) from gone), (select h from horizon))
-            else (select h from horizon) end::text";
+select (select count(*) from gone), (select count(*) from unrouted), (select count(*) from seen),
+       case when (select top from horizon) is not null then least(
+           (select s.xid from seen s where not s.passed and s.processed_at is null order by s.xid limit 1),
+           case when (select count(*) from seen) >= $2 then (select s.xid from seen s order by s.xid desc limit 1)
+                else (select top from horizon) end,
+           (select running from horizon)) end::text";
 
 /// What one sweep did.
 pub(crate) struct Swept {
     pub(crate) finished: i64,
     pub(crate) unrouted: i64,
+    /// Rows it read: a full batch means more may wait.
+    pub(crate) read: i64,
     /// Where the next sweep starts (a transaction id), when there is a horizon.
     pub(crate) next: Option<String>,
 }
@@ -190,7 +224,7 @@ pub(crate) struct Swept {
 /// `from` on ("0" at the start).
 pub(crate) async fn sweep_outbox(db: &impl Db, from: &str, batch: i64, delete: bool) -> Result<Swept> {
     let row = one(db, OUTBOX_SWEEP, &[&from, &batch, &delete], "finishing events every destination passed").await?;
-    Ok(Swept { finished: row.get(0), unrouted: row.get(1), next: row.get(2) })
+    Ok(Swept { finished: row.get(0), unrouted: row.get(1), read: row.get(2), next: row.get(3) })
 }
 
 /// The dead letters of a destination that is dropped: what waited for it is kept, saying why.
@@ -211,18 +245,57 @@ const DESTINATION_DROP_PAUSES: &str = "delete from outbox_relay.pauses where des
 
 const DESTINATION_DELETE: &str = "delete from outbox_relay.destinations where name = $1";
 
-/// Drops the destination `name`: events no longer wait for it (what was parked for it goes to
-/// its dead letters), and its position no longer holds the outbox's rows back. Returns whether
-/// it was registered, and how many parked events went to the dead letters.
-pub(crate) async fn drop_destination(client: &mut deadpool_postgres::Object, name: &str) -> Result<Option<u64>> {
+/// The relays connected now that deliver to the destination `$1`: their listeners' pids.
+const DESTINATION_RELAYS: &str = "\
+select coalesce(array_agg(r.listener_pid order by r.listener_pid), '{}')
+  from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
+ where r.destination = $1 and a.datname = current_database()";
+
+/// Waits for the claim of the destination `$1` in progress, if any.
+const DESTINATION_WAIT_FOR_CLAIM: &str =
+    "select count(pg_advisory_xact_lock(1869901932, lock_id)::text) from outbox_relay.destinations where name = $1";
+
+/// When the last destination goes, its position becomes the origin the next one starts from
+/// (not the older origin, from which it would get every event kept since).
+const ORIGIN_MOVE: &str = "\
+insert into outbox_relay.positions (destination, n, since, snapshot, after_id)
+select '', coalesce((select max(o.n) from outbox_relay.positions o where o.destination = ''), 0) + 1,
+       p.since, p.snapshot, p.after_id
+  from (select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = $1 order by q.n desc limit 1) p
+ where not exists (select 1 from outbox_relay.destinations d where d.name <> $1)";
+
+/// What dropping a destination found.
+pub(crate) enum Dropped {
+    /// It was dropped; so many parked events went to its dead letters.
+    Done(u64),
+    /// No destination has that name.
+    Unknown,
+    /// Relays connected now deliver to it (their listeners' pids): nothing was done.
+    Served(Vec<i32>),
+}
+
+/// Drops the destination `name`, unless a connected relay delivers to it: events no longer wait
+/// for it (what was parked for it goes to its dead letters), and its position no longer holds the
+/// outbox's rows back (the last destination's becomes the origin).
+pub(crate) async fn drop_destination(client: &mut deadpool_postgres::Object, name: &str) -> Result<Dropped> {
     let tx = client.transaction().await.map_err(|e| crate::error::Error::database("dropping a destination", e))?;
     count(&tx, DESTINATIONS_LOCK, &[], "dropping a destination").await?;
-    if count(&tx, DESTINATION_DELETE, &[&name], "dropping a destination").await? == 0 {
-        return Ok(None);
+    let relays: Vec<i32> = one(&tx, DESTINATION_RELAYS, &[&name], "dropping a destination").await?.get(0);
+    if !relays.is_empty() {
+        return Ok(Dropped::Served(relays));
     }
+    one(&tx, DESTINATION_WAIT_FOR_CLAIM, &[&name], "dropping a destination").await?;
+    count(&tx, ORIGIN_MOVE, &[&name], "dropping a destination").await?;
+    let registered = count(&tx, DESTINATION_DELETE, &[&name], "dropping a destination").await? > 0;
+    // Parked events of a name no longer registered (a destination of the migration, a retried
+    // dead letter of a dropped one) go too.
     let buried = count(&tx, DESTINATION_DROP_PARKED, &[&name], "dropping a destination").await?;
+    if !registered && buried == 0 {
+        return Ok(Dropped::Unknown);
+    }
     count(&tx, DESTINATION_DROP_POSITIONS, &[&name], "dropping a destination").await?;
     count(&tx, DESTINATION_DROP_PAUSES, &[&name], "dropping a destination").await?;
     tx.commit().await.map_err(|e| crate::error::Error::database("dropping a destination", e))?;
-    Ok(Some(buried))
+    Ok(Dropped::Done(buried))
 }

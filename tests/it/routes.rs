@@ -438,3 +438,31 @@ async fn a_dead_letter_names_the_destination_that_refused_the_event_and_its_retr
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
     assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
 }
+
+/// A destination a connected relay delivers to is not dropped; dropping the last destination
+/// makes its position the origin, so that the next destination does not get again every event
+/// kept (completion mark) since the migrations.
+#[tokio::test]
+async fn a_served_destination_is_not_dropped_and_the_last_one_dropped_leaves_its_position_as_the_origin() {
+    let db = TestDb::new().await;
+    let (a, mut to_a) = recorder();
+    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("a", "#", a).unwrap()]);
+    publish(&db, "order.placed", 3, 3).await;
+    to_a.take(3).await;
+    eventually("the relay's row shows it serves a", || async {
+        db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "a" && d.relays == 1)
+    })
+    .await;
+    let e = db.outbox.drop_destination("a").await.unwrap_err().to_string();
+    assert!(e.contains("delivered to by 1 connected relay") && e.contains("nothing was dropped"), "{e}");
+    relay.stop().await;
+    assert_eq!(db.outbox.drop_destination("a").await.unwrap(), 0);
+
+    let (c, mut to_c) = recorder();
+    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("c", "#", c).unwrap()]);
+    publish(&db, "order.placed", 1, 1).await;
+    let first = to_c.next().await;
+    assert_eq!(first.event.id, 4, "c starts where a was, not with the three events kept processed");
+    relay.stop().await;
+    assert!(to_c.is_empty());
+}
