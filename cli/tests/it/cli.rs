@@ -302,11 +302,31 @@ async fn status_json_matches_the_table() {
     assert!(status["oldest_pending_age_ms"].as_i64().unwrap() >= 5000, "{status}");
     assert_eq!(status["max_attempts"], json!(3));
     assert_eq!(status["unrouted"], json!(0));
-    assert_eq!(status["destinations"], json!([]), "no relay registered a destination yet");
+    // No relay registered a destination yet: the leased row's `default` shows as not registered.
+    let destinations = status["destinations"].as_array().unwrap();
+    assert_eq!(destinations.len(), 1, "{status}");
+    let d = &destinations[0];
+    assert_eq!(
+        (&d["name"], &d["registered"], &d["in_flight"], &d["relays"]),
+        (&json!("default"), &json!(false), &json!(1), &json!(0))
+    );
+    assert!(
+        status["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w.as_str().unwrap().contains("which no relay registered")),
+        "{status}"
+    );
     assert!(status["notification_queue_usage"].as_f64().unwrap() < 0.01);
 
     let table = cli(&db.url, &["status"]).await;
     assert!(stdout(&table).contains("dead letters              1"), "{}", stdout(&table));
+    assert!(
+        stdout(&table).lines().any(|l| l.starts_with("default ") && l.contains("(not registered)")),
+        "{}",
+        stdout(&table)
+    );
 }
 
 #[tokio::test]
