@@ -573,7 +573,7 @@ impl<H: Handler> Claimer<H> {
             }
             if !new.is_empty() {
                 writes.push(Box::pin(sql::park_new_events(db, to, &copies, Some(token))));
-                writes.push(Box::pin(async { sql::finish_new_events(db, to, &new, delete).await.map(|n| n as u64) }));
+                writes.push(Box::pin(sql::finish_new_events(db, to, &new, delete)));
             }
             futures::future::try_join_all(writes).await.map(drop)
         });
@@ -840,8 +840,7 @@ async fn write(
         writes.push(Box::pin(sql::bury_new_events(db, to, &w.new_buried.0, &w.new_buried.1, &w.new_buried.2)));
     }
     if !w.new_ids.is_empty() {
-        writes
-            .push(Box::pin(async move { sql::finish_new_events(db, to, &w.new_ids, delete).await.map(|n| n as u64) }));
+        writes.push(Box::pin(sql::finish_new_events(db, to, &w.new_ids, delete)));
     }
     if !w.parked_delivered.is_empty() {
         writes.push(Box::pin(sql::complete_parked(db, to, &w.parked_delivered, token)));

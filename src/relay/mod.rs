@@ -220,7 +220,6 @@ impl<H: Handler> Relay<H> {
             let span = tracing::info_span!("destination", name = %route.name);
             let engine = Engine {
                 config: route.config(&config),
-                name: route.name,
                 to,
                 handler: route.handler,
                 metrics,
@@ -246,10 +245,9 @@ impl<H: Handler> Relay<H> {
     }
 }
 
-/// The delivery to one destination: its registration, workers, listener, timer, breaker,
-/// limits and pauses.
+/// The delivery to one registered destination: its workers, listener, timer, breaker, limits
+/// and pauses.
 struct Engine<H> {
-    name: String,
     /// The destination as registered.
     to: sql::Destination,
     config: RelayConfig,
@@ -262,7 +260,8 @@ struct Engine<H> {
 impl<H: Handler> Engine<H> {
     /// Delivers to the destination until `stop`.
     async fn run(self, stop: CancellationToken) {
-        let Engine { name, to, config, handler, metrics, pool, outbox } = self;
+        let Engine { to, config, handler, metrics, pool, outbox } = self;
+        let name = to.name.clone();
         let url = pool.url.clone();
         let abort = CancellationToken::new();
         let work = Arc::new(Notify::new());

@@ -411,9 +411,10 @@ select (select count(*) from deleted) + (select count(*) from marked)";
 /// Deletes (`delete`) or marks processed the outbox rows `ids`, which `destination`'s claim has
 /// passed in this transaction, where every other destination has passed them too (the janitor
 /// does the rest); returns how many.
-pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i64], delete: bool) -> Result<i64> {
+pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i64], delete: bool) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&destination, &ids, &delete];
-    Ok(one(db, OUTBOX_FINISH, &params, "recording deliveries").await?.get(0))
+    let finished: i64 = one(db, OUTBOX_FINISH, &params, "recording deliveries").await?.get(0);
+    Ok(finished.max(0) as u64)
 }
 
 /// Turns held parked events into leased ones, counting the attempt, so that the transaction can
