@@ -2,7 +2,7 @@
 //!
 //! The server is the one `DATABASE_URL` names (its user must be allowed to create databases:
 //! each group runs in a fresh `outbox_bench_<group>` database, dropped at the end), or else a
-//! private embedded cluster with `fsync` on (see `outbox_relay_testkit::bench`, which holds the measuring
+//! private embedded cluster with `fsync` on (see `pg_outbox_relay_bench`, which holds the measuring
 //! code shared with `outbox-relay bench` and documents exactly what each figure covers).
 //!
 //! Groups:
@@ -25,16 +25,17 @@
 //! Nothing touches the database until a benchmark actually runs, so `-- --list` and filters
 //! (`cargo bench --bench relay -- latency/notify`) only set up what they select. The whole suite
 //! takes about eight minutes on a (busy) two-core machine, five of them in `throughput`.
-//! `RUST_LOG=outbox_relay=debug` shows the library's logs on stderr.
+//! `RUST_LOG=pg_outbox_relay=debug` shows the library's logs on stderr.
 
 use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput, measurement::WallTime};
-use outbox_relay::Completion;
-use outbox_relay::Outbox;
-use outbox_relay_testkit::bench::{
-    self, BenchDb, BoxError, DrainSetup, LatencyProbe, NotifyMode, Percentiles, WakePath, WriteTx, Writers,
+use pg_outbox_relay::Completion;
+use pg_outbox_relay::Outbox;
+use pg_outbox_relay_bench as bench;
+use pg_outbox_relay_bench::{
+    BenchDb, BoxError, DrainSetup, LatencyProbe, NotifyMode, Percentiles, WakePath, WriteTx, Writers,
 };
 use tokio::runtime::Runtime;
 
@@ -48,7 +49,7 @@ const DEFAULTS_DRAIN_EVENTS: usize = 50_000;
 const HTTP_EVENTS: usize = 1_500;
 
 fn main() {
-    // The library's logs, on stderr, only when asked for (RUST_LOG=outbox_relay=debug).
+    // The library's logs, on stderr, only when asked for (RUST_LOG=pg_outbox_relay=debug).
     if std::env::var_os("RUST_LOG").is_some() {
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
@@ -263,7 +264,12 @@ fn delivery(c: &mut Criterion, env: &Env) {
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(5));
-    fn drain<H: outbox_relay::Handler + Clone>(b: &mut criterion::Bencher<'_>, env: &Env, setup: DrainSetup, sink: H) {
+    fn drain<H: pg_outbox_relay::Handler + Clone>(
+        b: &mut criterion::Bencher<'_>,
+        env: &Env,
+        setup: DrainSetup,
+        sink: H,
+    ) {
         let outbox = env.database("delivery");
         b.iter_custom(|iters| {
             env.block_on(async {

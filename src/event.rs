@@ -17,11 +17,11 @@ pub const MAX_KEY_LEN: usize = 255;
 /// An event to add to the outbox.
 ///
 /// ```
-/// use outbox_relay::NewEvent;
+/// use pg_outbox_relay::NewEvent;
 /// let event = NewEvent::new("order.placed", serde_json::json!({"order_id": 42})).key("42");
 /// // JSON text as it is, every digit kept (a `Value` would round it to an f64):
 /// let exact = NewEvent::from_json("invoice.issued", r#"{"total": 1234567890.123456789012345678901234567890}"#)?;
-/// # Ok::<(), outbox_relay::Error>(())
+/// # Ok::<(), pg_outbox_relay::Error>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 #[must_use]

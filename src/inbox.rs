@@ -7,8 +7,8 @@
 //! neither does, and the redelivery is handled as the first delivery would have been.
 //!
 //! ```no_run
-//! # async fn f(client: &mut tokio_postgres::Client, event: outbox_relay::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox_relay::inbox::{Inbox, Recorded};
+//! # async fn f(client: &mut tokio_postgres::Client, event: pg_outbox_relay::Uuid) -> Result<(), Box<dyn std::error::Error>> {
+//! use pg_outbox_relay::inbox::{Inbox, Recorded};
 //! let inbox = Inbox::new("billing")?;
 //! let tx = client.transaction().await?;
 //! if inbox.record(&tx, event).await? == Recorded::New {

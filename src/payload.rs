@@ -45,7 +45,7 @@ pub const MAX_PAYLOAD_DEPTH: usize = 100;
 /// [`Payload::to_value`].
 ///
 /// ```
-/// let payload = outbox_relay::Payload::from_json(r#"{"amount": 12.50}"#).unwrap();
+/// let payload = pg_outbox_relay::Payload::from_json(r#"{"amount": 12.50}"#).unwrap();
 /// assert_eq!(payload.get(), r#"{"amount": 12.50}"#);
 /// assert_eq!(payload.to_value().unwrap()["amount"], 12.5);
 /// ```

@@ -4,10 +4,10 @@
 //!
 //! ```no_run
 //! # #[cfg(feature = "prometheus")]
-//! # async fn f(outbox: outbox_relay::Outbox, relay_metrics: std::sync::Arc<outbox_relay::RelayMetrics>) {
+//! # async fn f(outbox: pg_outbox_relay::Outbox, relay_metrics: std::sync::Arc<pg_outbox_relay::RelayMetrics>) {
 //! use std::sync::Arc;
 //! use axum::{Router, extract::State, http::header, response::IntoResponse, routing::get};
-//! use outbox_relay::prometheus::{CONTENT_TYPE, Exporter};
+//! use pg_outbox_relay::prometheus::{CONTENT_TYPE, Exporter};
 //!
 //! let exporter = Arc::new(Exporter::new(&outbox).with_relay(relay_metrics));
 //! let app: Router = Router::new()

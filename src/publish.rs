@@ -15,7 +15,7 @@ use crate::sql::{self, Unprepared};
 ///
 /// ```no_run
 /// # async fn f(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
-/// use outbox_relay::{publish, NewEvent};
+/// use pg_outbox_relay::{publish, NewEvent};
 /// let tx = client.transaction().await?;
 /// tx.execute("update accounts set balance = balance - 10 where id = 1", &[]).await?;
 /// publish(&tx, &NewEvent::new("account.debited", serde_json::json!({"id": 1, "amount": 10}))).await?;

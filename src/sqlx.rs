@@ -5,12 +5,12 @@
 //!
 //! ```no_run
 //! # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-//! use outbox_relay::NewEvent;
+//! use pg_outbox_relay::NewEvent;
 //! let mut tx = pool.begin().await?;
 //! let order_id: i64 = sqlx::query_scalar("insert into orders (total) values (12.5) returning id")
 //!     .fetch_one(&mut *tx)
 //!     .await?;
-//! outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("order.placed", serde_json::json!({"order_id": order_id}))).await?;
+//! pg_outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("order.placed", serde_json::json!({"order_id": order_id}))).await?;
 //! tx.commit().await?;
 //! # Ok(()) }
 //! ```

@@ -14,7 +14,7 @@ use std::borrow::Cow;
 /// to what it prints.
 ///
 /// ```
-/// assert_eq!(outbox_relay::printable("bad\u{1b}[2J \u{202e}gnp.exe"), "bad\\u{1b}[2J \\u{202e}gnp.exe");
+/// assert_eq!(pg_outbox_relay::printable("bad\u{1b}[2J \u{202e}gnp.exe"), "bad\\u{1b}[2J \\u{202e}gnp.exe");
 /// ```
 pub fn printable(text: &str) -> Cow<'_, str> {
     if !text.chars().any(unsafe_to_show) {

@@ -77,10 +77,10 @@ impl Connection {
     ///
     /// # Example
     /// ```no_run
-    /// use outbox_relay::{AuditEntry, Begun, NewEvent, Outbox};
+    /// use pg_outbox_relay::{AuditEntry, Begun, NewEvent, Outbox};
     /// use serde_json::{Value, json};
     ///
-    /// async fn place_order(outbox: &Outbox, key: &str, request: &Value) -> Result<Value, outbox_relay::Error> {
+    /// async fn place_order(outbox: &Outbox, key: &str, request: &Value) -> Result<Value, pg_outbox_relay::Error> {
     ///     let mut connection = outbox.connection().await?;
     ///     let work = match connection.begin(key, request).await? {
     ///         Begun::Replayed(replayed) => return Ok(replayed.into_json()),
@@ -125,8 +125,8 @@ impl Outbox {
     /// response if it had committed.
     ///
     /// ```no_run
-    /// # async fn f(outbox: outbox_relay::Outbox) -> Result<(), outbox_relay::Error> {
-    /// use outbox_relay::{AuditEntry, NewEvent};
+    /// # async fn f(outbox: pg_outbox_relay::Outbox) -> Result<(), pg_outbox_relay::Error> {
+    /// use pg_outbox_relay::{AuditEntry, NewEvent};
     /// use serde_json::json;
     /// let request = json!({"customer": "ana", "total": 12.5});
     /// let placed = outbox
@@ -135,7 +135,7 @@ impl Outbox {
     ///         let id: i64 = row.get(0);
     ///         work.audit(&AuditEntry::new("order", id, "placed", &request)?).await?;
     ///         work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
-    ///         Ok::<_, outbox_relay::Error>(json!({"order_id": id}))
+    ///         Ok::<_, pg_outbox_relay::Error>(json!({"order_id": id}))
     ///     })
     ///     .await?;
     /// println!("order {} (replayed: {})", placed.response["order_id"], placed.replayed);

@@ -1,13 +1,14 @@
 //! `outbox-relay bench`: a quick measurement of delivery latency, drain throughput and write
-//! throughput on a real server (the measuring code is `outbox_relay::bench`, shared with
+//! throughput on a real server (the measuring code is the crate `pg-outbox-relay-bench`, shared with
 //! `cargo bench`, whose criterion suite goes further).
 
 use std::time::Duration;
 
-use outbox_relay::Completion;
-use outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
-use outbox_relay_testkit::bench::{
-    self, BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ReceiverKind,
+use pg_outbox_relay::Completion;
+use pg_outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
+use pg_outbox_relay_bench as bench;
+use pg_outbox_relay_bench::{
+    BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ReceiverKind,
     ReceiverStage, ReceiversReport, ServerInfo, Settings, Trickle, TrickleReport, WakePath,
 };
 use serde_json::json;
@@ -46,10 +47,10 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 200_000)]
     events: usize,
     /// Relay workers of the drain (the same number of clients run a second claim-and-delete loop).
-    #[arg(long, default_value_t = outbox_relay::defaults::DEFAULT_WORKERS)]
+    #[arg(long, default_value_t = pg_outbox_relay::defaults::DEFAULT_WORKERS)]
     workers: usize,
     /// Events per claim of the drain (and of the second claim-and-delete loop).
-    #[arg(long, default_value_t = outbox_relay::defaults::DEFAULT_BATCH_SIZE)]
+    #[arg(long, default_value_t = pg_outbox_relay::defaults::DEFAULT_BATCH_SIZE)]
     batch_size: usize,
     /// Latency samples per wake-up path (a quarter of them, at least one, for the 100 ms poll).
     #[arg(long, default_value_t = 200)]
@@ -160,10 +161,10 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     }
     let server = tokio::task::spawn_blocking(move || BenchDb::start(url.as_deref())).await??;
     let measured = if args.held_only {
-        let stage = async |outbox: &outbox_relay::Outbox| held_stage(&args, outbox).await;
+        let stage = async |outbox: &pg_outbox_relay::Outbox| held_stage(&args, outbox).await;
         measure_only(&args, &server, held_step(&args), stage, |h| held_json(&args, h), |h| print_held(&args, h)).await
     } else if args.receivers_only {
-        let stage = async |outbox: &outbox_relay::Outbox| Ok(bench::receivers(outbox, args.receiver_stage()).await?);
+        let stage = async |outbox: &pg_outbox_relay::Outbox| Ok(bench::receivers(outbox, args.receiver_stage()).await?);
         measure_only(&args, &server, receivers_step(&args), stage, receivers_json, print_receivers).await
     } else {
         measure(&args, &server).await.map(|report| {
@@ -195,7 +196,7 @@ async fn measure_only<R>(
     args: &BenchArgs,
     server: &BenchDb,
     step: String,
-    stage: impl AsyncFnOnce(&outbox_relay::Outbox) -> Result<R, BenchError>,
+    stage: impl AsyncFnOnce(&pg_outbox_relay::Outbox) -> Result<R, BenchError>,
     json: impl FnOnce(&R) -> serde_json::Value,
     print: impl FnOnce(&R),
 ) -> Result<serde_json::Value, BenchError> {
@@ -225,7 +226,7 @@ fn receivers_step(args: &BenchArgs) -> String {
         stage.slow_events,
         humantime::format_duration(bench::SLOW_LATENCY),
         stage.keys,
-        outbox_relay::RelayConfig::default().concurrency,
+        pg_outbox_relay::RelayConfig::default().concurrency,
         stage.limited_events,
         bench::LIMITED_RATE,
         stage.late_events,
@@ -243,7 +244,7 @@ fn held_step(args: &BenchArgs) -> String {
 }
 
 /// Runs the held-snapshot stage on an emptied outbox.
-async fn held_stage(args: &BenchArgs, outbox: &outbox_relay::Outbox) -> Result<HeldReport, BenchError> {
+async fn held_stage(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<HeldReport, BenchError> {
     let db = outbox.connection().await?;
     for sql in ["truncate outbox_relay.outbox", "vacuum analyze outbox_relay.outbox"] {
         db.batch_execute(sql).await.map_err(|e| match e.as_db_error() {
@@ -261,7 +262,7 @@ async fn held_stage(args: &BenchArgs, outbox: &outbox_relay::Outbox) -> Result<H
 }
 
 /// `outbox-relay run --sink stdout` for `outbox`'s database, with default settings.
-fn relay_command(outbox: &outbox_relay::Outbox) -> Result<tokio::process::Command, BenchError> {
+fn relay_command(outbox: &pg_outbox_relay::Outbox) -> Result<tokio::process::Command, BenchError> {
     let mut relay = tokio::process::Command::new(std::env::current_exe()?);
     relay
         .args(["run", "--sink", "stdout"])

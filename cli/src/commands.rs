@@ -1,7 +1,7 @@
 //! The body of each command.
 
-use outbox_relay::sink::{HttpFormat, Secret, SinkOptions};
-use outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
+use pg_outbox_relay::sink::{HttpFormat, Secret, SinkOptions};
+use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
 use crate::{
     Cli, CliError, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RunArgs, UsageError,
@@ -60,8 +60,9 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Cleanup { retention, idempotency_retention } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
-            let report =
-                outbox.cleanup(retention, idempotency_retention, outbox_relay::defaults::DEFAULT_JANITOR_BATCH).await?;
+            let report = outbox
+                .cleanup(retention, idempotency_retention, pg_outbox_relay::defaults::DEFAULT_JANITOR_BATCH)
+                .await?;
             println!(
                 "removed {} processed events older than {} and {} idempotency receipts older than {}",
                 report.events,
@@ -276,7 +277,7 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
 }
 
 /// The destinations as a table.
-fn print_destinations(destinations: &[outbox_relay::DestinationStats]) {
+fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
     println!(
         "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  position moved",
         "destination", "pattern", "new", "due", "delayed", "in flight", "dead", "attempts", "relays"
@@ -333,12 +334,12 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         #[derive(serde::Serialize)]
         struct Status<'a> {
             #[serde(flatten)]
-            stats: &'a outbox_relay::QueueStats,
-            errors: &'a [outbox_relay::ErrorCount],
-            relays: &'a [outbox_relay::ConnectedRelay],
-            destinations: &'a [outbox_relay::DestinationStats],
-            pauses: &'a [outbox_relay::Pause],
-            health: &'a outbox_relay::Health,
+            stats: &'a pg_outbox_relay::QueueStats,
+            errors: &'a [pg_outbox_relay::ErrorCount],
+            relays: &'a [pg_outbox_relay::ConnectedRelay],
+            destinations: &'a [pg_outbox_relay::DestinationStats],
+            pauses: &'a [pg_outbox_relay::Pause],
+            health: &'a pg_outbox_relay::Health,
             warnings: &'a [String],
         }
         let status = Status {
@@ -402,7 +403,7 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             "  listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
             relay.listener_pid,
             relay.client,
-            outbox_relay::rfc3339(relay.connected_at)
+            pg_outbox_relay::rfc3339(relay.connected_at)
         );
     }
     for warning in &warnings {
@@ -436,7 +437,7 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
                 "id", "destination", "topic", "attempts", "failed at"
             );
             for d in &letters {
-                let failed = outbox_relay::rfc3339(d.failed_at);
+                let failed = pg_outbox_relay::rfc3339(d.failed_at);
                 let destination =
                     if d.destination.is_empty() { "(no route)".to_string() } else { crate::one_line(&d.destination) };
                 println!(

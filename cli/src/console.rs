@@ -4,7 +4,7 @@
 use std::fmt::Write;
 use std::time::Duration;
 
-use outbox_relay::{ConnectedRelay, DeadLetter, FoundEvent, Health, Pause, QueueStats};
+use pg_outbox_relay::{ConnectedRelay, DeadLetter, FoundEvent, Health, Pause, QueueStats};
 use serde::Serialize;
 
 use crate::http::Console;
@@ -30,7 +30,7 @@ pub(crate) struct Summary {
 #[derive(Serialize)]
 struct DestinationSummary {
     #[serde(flatten)]
-    stats: outbox_relay::DestinationStats,
+    stats: pg_outbox_relay::DestinationStats,
     /// This process's relay for it, when it runs one.
     relay: Option<RelaySummary>,
 }
@@ -48,13 +48,13 @@ struct RelaySummary {
     latency_p99_ms: Option<f64>,
 }
 
-pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> {
+pub(crate) async fn summary(console: &Console) -> pg_outbox_relay::Result<Summary> {
     let outbox = &console.outbox;
     let stats = outbox.queue_stats().await?;
     let health = outbox.health().await?;
     let pauses = outbox.pauses().await?;
     let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
-    let relay_summary = |m: &outbox_relay::RelayMetrics| {
+    let relay_summary = |m: &pg_outbox_relay::RelayMetrics| {
         let s = m.snapshot();
         RelaySummary {
             delivered: s.delivered,
@@ -82,7 +82,7 @@ pub(crate) async fn summary(console: &Console) -> outbox_relay::Result<Summary> 
     let history = console.history.lock().unwrap_or_else(|e| e.into_inner()).iter().copied().collect();
     let relays = outbox.connected_relays().await?;
     let mut warnings = queue_warnings(&stats, &pauses, &relays);
-    let all: Vec<outbox_relay::DestinationStats> = destinations.iter().map(|d| d.stats.clone()).collect();
+    let all: Vec<pg_outbox_relay::DestinationStats> = destinations.iter().map(|d| d.stats.clone()).collect();
     warnings.extend(destination_warnings(&all));
     warnings.extend(health.warnings());
     Ok(Summary { warnings, stats, health, pauses, relay, destinations, history })
@@ -130,7 +130,7 @@ pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[Con
 
 /// A warning per destination that events wait for and no relay delivers to (a route renamed or
 /// removed keeps events in the outbox until its destination is dropped), and per paused one.
-pub(crate) fn destination_warnings(destinations: &[outbox_relay::DestinationStats]) -> Vec<String> {
+pub(crate) fn destination_warnings(destinations: &[pg_outbox_relay::DestinationStats]) -> Vec<String> {
     let mut warnings = Vec::new();
     for d in destinations {
         let waiting = d.new + d.due + d.delayed + d.in_flight;
@@ -349,7 +349,7 @@ fn render_found(html: &mut String, found: &[FoundEvent]) {
             escape(&e.topic),
             escape(e.key.as_deref().unwrap_or("")),
             e.attempts,
-            outbox_relay::rfc3339(e.created_at),
+            pg_outbox_relay::rfc3339(e.created_at),
             escape(e.last_error.as_deref().unwrap_or("")),
             escape(e.payload.get())
         );
@@ -382,7 +382,7 @@ fn render_dead_letters(html: &mut String, console: &Console, letters: &[DeadLett
             escape(&d.topic),
             escape(d.key.as_deref().unwrap_or("")),
             d.attempts,
-            outbox_relay::rfc3339(d.failed_at),
+            pg_outbox_relay::rfc3339(d.failed_at),
             escape(&d.last_error.chars().take(500).collect::<String>()),
         );
         form(html, console, "retry", &[("id", &id)], "Retry");

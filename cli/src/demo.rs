@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox_relay::{
+use pg_outbox_relay::{
     AuditEntry, Begun, Completion, DatabaseUrl, DeliveryError, Event, Executed, Handler, NewEvent, Outbox, Percentiles,
     Relay, RelayConfig,
 };
-use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Notify;
@@ -46,14 +46,14 @@ struct Placed {
 /// The failure injected after all four writes.
 #[derive(Debug)]
 enum DemoError {
-    Outbox(outbox_relay::Error),
+    Outbox(pg_outbox_relay::Error),
     Injected,
 }
 
 impl std::error::Error for DemoError {}
 
-impl From<outbox_relay::Error> for DemoError {
-    fn from(e: outbox_relay::Error) -> Self {
+impl From<pg_outbox_relay::Error> for DemoError {
+    fn from(e: pg_outbox_relay::Error) -> Self {
         DemoError::Outbox(e)
     }
 }
@@ -135,7 +135,7 @@ pub(crate) async fn run(args: DemoArgs, database_url: Option<String>) -> Result<
     let database = format!("outbox_relay_demo_{}", std::process::id());
     let admin = server_url.connect().await?;
     admin.batch_execute(&format!("create database {database}")).await.map_err(|e| {
-        format!("cannot create the demo database {database} on {server_url}: {}", outbox_relay::Error::from(e))
+        format!("cannot create the demo database {database} on {server_url}: {}", pg_outbox_relay::Error::from(e))
     })?;
     let result = scenario(&args, &server_url, &database, STEPS).await;
     admin.batch_execute(&format!("drop database if exists {database} with (force)")).await.ok();

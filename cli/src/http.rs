@@ -20,9 +20,9 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use outbox_relay::prometheus::{CONTENT_TYPE, Exporter};
-use outbox_relay::sink::Secret;
-use outbox_relay::{Outbox, RelayMetrics};
+use pg_outbox_relay::prometheus::{CONTENT_TYPE, Exporter};
+use pg_outbox_relay::sink::Secret;
+use pg_outbox_relay::{Outbox, RelayMetrics};
 use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -509,7 +509,9 @@ async fn action(
             tracing::info!(action = %action, "{} (console)", crate::one_line(&done));
             Redirect::to(&format!("/?done={}", console.remember(done))).into_response()
         }
-        Err(e) if e.kind() == outbox_relay::ErrorKind::InvalidInput => refuse(StatusCode::BAD_REQUEST, &e.to_string()),
+        Err(e) if e.kind() == pg_outbox_relay::ErrorKind::InvalidInput => {
+            refuse(StatusCode::BAD_REQUEST, &e.to_string())
+        }
         Err(e) => {
             // The whole error (it may quote a row) goes to the log, not to the browser.
             tracing::warn!(action = %action, error = %e, "console action failed");

@@ -12,8 +12,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use outbox_relay::defaults;
-use outbox_relay::sink::Secret;
+use pg_outbox_relay::defaults;
+use pg_outbox_relay::sink::Secret;
 
 /// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
 #[derive(Debug, Parser)]
@@ -239,17 +239,17 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
     shutdown_grace: Duration,
     /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements); 1ms to 1h.
-    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, outbox_relay::sink::MAX_TIMEOUT), allow_hyphen_values = true, default_value = "10s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, pg_outbox_relay::sink::MAX_TIMEOUT), allow_hyphen_values = true, default_value = "10s")]
     timeout: Duration,
     /// NATS subject prefix: events go to <PREFIX>.<topic>.
-    #[arg(long, default_value = outbox_relay::sink::DEFAULT_SUBJECT_PREFIX)]
+    #[arg(long, default_value = pg_outbox_relay::sink::DEFAULT_SUBJECT_PREFIX)]
     subject_prefix: String,
     /// Create (or reuse) a JetStream stream of this name capturing <PREFIX>.>.
     #[arg(long, value_name = "NAME")]
     create_stream: Option<String>,
     /// RabbitMQ sink: the exchange to publish to (declared as a durable topic exchange when
     /// missing); the routing key is the topic.
-    #[arg(long, value_name = "NAME", default_value = outbox_relay::sink::DEFAULT_EXCHANGE)]
+    #[arg(long, value_name = "NAME", default_value = pg_outbox_relay::sink::DEFAULT_EXCHANGE)]
     exchange: String,
     /// HTTP sink: a Standard Webhooks signing secret (whsec_...); give it again (or several,
     /// comma-separated, in the environment variable) to rotate: every secret signs. Never shown.
@@ -380,9 +380,9 @@ impl std::error::Error for UsageError {}
 
 /// 2 for bad arguments (flags, a malformed database URL or sink), 1 for everything else.
 fn exit_code(error: &CliError) -> ExitCode {
-    let config = |e: &outbox_relay::Error| e.kind() == outbox_relay::ErrorKind::Config;
+    let config = |e: &pg_outbox_relay::Error| e.kind() == pg_outbox_relay::ErrorKind::Config;
     let bad_arguments = error.is::<UsageError>()
-        || error.downcast_ref::<outbox_relay::Error>().is_some_and(config)
+        || error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(config)
         || error.downcast_ref::<routes::AtDestination>().is_some_and(|e| config(&e.error));
     if bad_arguments { ExitCode::from(2) } else { ExitCode::FAILURE }
 }
@@ -432,7 +432,7 @@ fn main() -> ExitCode {
 /// characters (a destination's error, a key written by hand) as `\u{..}`, as the logs show them.
 fn one_line(text: &str) -> String {
     let spaced = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    outbox_relay::printable(&spaced).into_owned()
+    pg_outbox_relay::printable(&spaced).into_owned()
 }
 
 /// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default (PostgreSQL's

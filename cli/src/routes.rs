@@ -23,8 +23,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
-use outbox_relay::{DEFAULT_DESTINATION, Route};
+use pg_outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
+use pg_outbox_relay::{DEFAULT_DESTINATION, Route};
 use serde::Deserialize;
 
 use crate::{CliError, UsageError};
@@ -71,7 +71,7 @@ impl Destination {
 #[derive(Debug)]
 pub(crate) struct AtDestination {
     name: String,
-    pub(crate) error: outbox_relay::Error,
+    pub(crate) error: pg_outbox_relay::Error,
 }
 
 impl std::fmt::Display for AtDestination {
@@ -284,7 +284,7 @@ fn without_strings(message: &str) -> String {
 }
 
 fn parse_timeout(text: &str) -> Result<Duration, String> {
-    crate::duration_in(Duration::from_millis(1), outbox_relay::sink::MAX_TIMEOUT)(text)
+    crate::duration_in(Duration::from_millis(1), pg_outbox_relay::sink::MAX_TIMEOUT)(text)
 }
 
 #[cfg(test)]

@@ -26,8 +26,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use outbox_relay::sink::{Sink, SinkOptions};
-use outbox_relay::{
+use pg_outbox_relay::sink::{Sink, SinkOptions};
+use pg_outbox_relay::{
     AuditEntry, Begun, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig, Slots,
 };
 use serde::{Deserialize, Serialize};
@@ -51,7 +51,7 @@ const CREATE_ORDERS: &str = "create table if not exists orders (
 )";
 
 /// Applies the library's migrations and creates the `orders` table when it is missing.
-pub async fn setup(outbox: &Outbox) -> outbox_relay::Result<()> {
+pub async fn setup(outbox: &Outbox) -> pg_outbox_relay::Result<()> {
     outbox.migrate().await?;
     outbox.connection().await?.batch_execute(CREATE_ORDERS).await?;
     Ok(())
@@ -81,9 +81,9 @@ pub enum AppHandler {
 impl AppHandler {
     /// A sink for `spec` (connecting to it now; an HTTP sink signs with `signing_secret` when
     /// given), or the log when there is none.
-    pub async fn new(sink: Option<&str>, signing_secret: Option<&str>) -> outbox_relay::Result<AppHandler> {
+    pub async fn new(sink: Option<&str>, signing_secret: Option<&str>) -> pg_outbox_relay::Result<AppHandler> {
         let options = SinkOptions {
-            signing_secrets: signing_secret.map(outbox_relay::sink::Secret::new).into_iter().collect(),
+            signing_secrets: signing_secret.map(pg_outbox_relay::sink::Secret::new).into_iter().collect(),
             ..SinkOptions::default()
         };
         Ok(match sink {
@@ -125,7 +125,7 @@ pub fn spawn_relay(
     outbox: &Outbox,
     handler: AppHandler,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> outbox_relay::Result<JoinHandle<outbox_relay::Result<()>>> {
+) -> pg_outbox_relay::Result<JoinHandle<pg_outbox_relay::Result<()>>> {
     let relay = Relay::new(outbox, RelayConfig::default(), handler)?;
     Ok(tokio::spawn(relay.run(shutdown)))
 }
@@ -198,7 +198,7 @@ async fn place_order(
                     &[&order.customer, &order.total],
                 )
                 .await
-                .map_err(outbox_relay::Error::from)?;
+                .map_err(pg_outbox_relay::Error::from)?;
             let order_id: i64 = row.get(0);
             work.audit(&AuditEntry::new("order", order_id, "placed", &order)?).await?;
             let payload = json!({"order_id": order_id, "customer": order.customer, "total": order.total});
@@ -250,7 +250,7 @@ async fn get_order(State(outbox): State<Outbox>, Path(id): Path<String>) -> Resu
     let row = client
         .query_opt("select customer, total::float8, created_at from orders where id = $1", &[&order_id])
         .await
-        .map_err(outbox_relay::Error::from)?
+        .map_err(pg_outbox_relay::Error::from)?
         .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no order {order_id}")))?;
     let created_at: SystemTime = row.get(2);
     Ok(Json(Order {
@@ -278,8 +278,8 @@ impl ApiError {
     }
 }
 
-impl From<outbox_relay::Error> for ApiError {
-    fn from(err: outbox_relay::Error) -> Self {
+impl From<pg_outbox_relay::Error> for ApiError {
+    fn from(err: pg_outbox_relay::Error) -> Self {
         match err.kind() {
             ErrorKind::InvalidInput => ApiError::bad_request(err.to_string()),
             ErrorKind::KeyReused => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, err.to_string()),

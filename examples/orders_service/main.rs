@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};
-use outbox_relay::Outbox;
+use pg_outbox_relay::Outbox;
 use tokio_util::sync::CancellationToken;
 
 /// The orders service of the outbox-relay article: POST /orders, GET /orders/{id}, and an

@@ -29,8 +29,8 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
-use outbox_relay::inbox::{Inbox, Recorded};
-use outbox_relay::{Outbox, Uuid};
+use pg_outbox_relay::inbox::{Inbox, Recorded};
+use pg_outbox_relay::{Outbox, Uuid};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -44,7 +44,7 @@ const CREATE_RECEIVED: &str = "create table if not exists received_events (
 )";
 
 /// Applies the library's migrations (they create `outbox_relay.inbox`) and the receiver's table.
-pub async fn setup(database: &Outbox) -> outbox_relay::Result<()> {
+pub async fn setup(database: &Outbox) -> pg_outbox_relay::Result<()> {
     database.migrate().await?;
     database.connection().await?.batch_execute(CREATE_RECEIVED).await?;
     Ok(())

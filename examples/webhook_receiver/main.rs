@@ -16,8 +16,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use outbox_relay::Outbox;
-use outbox_relay::inbox::Inbox;
+use pg_outbox_relay::Outbox;
+use pg_outbox_relay::inbox::Inbox;
 
 /// Receives the relay's signed webhooks and handles each event once (the inbox).
 #[derive(Debug, Parser)]
@@ -67,7 +67,7 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), BoxError> {
-    outbox_relay::inbox::check_retention(args.inbox_retention)?;
+    pg_outbox_relay::inbox::check_retention(args.inbox_retention)?;
     let database = Outbox::connect(&args.database_url).await?;
     app::setup(&database).await?;
     let receiver = app::Receiver::new(database.clone(), &args.consumer, &args.secret)?;

@@ -153,7 +153,7 @@ impl std::error::Error for DeliveryError {}
 /// of the batch it was given; the relay goes on.
 ///
 /// ```
-/// use outbox_relay::{DeliveryError, Event, Handler};
+/// use pg_outbox_relay::{DeliveryError, Event, Handler};
 ///
 /// struct Print;
 /// impl Handler for Print {
@@ -412,7 +412,7 @@ pub(crate) fn panicked(panic: &(dyn std::any::Any + Send)) -> DeliveryError {
 /// A handler made from an async closure that takes the event by value.
 ///
 /// ```
-/// use outbox_relay::{handler_fn, Event};
+/// use pg_outbox_relay::{handler_fn, Event};
 /// let handler = handler_fn(|event: Event| async move {
 ///     println!("{}", event.id);
 ///     Ok(())

@@ -78,8 +78,8 @@ const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
 /// An embeddable relay: `Relay::new(&outbox, config, handler)?.run(shutdown).await`.
 ///
 /// ```no_run
-/// # async fn f() -> Result<(), outbox_relay::Error> {
-/// use outbox_relay::{handler_fn, Event, Outbox, Relay, RelayConfig};
+/// # async fn f() -> Result<(), pg_outbox_relay::Error> {
+/// use pg_outbox_relay::{handler_fn, Event, Outbox, Relay, RelayConfig};
 /// let outbox = Outbox::connect("postgres://app@localhost/shop").await?;
 /// let relay = Relay::new(&outbox, RelayConfig::default(), handler_fn(|event: Event| async move {
 ///     println!("{} {}", event.topic, event.payload);
@@ -93,9 +93,9 @@ const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
 /// topic pattern matches it, and each destination is delivered to on its own (see [`Route`]).
 ///
 /// ```no_run
-/// # async fn f(erp: outbox_relay::HandlerFn<fn(outbox_relay::Event) -> std::future::Ready<Result<(), outbox_relay::DeliveryError>>>,
-/// #            mailer: outbox_relay::HandlerFn<fn(outbox_relay::Event) -> std::future::Ready<Result<(), outbox_relay::DeliveryError>>>) -> Result<(), outbox_relay::Error> {
-/// use outbox_relay::{Outbox, Relay, RelayConfig, Route};
+/// # async fn f(erp: pg_outbox_relay::HandlerFn<fn(pg_outbox_relay::Event) -> std::future::Ready<Result<(), pg_outbox_relay::DeliveryError>>>,
+/// #            mailer: pg_outbox_relay::HandlerFn<fn(pg_outbox_relay::Event) -> std::future::Ready<Result<(), pg_outbox_relay::DeliveryError>>>) -> Result<(), pg_outbox_relay::Error> {
+/// use pg_outbox_relay::{Outbox, Relay, RelayConfig, Route};
 /// let outbox = Outbox::connect("postgres://app@localhost/shop").await?;
 /// let routes = vec![Route::new("erp", "order.#", erp)?, Route::new("mailer", "mail.*", mailer)?.rate_limit(Some(20.0))];
 /// Relay::with_routes(&outbox, RelayConfig::default(), routes)?.run(std::future::pending()).await?;

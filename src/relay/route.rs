@@ -176,13 +176,13 @@ pub(crate) fn validate_destination_name(name: &str) -> Result<()> {
 /// settings that may differ from the relay's.
 ///
 /// ```
-/// use outbox_relay::{Event, Route, handler_fn};
+/// use pg_outbox_relay::{Event, Route, handler_fn};
 /// let mailer = handler_fn(|event: Event| async move {
 ///     println!("mail {}", event.payload);
 ///     Ok(())
 /// });
 /// let route = Route::new("mailer", "mail.#", mailer)?.concurrency(8).rate_limit(Some(50.0));
-/// # Ok::<(), outbox_relay::Error>(())
+/// # Ok::<(), pg_outbox_relay::Error>(())
 /// ```
 #[must_use]
 pub struct Route<H> {
@@ -341,7 +341,7 @@ mod in_postgres {
     /// expressions must say what `matches` says, for every pattern shape.
     #[tokio::test]
     async fn the_regular_expressions_match_in_postgresql_as_the_patterns_do() {
-        let db = outbox_relay_testkit::harness::TestDb::new().await;
+        let db = pg_outbox_relay_testkit::harness::TestDb::new().await;
         let client = db.client().await;
         let patterns = ["#", "order.*", "order.#", "#.failed", "a.#.b", "*.*", "*", "a-b:c/d_e.#", "#.#", "x.#.#.y"];
         let topics = [

@@ -578,7 +578,7 @@ mod tests {
     /// `enable_seqscan = off`, so that the plans stand on the statements alone.
     #[tokio::test]
     async fn every_claim_walks_the_indexes_with_generic_plans() {
-        let db = outbox_relay_testkit::harness::TestDb::new().await;
+        let db = pg_outbox_relay_testkit::harness::TestDb::new().await;
         let client = db.client().await;
         client
             .batch_execute(

@@ -1,7 +1,7 @@
 //! The test harness: one PostgreSQL server per test process, one fresh database per test.
 //!
 //! The server is the one `DATABASE_URL` names when it is set; otherwise a private throwaway
-//! cluster from the machine's `initdb`/`pg_ctl` ([`crate::embedded`]), stopped by its watchdog
+//! cluster from the machine's `initdb`/`pg_ctl` ([`pg_outbox_relay_cluster`]), stopped by its watchdog
 //! when the test process exits. Each test gets its own database, copied from a migrated
 //! template, so tests run in parallel and never see each other's rows. Databases left by test
 //! processes that were killed are dropped by the next run.
@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use outbox_relay::{DatabaseUrl, Outbox};
+use pg_outbox_relay::{DatabaseUrl, Outbox};
 use tokio_postgres::{Client, NoTls};
 
 /// The server every test of this process uses.
@@ -18,7 +18,7 @@ pub enum Server {
     External(DatabaseUrl),
     /// Started by this process.
     #[cfg(unix)]
-    Embedded(crate::embedded::EmbeddedPostgres),
+    Embedded(pg_outbox_relay_cluster::EmbeddedPostgres),
 }
 
 static SERVER: OnceLock<Server> = OnceLock::new();
@@ -35,9 +35,10 @@ pub fn server() -> &'static Server {
         }
         #[cfg(unix)]
         _ => Server::Embedded(
-            crate::embedded::EmbeddedPostgres::start(crate::embedded::EmbeddedOptions::default()).unwrap_or_else(|e| {
-                panic!("DATABASE_URL is not set and no throwaway PostgreSQL could be started: {e}")
-            }),
+            pg_outbox_relay_cluster::EmbeddedPostgres::start(pg_outbox_relay_cluster::EmbeddedOptions::default())
+                .unwrap_or_else(|e| {
+                    panic!("DATABASE_URL is not set and no throwaway PostgreSQL could be started: {e}")
+                }),
         ),
         #[cfg(not(unix))]
         _ => panic!("DATABASE_URL is not set, and the throwaway PostgreSQL needs a Unix system"),
@@ -68,7 +69,7 @@ impl Server {
 
     /// The embedded cluster, for tests that restart it; `None` with `DATABASE_URL`.
     #[cfg(unix)]
-    pub fn embedded(&self) -> Option<&crate::embedded::EmbeddedPostgres> {
+    pub fn embedded(&self) -> Option<&pg_outbox_relay_cluster::EmbeddedPostgres> {
         match self {
             Server::Embedded(pg) => Some(pg),
             Server::External(_) => None,

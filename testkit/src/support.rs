@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use outbox_relay::{
+use pg_outbox_relay::{
     Completion, DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics, Route,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -92,7 +92,7 @@ impl Deliveries {
 /// A relay running in a background task.
 pub struct Running {
     stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<outbox_relay::Result<()>>,
+    task: tokio::task::JoinHandle<pg_outbox_relay::Result<()>>,
     /// Its live counters (of its first destination).
     pub metrics: Arc<RelayMetrics>,
     /// Every destination's live counters, by name.
@@ -112,7 +112,7 @@ pub fn start_routes<H: Handler>(outbox: &Outbox, config: RelayConfig, routes: Ve
 }
 
 fn run<H: Handler>(relay: Relay<H>) -> Running {
-    // RUST_LOG=outbox_relay=debug shows what the relay does in a failing test.
+    // RUST_LOG=pg_outbox_relay=debug shows what the relay does in a failing test.
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt()
             .with_test_writer()

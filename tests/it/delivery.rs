@@ -10,8 +10,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use outbox_relay::sink::HttpSink;
-use outbox_relay::{DeliveryError, Event, Handler, NewEvent, Outbox, RelayConfig, publish};
+use pg_outbox_relay::sink::HttpSink;
+use pg_outbox_relay::{DeliveryError, Event, Handler, NewEvent, Outbox, RelayConfig, publish};
 use serde_json::json;
 use tokio::sync::Notify;
 
@@ -420,7 +420,7 @@ async fn an_outage_of_the_destination_dead_letters_nothing() {
 #[tokio::test]
 async fn events_behind_a_head_in_backoff_are_held_by_their_key_not_ready() {
     let db = TestDb::new().await;
-    let failing = outbox_relay::handler_fn(|event: Event| async move {
+    let failing = pg_outbox_relay::handler_fn(|event: Event| async move {
         if event.key.as_deref() == Some("stuck") {
             Err(DeliveryError::transient("503 from the receiver"))
         } else {
@@ -447,7 +447,7 @@ async fn events_behind_a_head_in_backoff_are_held_by_their_key_not_ready() {
     assert_eq!(stats.pending, 0, "nothing is deliverable: {stats:?}");
     assert_eq!(stats.held_by_key, 49, "the head's followers wait for it: {stats:?}");
     assert_eq!(stats.oldest_ready_age_ms, None, "no ready event, so no lag: {stats:?}");
-    let prometheus = outbox_relay::prometheus::Exporter::new(&db.outbox).encode().await;
+    let prometheus = pg_outbox_relay::prometheus::Exporter::new(&db.outbox).encode().await;
     assert!(prometheus.contains("outbox_relay_ready_events 0"), "{prometheus}");
     assert!(prometheus.contains("outbox_relay_held_by_key_events 49"), "{prometheus}");
     assert!(prometheus.contains("outbox_relay_pending_events 50"), "{prometheus}");

@@ -11,10 +11,10 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use outbox_relay::sink::{HttpFormat, HttpSink, SigningSecret};
+use pg_outbox_relay::sink::{HttpFormat, HttpSink, SigningSecret};
 use std::time::Duration;
 
-use outbox_relay::{ErrorKind, NewEvent, RelayConfig};
+use pg_outbox_relay::{ErrorKind, NewEvent, RelayConfig};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
@@ -167,7 +167,7 @@ async fn every_request_verifies_with_the_official_standard_webhooks_library_thro
     for request in &requests {
         let webhook_id = &request.headers["webhook-id"];
         assert_eq!(webhook_id, &request.headers["outbox-event-uuid"], "webhook-id is the event's uuid");
-        assert!(outbox_relay::Uuid::parse_str(webhook_id).is_ok(), "{webhook_id}");
+        assert!(pg_outbox_relay::Uuid::parse_str(webhook_id).is_ok(), "{webhook_id}");
     }
     let of = |id: i64| -> Vec<&Received> {
         requests.iter().filter(|r| r.headers["outbox-event-id"] == id.to_string()).collect()

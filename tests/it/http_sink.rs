@@ -9,8 +9,8 @@ use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use outbox_relay::sink::HttpSink;
-use outbox_relay::{NewEvent, RelayConfig};
+use pg_outbox_relay::sink::HttpSink;
+use pg_outbox_relay::{NewEvent, RelayConfig};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -216,10 +216,10 @@ async fn sink_credentials_are_never_shown() {
 /// count.
 #[tokio::test]
 async fn failures_say_whether_they_are_refusals_overload_or_answers() {
-    use outbox_relay::{Event, Handler, Payload};
+    use pg_outbox_relay::{Event, Handler, Payload};
     let event = Event {
         id: 1,
-        uuid: outbox_relay::Uuid::from_u128(1),
+        uuid: pg_outbox_relay::Uuid::from_u128(1),
         topic: "t".into(),
         key: None,
         payload: Payload::from_json("{}").unwrap(),

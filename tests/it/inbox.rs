@@ -1,4 +1,4 @@
-//! The consumer's side: `outbox_relay::inbox` (tokio-postgres and sqlx) records each event once
+//! The consumer's side: `pg_outbox_relay::inbox` (tokio-postgres and sqlx) records each event once
 //! in the consumer's own transaction, also when deliveries race; retention; the uuid every
 //! event carries, kept through the dead letters.
 
@@ -8,8 +8,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox_relay::inbox::{Inbox, Recorded};
-use outbox_relay::{ErrorKind, NewEvent, Uuid};
+use pg_outbox_relay::inbox::{Inbox, Recorded};
+use pg_outbox_relay::{ErrorKind, NewEvent, Uuid};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -132,7 +132,7 @@ async fn purge_deletes_only_the_consumers_records_past_the_retention() {
 async fn purge_goes_on_past_one_batch() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let rows = outbox_relay::inbox::PURGE_BATCH * 2 + 7;
+    let rows = pg_outbox_relay::inbox::PURGE_BATCH * 2 + 7;
     client
         .execute(
             "insert into outbox_relay.inbox (consumer, event_id, received_at) \
@@ -152,21 +152,21 @@ async fn the_sqlx_inbox_records_and_purges_alike() {
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&db.url).await.unwrap();
     let inbox = Inbox::new("billing").unwrap();
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::New);
-    assert_eq!(outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::Duplicate);
+    assert_eq!(pg_outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::New);
+    assert_eq!(pg_outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::Duplicate);
     tx.rollback().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::New);
+    assert_eq!(pg_outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::New);
     tx.commit().await.unwrap();
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::Duplicate);
+    assert_eq!(pg_outbox_relay::sqlx::record_in_inbox(&mut tx, &inbox, uuid(1)).await.unwrap(), Recorded::Duplicate);
     tx.commit().await.unwrap();
 
     sqlx::query("update outbox_relay.inbox set received_at = now() - interval '2 hours'").execute(&pool).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
-    let e = outbox_relay::sqlx::purge_inbox(&mut *conn, &inbox, Duration::ZERO).await.unwrap_err();
+    let e = pg_outbox_relay::sqlx::purge_inbox(&mut *conn, &inbox, Duration::ZERO).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
-    assert_eq!(outbox_relay::sqlx::purge_inbox(&mut *conn, &inbox, Duration::from_secs(3600)).await.unwrap(), 1);
+    assert_eq!(pg_outbox_relay::sqlx::purge_inbox(&mut *conn, &inbox, Duration::from_secs(3600)).await.unwrap(), 1);
 }
 
 /// A consumer name the database would refuse is refused before any statement.
@@ -222,8 +222,8 @@ async fn every_event_has_a_uuid_kept_through_the_dead_letters() {
     let event = db.outbox.publish(&NewEvent::new("mail.send", json!({}))).await.unwrap();
     let before: Uuid =
         client.query_one("select uuid from outbox_relay.outbox where id = $1", &[&event]).await.unwrap().get(0);
-    let failing = outbox_relay::handler_fn(|_: outbox_relay::Event| async {
-        Err(outbox_relay::DeliveryError::permanent("refused"))
+    let failing = pg_outbox_relay::handler_fn(|_: pg_outbox_relay::Event| async {
+        Err(pg_outbox_relay::DeliveryError::permanent("refused"))
     });
     let relay = support::start(&db.outbox, config(), failing);
     crate::relay_support::eventually("dead-lettered", || async {

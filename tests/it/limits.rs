@@ -10,9 +10,9 @@ use std::time::Duration;
 use axum::Router;
 use axum::http::HeaderMap;
 use axum::routing::post;
-use outbox_relay::RelayConfig;
-use outbox_relay::sink::HttpSink;
-use outbox_relay_testkit::bench;
+use pg_outbox_relay::RelayConfig;
+use pg_outbox_relay::sink::HttpSink;
+use pg_outbox_relay_bench as bench;
 
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, config, eventually};

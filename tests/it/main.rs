@@ -1,8 +1,8 @@
 //! The library's integration tests, against a real PostgreSQL: the test kit's
-//! [`harness`](outbox_relay_testkit::harness) says where the server comes from, and gives each
+//! [`harness`](pg_outbox_relay_testkit::harness) says where the server comes from, and gives each
 //! test a database of its own. The command's tests are in `cli/tests/`.
 
-use outbox_relay_testkit::{harness, support as relay_support};
+use pg_outbox_relay_testkit::{harness, support as relay_support};
 
 mod bad_rows;
 mod delivery;

@@ -36,7 +36,7 @@ async fn a_migration_edited_after_it_was_applied_is_refused() {
         .await
         .unwrap();
     let err = db.outbox.migrate().await.unwrap_err();
-    assert_eq!(err.kind(), outbox_relay::ErrorKind::Migration);
+    assert_eq!(err.kind(), pg_outbox_relay::ErrorKind::Migration);
     assert!(err.to_string().contains("was changed after it was applied"), "{err}");
 }
 

@@ -1,7 +1,7 @@
 //! The article's orders, for the tests that write them: the business table, the request, and the
 //! full transaction (order, audit entry, receipt and event under one idempotency key).
 
-use outbox_relay::{AuditEntry, Error, Executed, NewEvent, Outbox};
+use pg_outbox_relay::{AuditEntry, Error, Executed, NewEvent, Outbox};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio_postgres::Client;

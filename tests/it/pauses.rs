@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_relay::{ErrorKind, NewEvent};
+use pg_outbox_relay::{ErrorKind, NewEvent};
 use serde_json::json;
 
 use crate::harness::TestDb;

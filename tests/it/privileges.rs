@@ -1,7 +1,7 @@
 //! Least privilege: the roles of `migrations/optional/least_privilege_roles.sql` are enough for
 //! their jobs and no more.
 
-use outbox_relay::{AuditEntry, DeliveryError, Event, NewEvent, Outbox, RelayConfig, handler_fn};
+use pg_outbox_relay::{AuditEntry, DeliveryError, Event, NewEvent, Outbox, RelayConfig, handler_fn};
 use serde_json::json;
 use tokio_postgres::error::SqlState;
 
@@ -47,12 +47,12 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
             work.audit(&AuditEntry::new("order", id, "placed", &json!({"customer": "ana"}))?).await?;
             work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
             work.publish(&NewEvent::new("order.refused", json!({"order_id": id}))).await?;
-            Ok::<_, outbox_relay::Error>(id)
+            Ok::<_, pg_outbox_relay::Error>(id)
         })
         .await
         .unwrap();
     let replay = service
-        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, outbox_relay::Error>(0))
+        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, pg_outbox_relay::Error>(0))
         .await
         .unwrap();
     assert!(replay.replayed && replay.response == placed.response);
@@ -87,7 +87,7 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
         as_writer.query("select outbox_relay.store_response('key-1', '{\"order_id\": 666}')", &[]).await.unwrap_err();
     assert!(err.to_string().contains("no receipt") || format!("{err:?}").contains("no receipt"), "{err:?}");
     let replay = service
-        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, outbox_relay::Error>(0))
+        .execute("key-1", &json!({"customer": "ana"}), async |_work| Ok::<_, pg_outbox_relay::Error>(0))
         .await
         .unwrap();
     assert_eq!(replay.response, placed.response, "the receipt was not forged");
@@ -101,7 +101,7 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
             if event.topic == "order.refused" {
                 return Err(DeliveryError::permanent("refused"));
             }
-            outbox_relay::Handler::handle(&recorded, &event).await
+            pg_outbox_relay::Handler::handle(&recorded, &event).await
         }
     });
     let cfg = RelayConfig { janitor_interval: std::time::Duration::from_millis(50), ..config() };
@@ -151,9 +151,9 @@ async fn roles_that_cannot_relay_are_told_what_they_lack() {
         .unwrap();
     let as_reader = Outbox::connect(&url_as(&db, &reader)).await.unwrap();
     let (handler, _deliveries) = recorder();
-    let run = outbox_relay::Relay::new(&as_reader, config(), handler).unwrap().run(std::future::pending()).await;
+    let run = pg_outbox_relay::Relay::new(&as_reader, config(), handler).unwrap().run(std::future::pending()).await;
     let err = run.expect_err("a relay role that cannot update must not start");
-    assert_eq!(err.kind(), outbox_relay::ErrorKind::Permission, "{err}");
+    assert_eq!(err.kind(), pg_outbox_relay::ErrorKind::Permission, "{err}");
     assert!(err.to_string().contains(&format!("role \"{reader}\" cannot relay")), "{err}");
     assert!(err.to_string().contains("UPDATE on outbox_relay.outbox"), "{err}");
     let as_stranger = Outbox::connect(&url_as(&db, &stranger)).await.unwrap();
@@ -179,13 +179,13 @@ async fn the_consumer_role_keeps_its_inbox_and_nothing_else() {
     let (mut client, connection) =
         tokio_postgres::connect(&url_as(&db, &consumer), tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
-    let inbox = outbox_relay::inbox::Inbox::new("billing").unwrap();
-    let event = outbox_relay::Uuid::from_u128(7);
+    let inbox = pg_outbox_relay::inbox::Inbox::new("billing").unwrap();
+    let event = pg_outbox_relay::Uuid::from_u128(7);
     let tx = client.transaction().await.unwrap();
-    assert_eq!(inbox.record(&tx, event).await.unwrap(), outbox_relay::inbox::Recorded::New);
+    assert_eq!(inbox.record(&tx, event).await.unwrap(), pg_outbox_relay::inbox::Recorded::New);
     tx.commit().await.unwrap();
     let tx = client.transaction().await.unwrap();
-    assert_eq!(inbox.record(&tx, event).await.unwrap(), outbox_relay::inbox::Recorded::Duplicate);
+    assert_eq!(inbox.record(&tx, event).await.unwrap(), pg_outbox_relay::inbox::Recorded::Duplicate);
     tx.commit().await.unwrap();
     admin.execute("update outbox_relay.inbox set received_at = now() - interval '1 day'", &[]).await.unwrap();
     assert_eq!(inbox.purge(&client, std::time::Duration::from_secs(3600)).await.unwrap(), 1);

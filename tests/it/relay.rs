@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_relay::{Completion, DeliveryError, Event, Handler, NewEvent, RelayConfig, handler_fn};
+use pg_outbox_relay::{Completion, DeliveryError, Event, Handler, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -395,7 +395,7 @@ async fn a_failing_sink_is_retried_until_it_recovers() {
                 if calls.fetch_add(1, Ordering::SeqCst) < 2 {
                     return Err(DeliveryError::transient("503 from the sink"));
                 }
-                outbox_relay::Handler::handle(&handler, &event).await
+                pg_outbox_relay::Handler::handle(&handler, &event).await
             }
         })
     };
@@ -433,7 +433,7 @@ async fn permanent_failures_and_exhausted_attempts_go_to_the_dead_letters_and_ca
             let healthy = healthy.clone();
             async move {
                 if healthy.load(Ordering::SeqCst) {
-                    return outbox_relay::Handler::handle(&handler, &event).await;
+                    return pg_outbox_relay::Handler::handle(&handler, &event).await;
                 }
                 match event.topic.as_str() {
                     "bad" => Err(DeliveryError::permanent("400: malformed order")),
@@ -495,7 +495,7 @@ async fn a_panicking_handler_is_a_failure_not_a_dead_relay() {
             if event.topic == "boom" && event.attempts == 1 {
                 panic!("handler bug");
             }
-            outbox_relay::Handler::handle(&handler, &event).await
+            pg_outbox_relay::Handler::handle(&handler, &event).await
         }
     });
     let relay = support::start(&db.outbox, RelayConfig { workers: 1, ..config() }, sink);
@@ -539,7 +539,7 @@ async fn graceful_shutdown_finishes_in_flight_work_and_leaves_no_lease() {
         async move {
             started_tx.send(()).ok();
             tokio::time::sleep(Duration::from_millis(50)).await;
-            outbox_relay::Handler::handle(&handler, &event).await
+            pg_outbox_relay::Handler::handle(&handler, &event).await
         }
     });
     let relay = support::start(&db.outbox, RelayConfig { workers: 1, batch_size: 10, ..config() }, slow);
@@ -676,7 +676,7 @@ async fn metrics_count_deliveries_and_latency() {
 async fn an_invalid_config_is_refused_naming_the_field() {
     let db = TestDb::new().await;
     let (handler, _deliveries): (_, Deliveries) = recorder();
-    let err = outbox_relay::Relay::new(&db.outbox, RelayConfig { workers: 0, ..config() }, handler).err().unwrap();
+    let err = pg_outbox_relay::Relay::new(&db.outbox, RelayConfig { workers: 0, ..config() }, handler).err().unwrap();
     assert!(err.to_string().contains("workers is 0"), "{err}");
 }
 

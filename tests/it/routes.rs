@@ -7,8 +7,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_relay::sink::HttpSink;
-use outbox_relay::{Completion, DeliveryError, Event, Handler, RelayConfig, Route};
+use pg_outbox_relay::sink::HttpSink;
+use pg_outbox_relay::{Completion, DeliveryError, Event, Handler, RelayConfig, Route};
 use tokio::time::Instant;
 
 use crate::harness::TestDb;
@@ -354,15 +354,15 @@ async fn bad_routes_are_refused_naming_the_problem() {
     let e = Route::new("e r p", "#", r.clone()).unwrap_err().to_string();
     assert!(e.contains("not allowed"), "{e}");
     let twice = vec![Route::new("erp", "#", r.clone()).unwrap(), Route::new("erp", "order.*", r.clone()).unwrap()];
-    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), twice).err().unwrap().to_string();
+    let e = pg_outbox_relay::Relay::with_routes(&db.outbox, config(), twice).err().unwrap().to_string();
     assert!(e.contains("two routes are named \"erp\""), "{e}");
-    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), Vec::<Route<support::Recorder>>::new())
+    let e = pg_outbox_relay::Relay::with_routes(&db.outbox, config(), Vec::<Route<support::Recorder>>::new())
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("at least one route"), "{e}");
     let zero = Route::new("erp", "#", r).unwrap().concurrency(0);
-    let e = outbox_relay::Relay::with_routes(&db.outbox, config(), vec![zero]).err().unwrap().to_string();
+    let e = pg_outbox_relay::Relay::with_routes(&db.outbox, config(), vec![zero]).err().unwrap().to_string();
     assert!(e.contains("route \"erp\"") && e.contains("concurrency"), "{e}");
 }
 

@@ -119,7 +119,7 @@ async fn writers_do_not_notify_when_no_relay_is_waiting() {
 /// passes both, one byte more fails both.
 #[tokio::test]
 async fn both_doors_measure_the_payload_size_the_same_way() {
-    use outbox_relay::{MAX_PAYLOAD_BYTES, NewEvent};
+    use pg_outbox_relay::{MAX_PAYLOAD_BYTES, NewEvent};
     let db = TestDb::new().await;
     let client = db.client().await;
     let payload = |padding: usize| {

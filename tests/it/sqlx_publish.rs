@@ -1,9 +1,9 @@
-//! `outbox_relay::sqlx`: events and audit entries in a sqlx 0.8 transaction the caller owns.
+//! `pg_outbox_relay::sqlx`: events and audit entries in a sqlx 0.8 transaction the caller owns.
 
 // `&mut *tx` is how sqlx's own documentation passes a transaction; the tests write it so.
 #![allow(clippy::explicit_auto_deref)]
 
-use outbox_relay::{AuditEntry, ErrorKind, NewEvent};
+use pg_outbox_relay::{AuditEntry, ErrorKind, NewEvent};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -33,9 +33,9 @@ async fn an_event_published_in_a_sqlx_transaction_exists_after_commit_and_is_del
     let order: i64 =
         sqlx::query_scalar("insert into orders (total) values (12.5) returning id").fetch_one(&mut *tx).await.unwrap();
     let event = NewEvent::new("order.placed", json!({"order_id": order})).key(format!("order-{order}"));
-    let id = outbox_relay::sqlx::publish(&mut *tx, &event).await.unwrap();
+    let id = pg_outbox_relay::sqlx::publish(&mut *tx, &event).await.unwrap();
     let entry = AuditEntry::new("order", order, "placed", &json!({"total": 12.5})).unwrap();
-    let audit = outbox_relay::sqlx::audit(&mut *tx, &entry).await.unwrap();
+    let audit = pg_outbox_relay::sqlx::audit(&mut *tx, &entry).await.unwrap();
     assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0, "invisible before the commit");
     tx.commit().await.unwrap();
 
@@ -60,10 +60,10 @@ async fn after_a_rollback_nothing_of_it_exists() {
     let pool = pool(&db).await;
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("insert into orders (total) values (3)").execute(&mut *tx).await.unwrap();
-    outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("order.placed", json!({}))).await.unwrap();
+    pg_outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("order.placed", json!({}))).await.unwrap();
     let events =
         [NewEvent::new("a", json!(1)).key("k"), NewEvent::new("b", json!(2)), NewEvent::new("c", json!(3)).key("k")];
-    let ids = outbox_relay::sqlx::publish_all(&mut *tx, &events).await.unwrap();
+    let ids = pg_outbox_relay::sqlx::publish_all(&mut *tx, &events).await.unwrap();
     assert_eq!(ids.len(), 3);
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids in input order: {ids:?}");
     tx.rollback().await.unwrap();
@@ -80,14 +80,15 @@ async fn bad_input_is_refused_like_the_tokio_postgres_functions_and_writes_nothi
         NewEvent::new("", json!({})),
         NewEvent::new("has space", json!({})),
         NewEvent::new("ok", json!({})).key(""),
-        NewEvent::new("ok", json!({"big": "x".repeat(outbox_relay::MAX_PAYLOAD_BYTES)})),
+        NewEvent::new("ok", json!({"big": "x".repeat(pg_outbox_relay::MAX_PAYLOAD_BYTES)})),
     ] {
-        let ours = outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap_err();
-        let theirs = outbox_relay::publish(&db.client().await, &event).await.unwrap_err();
+        let ours = pg_outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap_err();
+        let theirs = pg_outbox_relay::publish(&db.client().await, &event).await.unwrap_err();
         assert_eq!(ours.kind(), ErrorKind::InvalidInput, "{ours}");
         assert_eq!(ours.to_string(), theirs.to_string(), "the same error through both doors");
-        let all =
-            outbox_relay::sqlx::publish_all(&mut conn, &[NewEvent::new("fine", json!({})), event]).await.unwrap_err();
+        let all = pg_outbox_relay::sqlx::publish_all(&mut conn, &[NewEvent::new("fine", json!({})), event])
+            .await
+            .unwrap_err();
         assert_eq!(all.kind(), ErrorKind::InvalidInput);
     }
     assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0);
@@ -95,7 +96,7 @@ async fn bad_input_is_refused_like_the_tokio_postgres_functions_and_writes_nothi
     sqlx::query("revoke all on outbox_relay.outbox from public").execute(&mut *conn).await.unwrap();
     sqlx::query("create role sqlx_nobody login").execute(&mut *conn).await.ok();
     sqlx::query("set role sqlx_nobody").execute(&mut *conn).await.unwrap();
-    let e = outbox_relay::sqlx::publish(&mut conn, &NewEvent::new("ok", json!({}))).await.unwrap_err();
+    let e = pg_outbox_relay::sqlx::publish(&mut conn, &NewEvent::new("ok", json!({}))).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Database);
     assert!(e.to_string().starts_with("adding an event"), "{e}");
     sqlx::query("reset role").execute(&mut *conn).await.unwrap();

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use outbox_relay::{Completion, NewEvent, RelayConfig, publish};
+use pg_outbox_relay::{Completion, NewEvent, RelayConfig, publish};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -239,7 +239,7 @@ async fn a_live_installation_gets_a_uuid_per_event_and_keeps_its_old_inbox_rows(
     let db = TestDb::empty().await;
     load_live_0007(&db).await;
     let client = db.client().await;
-    let uuids: Vec<outbox_relay::Uuid> = client
+    let uuids: Vec<pg_outbox_relay::Uuid> = client
         .query(
             "select uuid from outbox_relay.outbox
              union all select uuid from outbox_relay.parked
@@ -263,8 +263,8 @@ async fn a_live_installation_gets_a_uuid_per_event_and_keeps_its_old_inbox_rows(
     assert_eq!(old, vec![("erp".to_string(), 1), ("erp".to_string(), 2)]);
     let mut client = client;
     let tx = client.transaction().await.unwrap();
-    let inbox = outbox_relay::inbox::Inbox::new("erp").unwrap();
-    assert_eq!(inbox.record(&tx, uuids[0]).await.unwrap(), outbox_relay::inbox::Recorded::New);
+    let inbox = pg_outbox_relay::inbox::Inbox::new("erp").unwrap();
+    assert_eq!(inbox.record(&tx, uuids[0]).await.unwrap(), pg_outbox_relay::inbox::Recorded::New);
     tx.commit().await.unwrap();
 }
 
@@ -347,7 +347,7 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
     let replay = db
         .outbox
         .execute("order-req-1", &json!({"customer": "Ada", "total": 42.5}), async |_| {
-            Ok::<_, outbox_relay::Error>(json!({"order_id": "never"}))
+            Ok::<_, pg_outbox_relay::Error>(json!({"order_id": "never"}))
         })
         .await
         .unwrap();

@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use outbox_relay::{NewEvent, Outbox, RelayConfig};
-use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
+use pg_outbox_relay::{NewEvent, Outbox, RelayConfig};
+use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres};
 use serde_json::json;
 
 use crate::relay_support::{self as support, config, recorder};
@@ -99,7 +99,7 @@ async fn tls_modes_are_enforced_and_a_relay_works_over_tls() {
     make_certificates(certs.path());
     install(&pg, certs.path());
     let admin_url = pg.url();
-    let admin = outbox_relay::DatabaseUrl::parse(&admin_url).unwrap().connect().await.unwrap();
+    let admin = pg_outbox_relay::DatabaseUrl::parse(&admin_url).unwrap().connect().await.unwrap();
     admin.batch_execute("alter system set ssl = on").await.unwrap();
     admin.batch_execute("select pg_reload_conf()").await.unwrap();
     admin.batch_execute("create database tls_test").await.unwrap();

@@ -5,8 +5,8 @@
 use std::time::{Duration, SystemTime};
 
 use axum::http::HeaderMap;
-use outbox_relay::NewEvent;
-use outbox_relay::sink::{HttpSink, SigningSecret};
+use pg_outbox_relay::NewEvent;
+use pg_outbox_relay::sink::{HttpSink, SigningSecret};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;

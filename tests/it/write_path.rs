@@ -1,7 +1,7 @@
 //! The atomic, idempotent write path: the article's checks.
 
 use futures::future::join_all;
-use outbox_relay::{ErrorKind, Executed, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, NewEvent, Outbox, publish, publish_all};
+use pg_outbox_relay::{ErrorKind, Executed, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, NewEvent, Outbox, publish, publish_all};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 
-use outbox_relay::NewEvent;
+use pg_outbox_relay::NewEvent;
 use serde_json::json;
 use serde_json::value::RawValue;
 
@@ -45,7 +45,7 @@ async fn publish_everything(db: &TestDb) -> HashMap<i64, String> {
     let mut conn: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
     for text in WRITTEN {
         let event = NewEvent::from_json("fidelity.sqlx", *text).unwrap().key("k");
-        ids.push(outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap());
+        ids.push(pg_outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap());
     }
     let values = json!({
         "charge": 1.602176634e-19, "max": f64::MAX, "min_positive": f64::MIN_POSITIVE, "subnormal": 5e-324,

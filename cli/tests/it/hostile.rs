@@ -161,7 +161,7 @@ impl Drop for Frozen {
 
 #[tokio::test]
 async fn a_frozen_database_gets_answers_that_say_so_from_the_console_and_status() {
-    use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres};
+    use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres};
     let pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
         .await
         .unwrap()

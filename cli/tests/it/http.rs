@@ -7,7 +7,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres, StopMode};
+use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres, StopMode};
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
@@ -440,7 +440,7 @@ async fn a_weak_token_is_refused_without_being_shown() {
 #[tokio::test]
 async fn on_a_public_address_without_a_token_only_the_probes_and_metrics_are_served() {
     let db = TestDb::new().await;
-    db.outbox.publish(&outbox_relay::NewEvent::new("hr.update", json!({"ssn": "123-45-6789"}))).await.unwrap();
+    db.outbox.publish(&pg_outbox_relay::NewEvent::new("hr.update", json!({"ssn": "123-45-6789"}))).await.unwrap();
     let port = free_port();
     let console = spawn_console(&db.url, &["--listen", &format!("0.0.0.0:{port}")], None);
     let base = format!("http://127.0.0.1:{port}");

@@ -13,8 +13,8 @@ use tokio::process::{Child, Command};
 use tokio_postgres::Client;
 
 use crate::binary::BIN;
-use outbox_relay_testkit::harness::TestDb;
-use outbox_relay_testkit::support::{PATIENCE, eventually, eventually_within};
+use pg_outbox_relay_testkit::harness::TestDb;
+use pg_outbox_relay_testkit::support::{PATIENCE, eventually, eventually_within};
 
 async fn count(client: &Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)

@@ -54,7 +54,7 @@ async fn the_password_never_appears_in_logs_or_errors() {
     assert!(stdout(&migrate).contains("postgres:***@"), "{}", stdout(&migrate));
     assert!(!stdout(&migrate).contains("s3cr3t-pw"));
     // Debug of the library's handles
-    let outbox = outbox_relay::Outbox::connect(&with_password).await.unwrap();
+    let outbox = pg_outbox_relay::Outbox::connect(&with_password).await.unwrap();
     let debug = format!("{outbox:?} {:?} {}", outbox.url(), outbox.url());
     assert!(!debug.contains("s3cr3t-pw") && debug.contains("***"), "{debug}");
 }

@@ -89,7 +89,7 @@ async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_
     let (headers, body) = seen.lock().unwrap()[0].clone();
     assert_eq!(headers["outbox-event-id"], id.to_string().as_str());
     let uuid = headers["outbox-event-uuid"].to_str().unwrap();
-    assert!(outbox_relay::Uuid::parse_str(uuid).is_ok(), "{uuid}");
+    assert!(pg_outbox_relay::Uuid::parse_str(uuid).is_ok(), "{uuid}");
     assert_eq!(headers["ce-id"], uuid, "the CloudEvent's id is the event's uuid");
     assert_eq!(headers["ce-source"], "urn:shop:orders");
     assert_eq!(headers["authorization"], "Bearer tok-8b1d");

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use outbox_relay::{DeliveryError, Event, Handler, RelayConfig};
+use pg_outbox_relay::{DeliveryError, Event, Handler, RelayConfig};
 use tokio::sync::Semaphore;
 use tokio_postgres::Client;
 

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_relay::{Outbox, RelayConfig};
+use pg_outbox_relay::{Outbox, RelayConfig};
 use tokio_postgres::Client;
 
 use super::proxy::{Link, Proxy, upstream};

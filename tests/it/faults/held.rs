@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_relay::{Event, NewEvent, RelayConfig, handler_fn};
+use pg_outbox_relay::{Event, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 

@@ -18,7 +18,7 @@ mod writers;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_relay::Outbox;
+use pg_outbox_relay::Outbox;
 use tokio_postgres::{Client, NoTls};
 
 use crate::orders::{PlaceOrder, TestError, place_order};

@@ -87,7 +87,7 @@ impl Proxy {
     }
 
     /// The URL of `database` through this proxy, with the test server's credentials.
-    pub(super) fn url(&self, database: &str) -> outbox_relay::DatabaseUrl {
+    pub(super) fn url(&self, database: &str) -> pg_outbox_relay::DatabaseUrl {
         server().url_for(database).for_host("127.0.0.1", self.port).expect("a URL through the proxy")
     }
 

@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_relay::{Outbox, RelayConfig};
-use outbox_relay_testkit::embedded::{EmbeddedOptions, EmbeddedPostgres, StopMode};
+use pg_outbox_relay::{Outbox, RelayConfig};
+use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres, StopMode};
 
 use super::{LONG_PATIENCE, assert_no_orphans, connect, count, place, rows_by_key};
 use crate::orders::{ORDERS_TABLE, TestError};

@@ -4,14 +4,14 @@
 
 use std::time::Duration;
 
-use outbox_relay::{ErrorKind, Outbox};
+use pg_outbox_relay::{ErrorKind, Outbox};
 
 use super::proxy::{Link, Proxy, upstream};
 use crate::harness::TestDb;
 use crate::relay_support::PATIENCE;
 
 /// Runs `operation`, which must fail within the test's patience with a "did not answer" error.
-async fn gives_up<T: std::fmt::Debug>(what: &str, operation: impl Future<Output = outbox_relay::Result<T>>) {
+async fn gives_up<T: std::fmt::Debug>(what: &str, operation: impl Future<Output = pg_outbox_relay::Result<T>>) {
     let err = tokio::time::timeout(PATIENCE, operation)
         .await
         .unwrap_or_else(|_| panic!("{what} hung on a database that does not answer"))

@@ -30,8 +30,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use outbox_relay::sink::HttpSink;
-use outbox_relay::{MetricsSnapshot, Outbox, RelayConfig};
+use pg_outbox_relay::sink::HttpSink;
+use pg_outbox_relay::{MetricsSnapshot, Outbox, RelayConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
@@ -42,7 +42,7 @@ use super::drain::{DrainSetup, Drained, drain_measured};
 pub const SMALL_BACKLOG: u32 = 5;
 /// The listen backlog of the other receivers.
 const DEEP_BACKLOG: u32 = 1024;
-/// The header carrying the event id (`outbox_relay::sink::HttpSink`'s).
+/// The header carrying the event id (`pg_outbox_relay::sink::HttpSink`'s).
 const EVENT_ID: &str = "outbox-event-id";
 /// The most a request head may take; larger ones are dropped.
 const MAX_HEAD: usize = 64 * 1024;
@@ -151,7 +151,7 @@ impl Receiver {
 
     /// An HTTP sink POSTing to it, with the default timeout.
     pub fn sink(&self) -> Result<HttpSink, BoxError> {
-        Ok(HttpSink::new(&self.url(), outbox_relay::sink::DEFAULT_HTTP_TIMEOUT)?)
+        Ok(HttpSink::new(&self.url(), pg_outbox_relay::sink::DEFAULT_HTTP_TIMEOUT)?)
     }
 
     /// What it counted so far.

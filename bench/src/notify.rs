@@ -2,7 +2,7 @@
 //! every commit. The trigger itself is the migrations' own: it is disabled and enabled, never
 //! re-created here.
 
-use outbox_relay::Outbox;
+use pg_outbox_relay::Outbox;
 
 use super::{BoxError, db};
 

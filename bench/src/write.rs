@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use outbox_relay::{AuditEntry, NewEvent, Outbox};
+use pg_outbox_relay::{AuditEntry, NewEvent, Outbox};
 use serde_json::json;
 
 use super::notify::{NotifyMode, reset_notify, set_notify_mode};
@@ -30,8 +30,8 @@ pub struct WriteTx {
     pub audit: bool,
     /// An idempotency receipt under a fresh key: the transaction is [`Outbox::execute`].
     pub receipt: bool,
-    /// Events: one is [`outbox_relay::Work::publish`], more are one
-    /// [`outbox_relay::Work::publish_all`]. Only with a receipt.
+    /// Events: one is [`pg_outbox_relay::Work::publish`], more are one
+    /// [`pg_outbox_relay::Work::publish_all`]. Only with a receipt.
     pub events: usize,
     /// The events carry the order's id as their key (so the insert takes the key's lock), or
     /// no key.
@@ -242,7 +242,7 @@ impl Writer {
                 .map_err(db("inserting the business row"))?
                 .get(0);
             if shape.audit {
-                outbox_relay::audit(&tx, &AuditEntry::new("order", order_id, "placed", &request)?).await?;
+                pg_outbox_relay::audit(&tx, &AuditEntry::new("order", order_id, "placed", &request)?).await?;
             }
             tx.commit().await.map_err(db("committing"))?;
             return Ok(());
@@ -265,7 +265,7 @@ impl Writer {
                         work.publish_all(&(0..n).map(event).collect::<Vec<_>>()).await?;
                     }
                 }
-                Ok::<_, outbox_relay::Error>(json!({"order_id": order_id}))
+                Ok::<_, pg_outbox_relay::Error>(json!({"order_id": order_id}))
             })
             .await?;
         Ok(())

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use outbox_relay::{DatabaseUrl, Outbox};
+use pg_outbox_relay::{DatabaseUrl, Outbox};
 
 use super::{BoxError, db};
 
@@ -21,7 +21,7 @@ pub struct BenchDb {
 enum Server {
     External(DatabaseUrl),
     #[cfg(unix)]
-    Embedded(crate::embedded::EmbeddedPostgres),
+    Embedded(pg_outbox_relay_cluster::EmbeddedPostgres),
 }
 
 impl BenchDb {
@@ -43,8 +43,8 @@ impl BenchDb {
             Some(url) => Ok(BenchDb { server: Server::External(DatabaseUrl::parse(url)?) }),
             #[cfg(unix)]
             None => {
-                let options = crate::embedded::EmbeddedOptions { durable: true };
-                let pg = crate::embedded::EmbeddedPostgres::start(options).map_err(|e| {
+                let options = pg_outbox_relay_cluster::EmbeddedOptions { durable: true };
+                let pg = pg_outbox_relay_cluster::EmbeddedPostgres::start(options).map_err(|e| {
                     format!(
                         "no database URL given (--database-url or DATABASE_URL), and the embedded \
                          PostgreSQL could not be started: {e}"

@@ -1,13 +1,13 @@
 //! Measurements of the outbox and its relay against a real PostgreSQL, shared by the criterion
 //! benchmarks (`benches/relay.rs`, run by `cargo bench`) and the `outbox-relay bench` command.
 //!
-//! It lives in the test kit, not in the library: both front ends measure exactly the same thing,
-//! and a service using the library compiles none of it.
+//! It is a crate of its own, not part of the library: both front ends measure exactly the same
+//! thing, and a service using the library compiles none of it.
 //!
 //! # The server
 //!
 //! [`BenchDb`] is the server to measure on: the one `DATABASE_URL` names, or else a private
-//! embedded cluster ([`crate::embedded`]) started with [`EmbeddedOptions::durable`], so `fsync`
+//! embedded cluster ([`pg_outbox_relay_cluster`]) started with [`EmbeddedOptions::durable`], so `fsync`
 //! and `synchronous_commit` are on and every business commit waits for its WAL flush, as it does
 //! for users. (The relay's own bookkeeping runs with `synchronous_commit = off`, as always.)
 //! [`BenchDb::fresh_database`] creates (after dropping any leftover) a database
@@ -75,7 +75,7 @@
 //! commit;
 //! ```
 //!
-//! The shapes without a receipt use a plain transaction and the low-level [`outbox_relay::audit`].
+//! The shapes without a receipt use a plain transaction and the low-level [`pg_outbox_relay::audit`].
 //!
 //! [`write_tps`] runs `writers` such tasks for a duration and returns commits per second, with no
 //! relay running, in one of three [`NotifyMode`]s: the trigger disabled; the trigger as shipped
@@ -84,6 +84,9 @@
 //! trigger avoids: PostgreSQL serialises the commits of notifying transactions on a
 //! database-wide lock held through the commit (WAL flush included), so concurrent writers lose
 //! group commit.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod drain;
 mod held;
@@ -95,7 +98,7 @@ mod sinks;
 mod trickle;
 mod write;
 
-pub use outbox_relay::Percentiles;
+pub use pg_outbox_relay::Percentiles;
 
 pub use self::drain::{
     ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_to_each, drain_with,

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_relay::{Event, NewEvent, Outbox, Relay, RelayConfig, RelayMetrics, handler_fn};
+use pg_outbox_relay::{Event, NewEvent, Outbox, Relay, RelayConfig, RelayMetrics, handler_fn};
 use serde_json::json;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
@@ -100,7 +100,7 @@ pub struct LatencyProbe {
     writer: Option<(tokio_postgres::Client, Statement)>,
     deliveries: mpsc::UnboundedReceiver<(i64, Instant)>,
     shutdown: Option<oneshot::Sender<()>>,
-    relay: Option<JoinHandle<outbox_relay::Result<()>>>,
+    relay: Option<JoinHandle<pg_outbox_relay::Result<()>>>,
     metrics: Arc<RelayMetrics>,
     sequence: u64,
 }
@@ -278,7 +278,7 @@ fn pause_before_sample(path: WakePath) -> Duration {
 /// Signals a relay to stop and waits (bounded) for it to return.
 pub(super) async fn stop_relay(
     shutdown: Option<oneshot::Sender<()>>,
-    task: Option<JoinHandle<outbox_relay::Result<()>>>,
+    task: Option<JoinHandle<pg_outbox_relay::Result<()>>>,
 ) -> Result<(), BoxError> {
     if let Some(shutdown) = shutdown {
         shutdown.send(()).ok();

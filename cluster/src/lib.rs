@@ -39,6 +39,12 @@
 //! `/dev/null`) that polls once a second whether this process is still alive and, once it is not,
 //! stops the server and removes the directory. So a leaked cluster outlives its owner by about
 //! one second. `Drop` kills the watchdog after cleaning up itself.
+//!
+//! Unix only: the crate is empty elsewhere.
+
+#![cfg(unix)]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod ctl;
 mod system;
@@ -53,7 +59,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use outbox_relay::DatabaseUrl;
+use pg_outbox_relay::DatabaseUrl;
 use tempfile::TempDir;
 
 use self::ctl::Ctl;

@@ -1,8 +1,8 @@
 //! Draining to real destinations: NATS JetStream, and the stdout sink's work aimed at
 //! `/dev/null` (HTTP receivers are in `receivers`).
 
-use outbox_relay::sink::{NatsSink, SinkOptions};
-use outbox_relay::{DeliveryError, Event, Handler, Slots};
+use pg_outbox_relay::sink::{NatsSink, SinkOptions};
+use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
 use std::io::Write;
 
 use super::BoxError;
@@ -17,7 +17,7 @@ pub async fn nats_sink(url: &str, stream: &str) -> Result<Result<NatsSink, Strin
     };
     match NatsSink::connect(url, &options).await {
         Ok(sink) => Ok(Ok(sink)),
-        Err(e) if e.kind() == outbox_relay::ErrorKind::Connect => Ok(Err(e.to_string())),
+        Err(e) if e.kind() == pg_outbox_relay::ErrorKind::Connect => Ok(Err(e.to_string())),
         Err(e) => Err(e.into()),
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_relay::{
+use pg_outbox_relay::{
     Completion, DEFAULT_DESTINATION, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, Route, handler_fn,
 };
 use tokio::sync::oneshot;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use outbox_relay::Outbox;
+use pg_outbox_relay::Outbox;
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
