@@ -71,7 +71,7 @@ pub(crate) struct Idle {
     /// The virtual transaction ids open right after the latest mark, for [`close_race`].
     open_at_mark: watch::Sender<Vec<String>>,
     /// How fast the relay claims: whether it should linger and stop writers from notifying.
-    pub(crate) rate: Rate,
+    pub(crate) rate: Arc<Rate>,
 }
 
 impl Idle {
@@ -85,7 +85,7 @@ impl Idle {
             marked: Mutex::default(),
             marked_hint: AtomicBool::default(),
             open_at_mark: watch::Sender::new(Vec::new()),
-            rate: Rate::default(),
+            rate: Arc::default(),
         }
     }
 
@@ -170,27 +170,38 @@ impl Idle {
     }
 }
 
-/// Writes the concurrency limit and the deliveries in flight to the relay's row every
-/// [`DELIVERIES_PUBLISH_EVERY`] while either (or the listener) changed, until `stop`. Not while
-/// the listener is down: `status` finds a relay by its listener, and the janitor removes a row
-/// whose listener is gone.
-pub(crate) async fn publish_deliveries(idle: Arc<Idle>, metrics: Arc<RelayMetrics>, stop: CancellationToken) {
-    let mut published = None;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(DELIVERIES_PUBLISH_EVERY) => {}
-        }
-        let (limit, in_flight) = metrics.deliveries_now();
-        let pid = idle.listener_pid.load(Ordering::Acquire);
-        let (Ok(limit @ 1..), Ok(in_flight)) = (i32::try_from(limit), i32::try_from(in_flight)) else { continue };
-        let now = Some((pid, limit, in_flight));
-        if pid == 0 || published == now {
-            continue;
-        }
-        match idle.publish_deliveries(pid, limit, in_flight).await {
-            Ok(()) => published = now,
-            Err(e) => tracing::debug!(error = %e, "could not publish the concurrency limit; trying again in a second"),
+/// The task that writes the concurrency limit and the deliveries in flight to the relay's row
+/// every [`DELIVERIES_PUBLISH_EVERY`] while either (or the listener) changed. Not while the
+/// listener is down: `status` finds a relay by its listener, and the janitor removes a row whose
+/// listener is gone.
+pub(crate) struct LimitPublisher {
+    pub(crate) idle: Arc<Idle>,
+    pub(crate) metrics: Arc<RelayMetrics>,
+}
+
+impl LimitPublisher {
+    /// Runs until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let LimitPublisher { idle, metrics } = self;
+        let mut published = None;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(DELIVERIES_PUBLISH_EVERY) => {}
+            }
+            let (limit, in_flight) = metrics.deliveries_now();
+            let pid = idle.listener_pid.load(Ordering::Acquire);
+            let (Ok(limit @ 1..), Ok(in_flight)) = (i32::try_from(limit), i32::try_from(in_flight)) else { continue };
+            let now = Some((pid, limit, in_flight));
+            if pid == 0 || published == now {
+                continue;
+            }
+            match idle.publish_deliveries(pid, limit, in_flight).await {
+                Ok(()) => published = now,
+                Err(e) => {
+                    tracing::debug!(error = %e, "could not publish the concurrency limit; trying again in a second")
+                }
+            }
         }
     }
 }
@@ -235,39 +246,49 @@ impl Rate {
     }
 }
 
-/// Waits, for each mark, until every transaction open right after it has ended, then wakes a
-/// worker for one more claim: what such a transaction committed may have notified nobody.
-pub(crate) async fn close_race(idle: Arc<Idle>, work: Arc<Notify>, stop: CancellationToken) {
-    let mut marks = idle.open_at_mark.subscribe();
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            changed = marks.changed() => if changed.is_err() { return },
-        }
-        'mark: loop {
-            let open = marks.borrow_and_update().clone();
-            let mut pause = LINGER_POLL;
-            while !open.is_empty() {
-                let still_open = async { sql::count_still_open(&*idle.pool.client().await?, &open).await };
-                match still_open.await {
-                    Ok(0) => break,
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "checking the transactions open at the waiting mark failed; claiming anyway");
-                        break;
-                    }
-                }
-                tokio::select! {
-                    _ = stop.cancelled() => return,
-                    _ = tokio::time::sleep(pause) => {}
-                    // A newer mark: wait for its transactions instead.
-                    changed = marks.changed() => if changed.is_ok() { continue 'mark } else { return },
-                }
-                pause = (pause * 2).min(CLOSE_POLL_MAX);
+/// The task that waits, for each mark, until every transaction open right after it has ended,
+/// then wakes a worker for one more claim: what such a transaction committed may have notified
+/// nobody.
+pub(crate) struct RaceClosure {
+    pub(crate) idle: Arc<Idle>,
+    pub(crate) work: Arc<Notify>,
+}
+
+impl RaceClosure {
+    /// Runs until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let RaceClosure { idle, work } = self;
+        let mut marks = idle.open_at_mark.subscribe();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                changed = marks.changed() => if changed.is_err() { return },
             }
-            break;
+            'mark: loop {
+                let open = marks.borrow_and_update().clone();
+                let mut pause = LINGER_POLL;
+                while !open.is_empty() {
+                    let still_open = async { sql::count_still_open(&*idle.pool.client().await?, &open).await };
+                    match still_open.await {
+                        Ok(0) => break,
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "checking the transactions open at the waiting mark failed; claiming anyway");
+                            break;
+                        }
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                        // A newer mark: wait for its transactions instead.
+                        changed = marks.changed() => if changed.is_ok() { continue 'mark } else { return },
+                    }
+                    pause = (pause * 2).min(CLOSE_POLL_MAX);
+                }
+                break;
+            }
+            work.notify_one();
         }
-        work.notify_one();
     }
 }
 

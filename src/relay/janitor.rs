@@ -11,11 +11,10 @@ use crate::sql;
 pub(crate) struct Janitor {
     pub(crate) pool: RelayPool,
     pub(crate) config: RelayConfig,
-    pub(crate) stop: CancellationToken,
 }
 
 impl Janitor {
-    pub(crate) async fn run(self) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let config = &self.config;
         loop {
             let pass = async {
@@ -39,7 +38,7 @@ impl Janitor {
                 Err(e) => tracing::warn!(error = %e, "janitor pass failed; trying again next interval"),
             }
             tokio::select! {
-                _ = self.stop.cancelled() => return,
+                _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(config.janitor_interval) => {}
             }
         }

@@ -44,22 +44,22 @@ pub(crate) struct Listener {
     pub(crate) timer: Arc<Timer>,
     /// Told the listener's backend pid while it listens (the waiting mark carries it).
     pub(crate) idle: Arc<Idle>,
-    pub(crate) stop: CancellationToken,
 }
 
 impl Listener {
-    pub(crate) async fn run(self) {
+    /// Listens until `stop`, reconnecting with capped backoff.
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let mut failures: u32 = 0;
         let mut connected_before = false;
         loop {
-            match self.listen(&mut connected_before, &mut failures).await {
+            match self.listen(&mut connected_before, &mut failures, &stop).await {
                 Ok(()) => return, // stopped
                 Err(e) => {
                     failures += 1;
                     let wait = retry_delay(failures, RECONNECT_BASE, self.reconnect_max, 0.5, rand::random());
                     tracing::warn!(error = %e, retry_in = ?wait, "relay listener lost its connection; reconnecting");
                     tokio::select! {
-                        _ = self.stop.cancelled() => return,
+                        _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(wait) => {}
                     }
                 }
@@ -70,7 +70,7 @@ impl Listener {
     /// Connects, listens, wakes the workers for a catch-up claim, then forwards notifications
     /// until the connection fails (an error) or the relay stops (`Ok`). The failure counter is
     /// reset only by a connection that got as far as LISTEN.
-    async fn listen(&self, connected_before: &mut bool, failures: &mut u32) -> Result<()> {
+    async fn listen(&self, connected_before: &mut bool, failures: &mut u32, stop: &CancellationToken) -> Result<()> {
         let mut config = self.url.config().clone();
         config.application_name(LISTENER_APPLICATION_NAME);
         let (client, mut connection) = config.connect(self.url.tls()).await.map_err(|e| connect_error(&config, e))?;
@@ -138,7 +138,7 @@ impl Listener {
         let result = tokio::select! {
             lost = &mut forwarder => Err(lost),
             stalled = heartbeat => Err(stalled),
-            _ = self.stop.cancelled() => Ok(()),
+            _ = stop.cancelled() => Ok(()),
         };
         self.idle.listener_gone();
         self.metrics.set_listening(false);

@@ -33,18 +33,24 @@
 //! allowed attempt, moves the event to the dead letters.
 
 mod backoff;
+mod batch;
 mod breaker;
 mod claim;
 pub(crate) mod config;
+mod deliver;
+mod engine;
 mod handler;
 mod held;
 mod idle;
 mod janitor;
+mod lease;
 mod limit;
 mod listener;
 mod metrics;
+mod outcome;
 mod pauses;
 mod rate;
+mod record;
 mod report;
 mod route;
 mod sweeper;
@@ -54,7 +60,6 @@ mod worker;
 use std::future::Future;
 use std::sync::Arc;
 
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -177,7 +182,16 @@ impl<H: Handler> Relay<H> {
     /// failure to start is returned: a pool that cannot be built, or a database that answers
     /// but cannot be relayed from (a migration of this version missing, a role without the
     /// privileges the relay needs), each with the reason.
+    ///
+    /// Every log line of the relay is in a span `relay` whose `id` (eight hex digits, chosen at
+    /// random when it starts) tells two relays of one process apart, and, below it, a span
+    /// `destination` with the destination's `name`.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let span = tracing::info_span!("relay", id = %format!("{:08x}", rand::random::<u32>()));
+        self.serve(shutdown).instrument(span).await
+    }
+
+    async fn serve(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let Relay { outbox, config, routes, metrics } = self;
         let url = outbox.url().clone();
         // Per destination and worker: a held claim in delivery and the next claim (or two in
@@ -186,23 +200,22 @@ impl<H: Handler> Relay<H> {
         let connections = routes.iter().map(|route| 2 * route.config(&config).workers + 2).sum::<usize>() + 3;
         let pool = RelayPool { pool: url.relay_pool(connections, config.lease)?, url: url.clone() };
         preflight(&pool, &config).await?;
-        tracing::info_span!("relay", workers = config.workers).in_scope(|| {
-            tracing::info!(
-                database = %url,
-                batch_size = config.batch_size,
-                poll_interval = ?config.poll_interval,
-                destinations = %routes.iter().map(|r| format!("{} ({})", r.name, r.pattern)).collect::<Vec<_>>().join(", "),
-                "relay starting"
-            );
-        });
+        tracing::info!(
+            database = %url,
+            workers = config.workers,
+            batch_size = config.batch_size,
+            poll_interval = ?config.poll_interval,
+            destinations = %routes.iter().map(|r| format!("{} ({})", r.name, r.pattern)).collect::<Vec<_>>().join(", "),
+            "relay starting"
+        );
         let stop = CancellationToken::new();
         let mut services = JoinSet::new();
         if !config.janitor_interval.is_zero() {
-            let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
-            services.spawn(janitor.run().instrument(tracing::info_span!("janitor")));
+            let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone() };
+            services.spawn(janitor.run(stop.clone()).instrument(tracing::info_span!("janitor")));
         }
-        let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone(), stop: stop.clone() };
-        services.spawn(sweeper.run().instrument(tracing::info_span!("sweeper")));
+        let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone() };
+        services.spawn(sweeper.run(stop.clone()).instrument(tracing::info_span!("sweeper")));
         // Every destination registered before any claims: new ones start at one same position.
         let mut shutdown = std::pin::pin!(shutdown);
         let registered = tokio::select! {
@@ -218,7 +231,7 @@ impl<H: Handler> Relay<H> {
         };
         let engines = routes.into_iter().zip(metrics).zip(registered).map(|((route, metrics), to)| {
             let span = tracing::info_span!("destination", name = %route.name);
-            let engine = Engine {
+            let engine = engine::Engine {
                 config: route.config(&config),
                 to,
                 handler: route.handler,
@@ -242,143 +255,6 @@ impl<H: Handler> Relay<H> {
         pool.pool.close();
         tracing::info!("relay stopped");
         Ok(())
-    }
-}
-
-/// The delivery to one registered destination: its workers, listener, timer, breaker, limits
-/// and pauses.
-struct Engine<H> {
-    /// The destination as registered.
-    to: sql::Destination,
-    config: RelayConfig,
-    handler: H,
-    metrics: Arc<RelayMetrics>,
-    pool: RelayPool,
-    outbox: Outbox,
-}
-
-impl<H: Handler> Engine<H> {
-    /// Delivers to the destination until `stop`.
-    async fn run(self, stop: CancellationToken) {
-        let Engine { to, config, handler, metrics, pool, outbox } = self;
-        let name = to.name.clone();
-        let url = pool.url.clone();
-        let abort = CancellationToken::new();
-        let work = Arc::new(Notify::new());
-        // Commits through this process's Outbox wake a worker for as long as this lives.
-        let woken_by_commits = Arc::new(crate::wake::WakeTarget { work: work.clone(), metrics: metrics.clone() });
-        outbox.wakeup().register(&woken_by_commits);
-        let timer = Arc::new(timer::Timer::default());
-        // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
-        timer.parked_may_be_due();
-        let reporter = Arc::new(report::Reporter::default());
-        let idle = Arc::new(idle::Idle::new(pool.clone(), rand::random_range(1..i64::MAX), name.clone()));
-        let pauses = Arc::new(pauses::Pauses::default());
-        let pauses_changed = Arc::new(Notify::new());
-        metrics.set_running(true);
-        let claimer = Arc::new(claim::Claimer {
-            pool: pool.clone(),
-            handler,
-            config: config.clone(),
-            metrics: metrics.clone(),
-            timer: timer.clone(),
-            reporter: reporter.clone(),
-            abort: abort.clone(),
-            slots: Slots::for_relay(&config, metrics.clone()),
-            breaker: Arc::new(breaker::Breaker::new(
-                config.breaker_threshold,
-                config.breaker_probe_min,
-                config.breaker_probe_max,
-            )),
-            idle: idle.clone(),
-            turns: claim::Turns::default(),
-            new_lock: Arc::default(),
-            work: work.clone(),
-            new_gate: tokio::sync::Mutex::new(()),
-            pauses: pauses.clone(),
-            to,
-        });
-
-        let mut services = JoinSet::new();
-        let listener = listener::Listener {
-            url: url.clone(),
-            reconnect_max: config.reconnect_max,
-            work: work.clone(),
-            metrics: metrics.clone(),
-            pauses_changed: pauses_changed.clone(),
-            timer: timer.clone(),
-            idle: idle.clone(),
-            stop: stop.clone(),
-        };
-        services.spawn(listener.run().instrument(tracing::info_span!("listener")));
-        services.spawn(
-            timer::run(timer.clone(), config.poll_interval, work.clone(), stop.clone())
-                .instrument(tracing::debug_span!("timer")),
-        );
-        services.spawn(
-            idle::close_race(idle.clone(), work.clone(), stop.clone()).instrument(tracing::debug_span!("race_closure")),
-        );
-        services.spawn(
-            pauses::run(
-                pauses,
-                pool.clone(),
-                name.clone(),
-                work.clone(),
-                pauses_changed,
-                metrics.clone(),
-                timer.clone(),
-                stop.clone(),
-            )
-            .instrument(tracing::info_span!("pauses")),
-        );
-        services.spawn(
-            idle::publish_deliveries(idle.clone(), metrics.clone(), stop.clone())
-                .instrument(tracing::debug_span!("limit_publisher")),
-        );
-        services.spawn(
-            report::run(reporter.clone(), metrics.clone(), stop.clone()).instrument(tracing::info_span!("reporter")),
-        );
-        let mut workers = JoinSet::new();
-        for n in 0..config.workers {
-            let worker = worker::Worker {
-                claimer: claimer.clone(),
-                idle: idle.clone(),
-                work: work.clone(),
-                stop: stop.clone(),
-                linger: config.linger,
-            };
-            workers.spawn(worker.run().instrument(tracing::info_span!("worker", n)));
-        }
-        // Whatever was committed before we started is there to claim.
-        work.notify_one();
-
-        stop.cancelled().await;
-        drop(woken_by_commits);
-        work.notify_waiters();
-        let drained = tokio::time::timeout(config.shutdown_grace, drain(&mut workers)).await;
-        if drained.is_err() {
-            tracing::warn!(grace = ?config.shutdown_grace, "deliveries still running after the grace period; cutting them off and releasing their events");
-            abort.cancel();
-            // A worker blocked in a database call on a stalled link does not see the abort: it is
-            // abandoned after a bound, and its events come back when their lease ends.
-            if tokio::time::timeout(STOP_BOUND, drain(&mut workers)).await.is_err() {
-                tracing::warn!("workers stuck in database calls (a stalled link?); abandoning them");
-                workers.abort_all();
-                drain(&mut workers).await;
-            }
-        }
-        if tokio::time::timeout(STOP_BOUND, drain(&mut services)).await.is_err() {
-            services.abort_all();
-            drain(&mut services).await;
-        }
-        // Writers need not notify a relay that is gone.
-        if tokio::time::timeout(STOP_BOUND, idle.remove()).await.is_err() {
-            tracing::warn!(
-                "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
-            );
-        }
-        metrics.set_running(false);
-        report::summary(&metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
     }
 }
 

@@ -64,55 +64,61 @@ struct Update {
     widened: bool,
 }
 
-/// Re-reads the pauses every [`REFRESH`] until `stop`, logs each change and wakes the workers
+/// The task that re-reads the pauses every [`REFRESH`], logs each change and wakes the workers
 /// when something is resumed. While the database does not answer the last pauses read stay.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn run(
-    pauses: Arc<Pauses>,
-    pool: RelayPool,
-    destination: String,
-    work: Arc<Notify>,
-    changed: Arc<Notify>,
-    metrics: Arc<RelayMetrics>,
-    timer: Arc<Timer>,
-    stop: CancellationToken,
-) {
-    loop {
-        let read = async { sql::pauses(&*pool.client().await?).await };
-        match read.await {
-            Ok(rows) => {
-                let rows: Vec<_> =
-                    rows.into_iter().filter(|p| p.destination.as_ref().is_none_or(|d| *d == destination)).collect();
-                let all = rows.iter().any(|p| p.topic.is_none());
-                let topics: Vec<String> = rows.into_iter().filter_map(|p| p.topic).collect();
-                metrics.set_paused(all, topics.len());
-                let shown = (all, topics.join(", "));
-                let update = pauses.update(all, topics);
-                if update.first || update.changed {
-                    match shown {
-                        (true, _) => {
-                            tracing::warn!("delivery to this destination is paused (outbox-relay resume lifts it)")
+pub(crate) struct Watcher {
+    pub(crate) pauses: Arc<Pauses>,
+    pub(crate) pool: RelayPool,
+    /// The destination whose pauses count (and those of every destination).
+    pub(crate) destination: String,
+    pub(crate) work: Arc<Notify>,
+    /// Told by the listener when an operator changed the pauses.
+    pub(crate) changed: Arc<Notify>,
+    pub(crate) metrics: Arc<RelayMetrics>,
+    pub(crate) timer: Arc<Timer>,
+}
+
+impl Watcher {
+    /// Runs until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let Watcher { pauses, pool, destination, work, changed, metrics, timer } = self;
+        loop {
+            let read = async { sql::pauses(&*pool.client().await?).await };
+            match read.await {
+                Ok(rows) => {
+                    let rows: Vec<_> =
+                        rows.into_iter().filter(|p| p.destination.as_ref().is_none_or(|d| *d == destination)).collect();
+                    let all = rows.iter().any(|p| p.topic.is_none());
+                    let topics: Vec<String> = rows.into_iter().filter_map(|p| p.topic).collect();
+                    metrics.set_paused(all, topics.len());
+                    let shown = (all, topics.join(", "));
+                    let update = pauses.update(all, topics);
+                    if update.first || update.changed {
+                        match shown {
+                            (true, _) => {
+                                tracing::warn!("delivery to this destination is paused (outbox-relay resume lifts it)")
+                            }
+                            (false, topics) if !topics.is_empty() => {
+                                tracing::warn!(topics = %topics, "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)")
+                            }
+                            _ if !update.first => tracing::info!("delivery resumed: no topic is paused"),
+                            _ => {}
                         }
-                        (false, topics) if !topics.is_empty() => {
-                            tracing::warn!(topics = %topics, "delivery is paused for some topics (outbox-relay resume --topic T lifts a pause)")
-                        }
-                        _ if !update.first => tracing::info!("delivery resumed: no topic is paused"),
-                        _ => {}
+                    }
+                    if update.widened {
+                        // A resumed topic's events are parked (migration 0008).
+                        timer.parked_may_be_due();
+                        work.notify_waiters();
+                        work.notify_one();
                     }
                 }
-                if update.widened {
-                    // A resumed topic's events are parked (migration 0008).
-                    timer.parked_may_be_due();
-                    work.notify_waiters();
-                    work.notify_one();
-                }
+                Err(e) => tracing::debug!(error = %e, "could not read the pauses; the last ones read stay"),
             }
-            Err(e) => tracing::debug!(error = %e, "could not read the pauses; the last ones read stay"),
-        }
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = changed.notified() => {}
-            _ = tokio::time::sleep(REFRESH) => {}
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = changed.notified() => {}
+                _ = tokio::time::sleep(REFRESH) => {}
+            }
         }
     }
 }

@@ -110,27 +110,37 @@ fn round_ms(d: Duration) -> Duration {
     Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// Closes the failure window every [`WARN_EVERY`] and logs a summary every [`SUMMARY_EVERY`]
-/// in which something happened, until `stop`.
-pub(crate) async fn run(reporter: Arc<Reporter>, metrics: Arc<RelayMetrics>, stop: CancellationToken) {
-    let mut last = metrics.snapshot();
-    let mut summary_due = Instant::now() + SUMMARY_EVERY;
-    loop {
-        tokio::select! {
-            _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(TICK) => {}
-        }
-        reporter.close_window();
-        if Instant::now() >= summary_due {
-            summary_due = Instant::now() + SUMMARY_EVERY;
-            let now = metrics.snapshot();
-            if now.delivered + now.retried + now.dead_lettered > last.delivered + last.retried + last.dead_lettered {
-                summary(&now, &last, "in the last minute");
+/// The task that closes the failure window every [`WARN_EVERY`] and logs a summary every
+/// [`SUMMARY_EVERY`] in which something happened.
+pub(crate) struct Reports {
+    pub(crate) reporter: Arc<Reporter>,
+    pub(crate) metrics: Arc<RelayMetrics>,
+}
+
+impl Reports {
+    /// Runs until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let Reports { reporter, metrics } = self;
+        let mut last = metrics.snapshot();
+        let mut summary_due = Instant::now() + SUMMARY_EVERY;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(TICK) => {}
             }
-            last = now;
+            reporter.close_window();
+            if Instant::now() >= summary_due {
+                summary_due = Instant::now() + SUMMARY_EVERY;
+                let now = metrics.snapshot();
+                if now.delivered + now.retried + now.dead_lettered > last.delivered + last.retried + last.dead_lettered
+                {
+                    summary(&now, &last, "in the last minute");
+                }
+                last = now;
+            }
         }
+        reporter.close_window_now();
     }
-    reporter.close_window_now();
 }
 
 /// One `info` line with what happened between `before` and `now`.

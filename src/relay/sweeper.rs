@@ -23,11 +23,10 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 pub(crate) struct Sweeper {
     pub(crate) pool: RelayPool,
     pub(crate) config: RelayConfig,
-    pub(crate) stop: CancellationToken,
 }
 
 impl Sweeper {
-    pub(crate) async fn run(self) {
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let batch = i64::try_from(self.config.janitor_batch.max(1)).unwrap_or(i64::MAX);
         let delete = self.config.completion == Completion::Delete;
         let mut from = String::from("0");
@@ -68,7 +67,7 @@ impl Sweeper {
                 Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed again"),
             }
             tokio::select! {
-                _ = self.stop.cancelled() => return,
+                _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(pause) => {}
             }
         }

@@ -73,22 +73,32 @@ impl Timer {
     }
 }
 
-/// Wakes a worker every `interval` and whenever a scheduled moment comes, until `stop`.
-pub(crate) async fn run(timer: Arc<Timer>, interval: Duration, work: Arc<Notify>, stop: CancellationToken) {
-    let mut next_poll = Instant::now() + interval;
-    loop {
-        let deadline = timer.earliest().map_or(next_poll, |due| due.min(next_poll));
-        tokio::select! {
-            _ = stop.cancelled() => return,
-            _ = timer.changed.notified() => continue,
-            _ = tokio::time::sleep_until(deadline) => {}
-        }
-        let now = Instant::now();
-        timer.take_passed(now);
-        timer.parked_may_be_due();
-        work.notify_one();
-        if next_poll <= now {
-            next_poll = now + interval;
+/// The task that wakes a worker every `interval` and whenever a scheduled moment comes.
+pub(crate) struct Poll {
+    pub(crate) timer: Arc<Timer>,
+    pub(crate) interval: Duration,
+    pub(crate) work: Arc<Notify>,
+}
+
+impl Poll {
+    /// Runs until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let Poll { timer, interval, work } = self;
+        let mut next_poll = Instant::now() + interval;
+        loop {
+            let deadline = timer.earliest().map_or(next_poll, |due| due.min(next_poll));
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = timer.changed.notified() => continue,
+                _ = tokio::time::sleep_until(deadline) => {}
+            }
+            let now = Instant::now();
+            timer.take_passed(now);
+            timer.parked_may_be_due();
+            work.notify_one();
+            if next_poll <= now {
+                next_poll = now + interval;
+            }
         }
     }
 }

@@ -14,8 +14,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::Handler;
 use super::backoff::retry_delay;
+use super::batch::Batches;
 use super::breaker::Turn;
-use super::claim::{Claim, Claimer};
+use super::claim::Claim;
 use super::idle::{Idle, LINGER_POLL};
 use crate::error::Result;
 
@@ -28,27 +29,27 @@ const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
 
 /// One worker and what it needs.
 pub(crate) struct Worker<H> {
-    pub(crate) claimer: Arc<Claimer<H>>,
+    pub(crate) batches: Arc<Batches<H>>,
     pub(crate) idle: Arc<Idle>,
     /// "There may be events": wakes one waiting worker (or stores one wake-up).
     pub(crate) work: Arc<Notify>,
     /// Stop claiming; finish what is in hand.
-    pub(crate) stop: CancellationToken,
     pub(crate) linger: Duration,
 }
 
 impl<H: Handler> Worker<H> {
-    pub(crate) async fn run(self) {
+    /// Claims and delivers until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
         let mut failures = 0u32;
         loop {
-            if self.claimer.breaker.is_open() {
-                match self.claimer.breaker.turn(&self.stop).await {
+            if self.batches.breaker().is_open() {
+                match self.batches.breaker().turn(&stop).await {
                     Turn::Stop => return,
                     Turn::Closed => {}
                     Turn::Probe => {
-                        if let Err(e) = self.claimer.claim_and_deliver(Claim::Probe).await {
+                        if let Err(e) = self.batches.claim_and_deliver(Claim::Probe).await {
                             tracing::warn!(error = %e, "probing the destination failed to claim");
-                            self.claimer.breaker.probe_found_nothing();
+                            self.batches.breaker().probe_found_nothing();
                         }
                         continue;
                     }
@@ -56,14 +57,14 @@ impl<H: Handler> Worker<H> {
             } else {
                 tokio::select! {
                     biased;
-                    _ = self.stop.cancelled() => return,
+                    _ = stop.cancelled() => return,
                     _ = self.work.notified() => tracing::trace!("a worker woke"),
                 }
             }
-            if let Err(e) = self.drain().await {
+            if let Err(e) = self.drain(&stop).await {
                 tracing::warn!(error = %e, "claiming events failed");
                 failures += 1;
-                if !self.pause_after_error(failures).await {
+                if !self.pause_after_error(failures, &stop).await {
                     return;
                 }
                 self.work.notify_one(); // try again, this worker or another
@@ -74,10 +75,10 @@ impl<H: Handler> Worker<H> {
             // and then marks it waiting for NOTIFY. Workers queue for that turn rather than skip
             // it: a worker that unmarked the relay while another was lingering must see to it
             // that someone lingers and marks again, or writers would stop notifying an idle relay.
-            if !self.idle.is_marked() && !self.claimer.breaker.is_open() {
+            if !self.idle.is_marked() && !self.batches.breaker().is_open() {
                 let _turn = self.idle.lingering.lock().await;
                 if !self.idle.is_marked() {
-                    self.linger_then_wait().await;
+                    self.linger_then_wait(&stop).await;
                 }
             }
         }
@@ -88,20 +89,20 @@ impl<H: Handler> Worker<H> {
     /// the queue is drained, for now. (New events are claimed by one transaction at a time, so a
     /// batch that holds their lock claims again once it is done if new ones may wait; and a
     /// parked key's next event becomes claimable only once its head is done, which no
-    /// notification says: see `Claimer::deliver_and_record`.) The next batch is claimed while
+    /// notification says: see `Batches::deliver_and_record`.) The next batch is claimed while
     /// the last is being delivered, so the database's round trips overlap the destination's (parked
     /// events only, while the last batch holds the new events' lock); a worker has at most
     /// [`DELIVERING_PER_WORKER`] batches in delivery, and holds no more batches than that.
-    async fn drain(&self) -> Result<()> {
-        let batch_size = self.claimer.config.batch_size;
+    async fn drain(&self, stop: &CancellationToken) -> Result<()> {
+        let batch_size = self.batches.batch_size();
         let mut delivering = FuturesUnordered::new();
         let outcome = 'claiming: loop {
-            if self.stop.is_cancelled() {
+            if stop.is_cancelled() {
                 break Ok(());
             }
             // Whether a batch that asks for another claim was done while this claim ran.
             let mut unblocked = false;
-            let claim = self.claimer.claim(Claim::Batch { schedule_next: true });
+            let claim = self.batches.claim(Claim::Batch { schedule_next: true });
             tokio::pin!(claim);
             let claimed = loop {
                 tokio::select! {
@@ -129,7 +130,7 @@ impl<H: Handler> Worker<H> {
             // a quiet service pays one claim per event.
             let more = batch.more;
             let took_all = !full && !more;
-            delivering.push(self.claimer.deliver_and_record(batch));
+            delivering.push(self.batches.deliver_and_record(batch));
             if self.idle.is_marked() && self.idle.rate.is_busy() {
                 // Busy: writers need not notify until this relay is idle again. (The batch is
                 // delivered meanwhile.)
@@ -172,10 +173,10 @@ impl<H: Handler> Worker<H> {
 
     /// Waits a little after failed claims (the database is down or restarting); false when the
     /// relay is stopping.
-    async fn pause_after_error(&self, failures: u32) -> bool {
+    async fn pause_after_error(&self, failures: u32, stop: &CancellationToken) -> bool {
         let pause = retry_delay(failures, Duration::from_millis(50), ERROR_PAUSE_MAX, 0.5, rand::random());
         tokio::select! {
-            _ = self.stop.cancelled() => false,
+            _ = stop.cancelled() => false,
             _ = tokio::time::sleep(pause) => true,
         }
     }
@@ -183,19 +184,19 @@ impl<H: Handler> Worker<H> {
     /// Lingers while work keeps coming at a high rate, then marks the relay waiting (the race
     /// closure follows in its own task). Returns when the relay is waiting, or stopping, or the listener is down
     /// and only the poll can help.
-    async fn linger_then_wait(&self) {
+    async fn linger_then_wait(&self, stop: &CancellationToken) {
         let mut quiet_since = Instant::now();
         while quiet_since.elapsed() < self.linger && self.idle.rate.is_busy() {
             tokio::select! {
-                _ = self.stop.cancelled() => return,
+                _ = stop.cancelled() => return,
                 _ = self.work.notified() => {}
                 _ = tokio::time::sleep(LINGER_POLL) => {}
             }
-            match self.claimer.claim_and_deliver(Claim::Batch { schedule_next: false }).await {
+            match self.batches.claim_and_deliver(Claim::Batch { schedule_next: false }).await {
                 Ok(0) => {}
                 Ok(n) => {
                     quiet_since = Instant::now();
-                    if n == self.claimer.config.batch_size {
+                    if n == self.batches.batch_size() {
                         // A backlog: let the other workers help.
                         self.work.notify_one();
                     }
@@ -206,7 +207,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
         }
-        if self.stop.is_cancelled() || !self.idle.listening() {
+        if stop.is_cancelled() || !self.idle.listening() {
             return; // no listener to hear a NOTIFY: the fallback poll and the reconnect catch-up cover it
         }
         if let Err(e) = self.idle.go_waiting().await {

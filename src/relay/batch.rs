@@ -1,0 +1,114 @@
+//! One batch from claim to record: claim it (`claim.rs`), keep it this claim's while it is
+//! delivered (`lease.rs`), hand it to the handler (`deliver.rs`), judge the results
+//! (`outcome.rs`) and record them (`record.rs`).
+
+use std::sync::Arc;
+
+use super::breaker::Breaker;
+use super::claim::{Batch, Claim, Claims};
+use super::deliver::Delivery;
+use super::handler::Handler;
+use super::held::NewLock;
+use super::idle::Idle;
+use super::lease::Leases;
+use super::outcome::{Judge, Outcome};
+use super::record::Recorder;
+use super::timer::Timer;
+use crate::error::Result;
+
+/// A destination's batches: the parts that claim, deliver, judge and record them.
+pub(crate) struct Batches<H> {
+    pub(crate) claims: Claims,
+    pub(crate) leases: Leases,
+    pub(crate) delivery: Delivery<H>,
+    pub(crate) judge: Judge,
+    pub(crate) recorder: Recorder,
+    /// Told when parked events may be due once a batch is done.
+    pub(crate) timer: Arc<Timer>,
+    /// Whether the relay is marked waiting (writers notify it).
+    pub(crate) row: Arc<Idle>,
+}
+
+impl<H: Handler> Batches<H> {
+    /// The destination's outage breaker.
+    pub(crate) fn breaker(&self) -> &Breaker {
+        &self.claims.breaker
+    }
+
+    /// The most events a claim takes.
+    pub(crate) fn batch_size(&self) -> usize {
+        self.claims.config.batch_size
+    }
+
+    /// Claims one batch (`None`: nothing to claim, or the breaker is open and this is no probe).
+    pub(crate) async fn claim(&self, claim: Claim) -> Result<Option<Batch>> {
+        self.claims.claim(claim, &self.leases).await
+    }
+
+    /// Claims one batch and delivers it; returns how many events were claimed. While the
+    /// breaker is open only a probe claims.
+    pub(crate) async fn claim_and_deliver(&self, claim: Claim) -> Result<usize> {
+        match self.claim(claim).await? {
+            None => Ok(0),
+            Some(batch) => {
+                let count = batch.count;
+                self.deliver_and_record(batch).await;
+                Ok(count)
+            }
+        }
+    }
+
+    /// Delivers a claimed batch and records what became of it. A held claim whose delivery
+    /// outlives `hold` is leased meanwhile. Returns whether the worker should claim again now
+    /// (see the end of this function).
+    pub(crate) async fn deliver_and_record(&self, batch: Batch) -> bool {
+        let claimed = batch.claimed();
+        let Batch {
+            mut held,
+            token,
+            claimed_at,
+            held_new,
+            parked_keyed,
+            events,
+            ages,
+            mut outcomes,
+            probe,
+            parked,
+            ..
+        } = batch;
+        let breaker = self.breaker();
+        if !events.is_empty() {
+            if !probe && breaker.is_open() {
+                // Claimed while the breaker was opening: the outage covers it, nothing is tried.
+                outcomes.release_all(&events);
+            } else {
+                let delivery = self.delivery.deliver(&events);
+                tokio::pin!(delivery);
+                match self.leases.keep_while(delivery, &mut held, &claimed, &parked, token, claimed_at).await {
+                    // Cut off at shutdown: the events go back, the attempt not counted.
+                    None => outcomes.release_all(&events),
+                    Some(results) => self.judge.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
+                }
+            }
+        } else if probe {
+            breaker.probe_found_nothing();
+        }
+        let released = outcomes.count(|outcome| matches!(outcome, Outcome::Released)) > 0;
+        // A leased batch's events were parked: later events of their keys, claimed meanwhile,
+        // were parked behind them, and wait for a claim of parked events once these are done.
+        let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
+        self.recorder.record(held, token, outcomes, &parked).await;
+        if parked_keyed || released || leased_keyed {
+            // A parked key's next event is its head now, or events were given back, due at once.
+            self.timer.parked_may_be_due();
+        }
+        // Claim again now if parked events may be due, or if this batch held the new events'
+        // lock and new events may wait: a claim of this relay was turned away by the lock
+        // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
+        // relay marked waiting hears every commit, so a turned-away claim of its own says so.
+        parked_keyed
+            || released
+            || leased_keyed
+            || (held_new && (!self.row.is_marked() || NewLock::take_wanted(&self.claims.new_lock)))
+    }
+}

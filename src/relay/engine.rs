@@ -1,0 +1,205 @@
+//! The delivery to one registered destination: its workers and the tasks beside them (the
+//! listener, the timer, the race closure, the pauses' watcher, the limit's publisher, the
+//! reporter), and their shutdown.
+
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::config::{Completion, RelayConfig};
+use super::handler::{Handler, Slots};
+use super::metrics::{MetricsSnapshot, RelayMetrics};
+use super::{
+    RelayPool, STOP_BOUND, batch, breaker, claim, deliver, drain, idle, lease, listener, outcome, pauses, record,
+    report, timer, worker,
+};
+use crate::outbox::Outbox;
+use crate::sql;
+
+/// The delivery to one registered destination: its workers, listener, timer, breaker, limits
+/// and pauses.
+pub(crate) struct Engine<H> {
+    /// The destination as registered.
+    pub(crate) to: sql::Destination,
+    pub(crate) config: RelayConfig,
+    pub(crate) handler: H,
+    pub(crate) metrics: Arc<RelayMetrics>,
+    pub(crate) pool: RelayPool,
+    pub(crate) outbox: Outbox,
+}
+
+/// What an engine's tasks share.
+struct Shared {
+    /// "There may be events": wakes one waiting worker (or stores one wake-up).
+    work: Arc<Notify>,
+    timer: Arc<timer::Timer>,
+    reporter: Arc<report::Reporter>,
+    /// The relay's row: its waiting mark, the breaker's state and the concurrency limit.
+    idle: Arc<idle::Idle>,
+    pauses: Arc<pauses::Pauses>,
+    /// Cuts the deliveries in hand off (shutdown past its grace).
+    abort: CancellationToken,
+}
+
+impl<H: Handler> Engine<H> {
+    /// Delivers to the destination until `stop`.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let work = Arc::new(Notify::new());
+        // Commits through this process's Outbox wake a worker for as long as this lives.
+        let woken_by_commits = Arc::new(crate::wake::WakeTarget { work: work.clone(), metrics: self.metrics.clone() });
+        self.outbox.wakeup().register(&woken_by_commits);
+        let timer = Arc::new(timer::Timer::default());
+        // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
+        timer.parked_may_be_due();
+        let shared = Shared {
+            work,
+            timer,
+            reporter: Arc::default(),
+            idle: Arc::new(idle::Idle::new(self.pool.clone(), rand::random_range(1..i64::MAX), self.to.name.clone())),
+            pauses: Arc::default(),
+            abort: CancellationToken::new(),
+        };
+        self.metrics.set_running(true);
+        let mut services = self.services(&shared, &stop);
+        let (config, metrics) = (self.config.clone(), self.metrics.clone());
+        let batches = Arc::new(self.batches(&shared));
+        let mut workers = JoinSet::new();
+        for n in 0..config.workers {
+            let worker = worker::Worker {
+                batches: batches.clone(),
+                idle: shared.idle.clone(),
+                work: shared.work.clone(),
+                linger: config.linger,
+            };
+            workers.spawn(worker.run(stop.clone()).instrument(tracing::info_span!("worker", n)));
+        }
+        // Whatever was committed before we started is there to claim.
+        shared.work.notify_one();
+
+        stop.cancelled().await;
+        drop(woken_by_commits);
+        shared.work.notify_waiters();
+        stop_workers(&mut workers, config.shutdown_grace, &shared.abort).await;
+        if tokio::time::timeout(STOP_BOUND, drain(&mut services)).await.is_err() {
+            services.abort_all();
+            drain(&mut services).await;
+        }
+        // Writers need not notify a relay that is gone.
+        if tokio::time::timeout(STOP_BOUND, shared.idle.remove()).await.is_err() {
+            tracing::warn!(
+                "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
+            );
+        }
+        metrics.set_running(false);
+        report::summary(&metrics.snapshot(), &MetricsSnapshot::default(), "since it started");
+    }
+
+    /// Starts the tasks beside the workers: the listener, the timer, the race closure, the
+    /// pauses' watcher, the limit's publisher and the reporter.
+    fn services(&self, shared: &Shared, stop: &CancellationToken) -> JoinSet<()> {
+        let (config, metrics) = (&self.config, &self.metrics);
+        let pauses_changed = Arc::new(Notify::new());
+        let mut services = JoinSet::new();
+        let listener = listener::Listener {
+            url: self.pool.url.clone(),
+            reconnect_max: config.reconnect_max,
+            work: shared.work.clone(),
+            metrics: metrics.clone(),
+            pauses_changed: pauses_changed.clone(),
+            timer: shared.timer.clone(),
+            idle: shared.idle.clone(),
+        };
+        services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));
+        let poll =
+            timer::Poll { timer: shared.timer.clone(), interval: config.poll_interval, work: shared.work.clone() };
+        services.spawn(poll.run(stop.clone()).instrument(tracing::debug_span!("timer")));
+        let race = idle::RaceClosure { idle: shared.idle.clone(), work: shared.work.clone() };
+        services.spawn(race.run(stop.clone()).instrument(tracing::debug_span!("race_closure")));
+        let pauses = pauses::Watcher {
+            pauses: shared.pauses.clone(),
+            pool: self.pool.clone(),
+            destination: self.to.name.clone(),
+            work: shared.work.clone(),
+            changed: pauses_changed,
+            metrics: metrics.clone(),
+            timer: shared.timer.clone(),
+        };
+        services.spawn(pauses.run(stop.clone()).instrument(tracing::info_span!("pauses")));
+        let limit = idle::LimitPublisher { idle: shared.idle.clone(), metrics: metrics.clone() };
+        services.spawn(limit.run(stop.clone()).instrument(tracing::debug_span!("limit_publisher")));
+        let reports = report::Reports { reporter: shared.reporter.clone(), metrics: metrics.clone() };
+        services.spawn(reports.run(stop.clone()).instrument(tracing::info_span!("reporter")));
+        services
+    }
+
+    /// The parts that claim, deliver, judge and record the destination's batches.
+    fn batches(self, shared: &Shared) -> batch::Batches<H> {
+        let Engine { to, config, handler, metrics, pool, .. } = self;
+        let delete = config.completion == Completion::Delete;
+        let breaker = Arc::new(breaker::Breaker::new(
+            config.breaker_threshold,
+            config.breaker_probe_min,
+            config.breaker_probe_max,
+        ));
+        let name = to.name.clone();
+        batch::Batches {
+            leases: lease::Leases {
+                pool: pool.clone(),
+                to: name.clone(),
+                lease: config.lease,
+                hold: config.effective_hold(),
+                delete,
+                work: shared.work.clone(),
+            },
+            delivery: deliver::Delivery {
+                handler,
+                slots: Slots::for_relay(&config, metrics.clone()),
+                abort: shared.abort.clone(),
+            },
+            judge: outcome::Judge {
+                config: config.clone(),
+                breaker: breaker.clone(),
+                reporter: shared.reporter.clone(),
+                timer: shared.timer.clone(),
+                metrics: metrics.clone(),
+                row: shared.idle.clone(),
+            },
+            recorder: record::Recorder { pool: pool.clone(), to: name, delete, metrics: metrics.clone() },
+            timer: shared.timer.clone(),
+            row: shared.idle.clone(),
+            claims: claim::Claims {
+                pool,
+                to,
+                config,
+                metrics,
+                timer: shared.timer.clone(),
+                breaker,
+                rate: shared.idle.rate.clone(),
+                turns: claim::Turns::default(),
+                pauses: shared.pauses.clone(),
+                new_lock: Arc::default(),
+                new_gate: tokio::sync::Mutex::new(()),
+            },
+        }
+    }
+}
+
+/// Lets the workers finish what they hold within `grace`, then cuts their deliveries off
+/// (`abort`) and, after a bound, abandons workers stuck in database calls.
+async fn stop_workers(workers: &mut JoinSet<()>, grace: std::time::Duration, abort: &CancellationToken) {
+    if tokio::time::timeout(grace, drain(workers)).await.is_ok() {
+        return;
+    }
+    tracing::warn!(grace = ?grace, "deliveries still running after the grace period; cutting them off and releasing their events");
+    abort.cancel();
+    // A worker blocked in a database call on a stalled link does not see the abort: it is
+    // abandoned after a bound, and its events come back when their lease ends.
+    if tokio::time::timeout(STOP_BOUND, drain(workers)).await.is_err() {
+        tracing::warn!("workers stuck in database calls (a stalled link?); abandoning them");
+        workers.abort_all();
+        drain(workers).await;
+    }
+}

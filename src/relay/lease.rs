@@ -1,0 +1,135 @@
+//! Keeping a batch's events this claim's while they are delivered: a held claim is turned into
+//! a lease once its delivery outlives `hold`, and the lease is renewed every half lease, so that
+//! no other claim takes events whose requests may still succeed. (A delivery's time limit is the
+//! handler's own, the HTTP sink's timeout say, never the lease.)
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::RelayPool;
+use super::held::Held;
+use crate::error::Result;
+use crate::sql;
+
+/// Leases a destination's claims and renews them.
+pub(crate) struct Leases {
+    pub(crate) pool: RelayPool,
+    /// The destination's name.
+    pub(crate) to: String,
+    /// How long a lease lasts.
+    pub(crate) lease: Duration,
+    /// How long a claim is held before it is leased (zero: leased at once).
+    pub(crate) hold: Duration,
+    /// Delivered outbox rows are deleted (rather than marked processed).
+    pub(crate) delete: bool,
+    /// "There may be events": wakes a worker once a lease frees the new events' lock.
+    pub(crate) work: Arc<Notify>,
+}
+
+impl Leases {
+    /// Waits for `delivery`, keeping its events this claim's for as long as it runs. `claimed`:
+    /// the ids and attempts of every event of the claim, `parked`: those claimed from the parked
+    /// events.
+    pub(crate) async fn keep_while<F: std::future::Future + Unpin>(
+        &self,
+        mut delivery: F,
+        held: &mut Option<Held>,
+        claimed: &[(i64, i32)],
+        parked: &HashSet<i64>,
+        token: i64,
+        claimed_at: Instant,
+    ) -> F::Output {
+        let renew_every = self.lease / 2;
+        // With `hold` zero the claim was leased when it was claimed.
+        let mut next = claimed_at + if held.is_some() { self.hold } else { renew_every };
+        let mut leased = held.is_none();
+        let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        loop {
+            tokio::select! {
+                done = &mut delivery => return done,
+                () = tokio::time::sleep_until(next) => {
+                    match held.take() {
+                        Some(claim) => leased = self.lease(claim, claimed, parked, token).await,
+                        None if leased => leased = self.renew(&ids, token).await,
+                        None => {}
+                    }
+                    next = Instant::now() + renew_every;
+                }
+            }
+        }
+    }
+
+    /// Extends the lease of a delivery still running; returns whether the lease is still this
+    /// claim's (a failed renewal is tried again at the next turn).
+    async fn renew(&self, ids: &[i64], token: i64) -> bool {
+        let renewed = async { sql::renew_lease(&*self.pool.client().await?, &self.to, ids, self.lease, token).await };
+        match renewed.await {
+            Ok(n) if n as usize == ids.len() => {
+                tracing::debug!(events = ids.len(), "a delivery goes on; its lease is renewed");
+                true
+            }
+            Ok(n) => {
+                tracing::warn!(
+                    events = ids.len(),
+                    still_held = n,
+                    "a delivery outlived its lease before the relay could renew it: another claim took some of its events, \
+                     which will be delivered again"
+                );
+                n > 0
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, events = ids.len(), "renewing the lease of a delivery still running failed; trying again");
+                true
+            }
+        }
+    }
+
+    /// Turns a held claim into a lease under `token` and commits it; the delivery goes on: the
+    /// parked events are leased, the new ones copied into the parked events under the lease
+    /// (their outbox rows then finished, as far as this destination goes). Returns whether the
+    /// lease was written.
+    pub(crate) async fn lease(&self, held: Held, claimed: &[(i64, i32)], parked: &HashSet<i64>, token: i64) -> bool {
+        let (lease, to, delete) = (self.lease, self.to.as_str(), self.delete);
+        let had_new_lock = held.has_new_lock();
+        let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        let (was_parked, new): (Vec<i64>, Vec<i64>) = ids.iter().partition(|id| parked.contains(id));
+        let mut copies = sql::Copies::default();
+        for (id, attempt) in claimed.iter().filter(|(id, _)| !parked.contains(id)) {
+            // The attempt is counted, as the parked events' lease counts it.
+            copies.push(*id, lease, None, *attempt);
+        }
+        let leased = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
+            let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
+            if !was_parked.is_empty() {
+                writes.push(Box::pin(sql::lease_held_parked(db, to, &was_parked, lease, token)));
+            }
+            if !new.is_empty() {
+                writes.push(Box::pin(sql::park_new_events(db, to, &copies, Some(token))));
+                writes.push(Box::pin(sql::finish_new_events(db, to, &new, delete)));
+            }
+            futures::future::try_join_all(writes).await.map(drop)
+        });
+        match leased.await {
+            Ok(_) => {
+                tracing::debug!(events = ids.len(), hold = ?self.hold, "a delivery outlived the hold; its claim is leased");
+                if had_new_lock {
+                    // The new events' lock is free while this delivery goes on: another worker
+                    // takes the new events committed meanwhile.
+                    self.work.notify_one();
+                }
+                true
+            }
+            // The transaction is gone, and with it the claim: the events are claimable again,
+            // and what this delivery achieves is not recorded (they are delivered again).
+            Err(e) => {
+                tracing::warn!(error = %e, events = ids.len(), "turning a held claim into a lease failed; its events will be delivered again");
+                false
+            }
+        }
+    }
+}
