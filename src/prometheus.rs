@@ -157,103 +157,117 @@ fn register(registry: &mut Registry, database: Option<&Read>, relay: &[(String, 
         f64::from(u8::from(database.is_some())),
     );
     if let Some((stats, health, pauses, destinations)) = database {
-        let seconds = |ms: Option<i64>| ms.map_or(0.0, |ms| ms.max(0) as f64 / 1000.0);
-        gauge(
-            registry,
-            "outbox_relay_pending_events",
-            "Events not yet delivered: ready, held by their key, delayed (a delay or a retry backoff) and in flight",
-            (stats.pending + stats.held_by_key + stats.delayed + stats.in_flight) as f64,
-        );
-        gauge(
-            registry,
-            "outbox_relay_ready_events",
-            "Pending events deliverable now: due, without a key or at the head of theirs",
-            stats.pending as f64,
-        );
-        gauge(
-            registry,
-            "outbox_relay_held_by_key_events",
-            "Due events waiting behind their key's head (in flight, delayed or in a retry's backoff)",
-            stats.held_by_key as f64,
-        );
-        gauge(registry, "outbox_relay_delayed_events", "Pending events waiting for their time", stats.delayed as f64);
-        gauge(registry, "outbox_relay_in_flight_events", "Events claimed under a lease", stats.in_flight as f64);
-        gauge_in(
-            registry,
-            "outbox_relay_oldest_pending_age",
-            "Age of the oldest undelivered event (0 when there is none)",
-            Unit::Seconds,
-            seconds(stats.oldest_pending_age_ms),
-        );
-        gauge_in(
-            registry,
-            "outbox_relay_oldest_ready_age",
-            "How long the longest-waiting deliverable event has been due: the relay's lag",
-            Unit::Seconds,
-            seconds(stats.oldest_ready_age_ms),
-        );
-        gauge(registry, "outbox_relay_dead_letters", "Events in the dead letters", stats.dead_letters as f64);
-        gauge(
-            registry,
-            "outbox_relay_notification_queue_usage_ratio",
-            "Share of PostgreSQL's notification queue in use (NOTIFY fails at 1)",
-            health.notification_queue_usage,
-        );
-        gauge_in(
-            registry,
-            "outbox_relay_oldest_transaction_age",
-            "Age of the oldest open transaction on the server (holds vacuum back)",
-            Unit::Seconds,
-            seconds(health.oldest_transaction_age_ms),
-        );
-        gauge(
-            registry,
-            "outbox_relay_xmin_horizon_age_transactions",
-            "Age in transactions of the oldest snapshot held (sessions, replication slots, prepared transactions)",
-            health.xmin_horizon_age.unwrap_or(0) as f64,
-        );
-        gauge(
-            registry,
-            "outbox_relay_outbox_dead_tuples",
-            "Dead tuples in the outbox table, by PostgreSQL's statistics",
-            health.outbox_dead_tuples as f64,
-        );
-        gauge(registry, "outbox_relay_pauses", "Pauses in place (the pause of every topic counts one)", *pauses as f64);
-        gauge(
-            registry,
-            "outbox_relay_unrouted_dead_letters",
-            "Dead letters that no destination's pattern matched",
-            stats.unrouted as f64,
-        );
-        let by_name: Vec<(String, &DestinationStats)> = destinations.iter().map(|d| (d.name.clone(), d)).collect();
-        gauges(
-            registry,
-            "outbox_relay_destination_new_events",
-            "Events a destination's pattern matches that its position has not reached",
-            &by_name,
-            |d| d.new as f64,
-        );
-        gauges(
-            registry,
-            "outbox_relay_destination_parked_events",
-            "A destination's parked events: retries, delays, events behind their key, leases",
-            &by_name,
-            |d| (d.due + d.delayed + d.in_flight) as f64,
-        );
-        gauges(registry, "outbox_relay_destination_dead_letters", "A destination's dead letters", &by_name, |d| {
-            d.dead_letters as f64
-        });
-        gauges(
-            registry,
-            "outbox_relay_destination_relays",
-            "Relays connected now that deliver to a destination",
-            &by_name,
-            |d| d.relays as f64,
-        );
+        register_database(registry, stats, health, *pauses);
+        register_destinations(registry, destinations);
     }
-    if relay.is_empty() {
-        return;
+    if !relay.is_empty() {
+        register_relay(registry, relay);
     }
+}
+
+/// The outbox's figures and the server's health, as the database answered this scrape.
+fn register_database(registry: &mut Registry, stats: &QueueStats, health: &Health, pauses: usize) {
+    let seconds = |ms: Option<i64>| ms.map_or(0.0, |ms| ms.max(0) as f64 / 1000.0);
+    gauge(
+        registry,
+        "outbox_relay_pending_events",
+        "Events not yet delivered: ready, held by their key, delayed (a delay or a retry backoff) and in flight",
+        (stats.pending + stats.held_by_key + stats.delayed + stats.in_flight) as f64,
+    );
+    gauge(
+        registry,
+        "outbox_relay_ready_events",
+        "Pending events deliverable now: due, without a key or at the head of theirs",
+        stats.pending as f64,
+    );
+    gauge(
+        registry,
+        "outbox_relay_held_by_key_events",
+        "Due events waiting behind their key's head (in flight, delayed or in a retry's backoff)",
+        stats.held_by_key as f64,
+    );
+    gauge(registry, "outbox_relay_delayed_events", "Pending events waiting for their time", stats.delayed as f64);
+    gauge(registry, "outbox_relay_in_flight_events", "Events claimed under a lease", stats.in_flight as f64);
+    gauge_in(
+        registry,
+        "outbox_relay_oldest_pending_age",
+        "Age of the oldest undelivered event (0 when there is none)",
+        Unit::Seconds,
+        seconds(stats.oldest_pending_age_ms),
+    );
+    gauge_in(
+        registry,
+        "outbox_relay_oldest_ready_age",
+        "How long the longest-waiting deliverable event has been due: the relay's lag",
+        Unit::Seconds,
+        seconds(stats.oldest_ready_age_ms),
+    );
+    gauge(registry, "outbox_relay_dead_letters", "Events in the dead letters", stats.dead_letters as f64);
+    gauge(
+        registry,
+        "outbox_relay_notification_queue_usage_ratio",
+        "Share of PostgreSQL's notification queue in use (NOTIFY fails at 1)",
+        health.notification_queue_usage,
+    );
+    gauge_in(
+        registry,
+        "outbox_relay_oldest_transaction_age",
+        "Age of the oldest open transaction on the server (holds vacuum back)",
+        Unit::Seconds,
+        seconds(health.oldest_transaction_age_ms),
+    );
+    gauge(
+        registry,
+        "outbox_relay_xmin_horizon_age_transactions",
+        "Age in transactions of the oldest snapshot held (sessions, replication slots, prepared transactions)",
+        health.xmin_horizon_age.unwrap_or(0) as f64,
+    );
+    gauge(
+        registry,
+        "outbox_relay_outbox_dead_tuples",
+        "Dead tuples in the outbox table, by PostgreSQL's statistics",
+        health.outbox_dead_tuples as f64,
+    );
+    gauge(registry, "outbox_relay_pauses", "Pauses in place (the pause of every topic counts one)", pauses as f64);
+    gauge(
+        registry,
+        "outbox_relay_unrouted_dead_letters",
+        "Dead letters that no destination's pattern matched",
+        stats.unrouted as f64,
+    );
+}
+
+/// Each destination's figures, labelled with its name.
+fn register_destinations(registry: &mut Registry, destinations: &[DestinationStats]) {
+    let by_name: Vec<(String, &DestinationStats)> = destinations.iter().map(|d| (d.name.clone(), d)).collect();
+    gauges(
+        registry,
+        "outbox_relay_destination_new_events",
+        "Events a destination's pattern matches that its position has not reached",
+        &by_name,
+        |d| d.new as f64,
+    );
+    gauges(
+        registry,
+        "outbox_relay_destination_parked_events",
+        "A destination's parked events: retries, delays, events behind their key, leases",
+        &by_name,
+        |d| (d.due + d.delayed + d.in_flight) as f64,
+    );
+    gauges(registry, "outbox_relay_destination_dead_letters", "A destination's dead letters", &by_name, |d| {
+        d.dead_letters as f64
+    });
+    gauges(
+        registry,
+        "outbox_relay_destination_relays",
+        "Relays connected now that deliver to a destination",
+        &by_name,
+        |d| d.relays as f64,
+    );
+}
+
+/// The figures of this process's relay, per destination.
+fn register_relay(registry: &mut Registry, relay: &[(String, MetricsSnapshot)]) {
     counters(registry, "outbox_relay_events_delivered", "Events delivered (the handler succeeded)", relay, |r| {
         r.delivered
     });

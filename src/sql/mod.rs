@@ -7,10 +7,12 @@
 //! nothing left behind on the caller's connection). Errors name what was being done.
 
 mod admin;
+mod claim;
 mod destinations;
 mod events;
 mod inbox;
 mod migrations;
+mod outcomes;
 mod receipts;
 mod relays;
 
@@ -21,10 +23,12 @@ use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, Row};
 
 pub(crate) use self::admin::*;
+pub(crate) use self::claim::*;
 pub(crate) use self::destinations::*;
 pub(crate) use self::events::*;
 pub(crate) use self::inbox::*;
 pub(crate) use self::migrations::*;
+pub(crate) use self::outcomes::*;
 pub(crate) use self::receipts::*;
 pub(crate) use self::relays::*;
 use crate::error::Error;

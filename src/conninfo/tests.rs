@@ -1,0 +1,125 @@
+use super::*;
+
+fn parse(text: &str) -> ConnInfo {
+    ConnInfo::parse(text).unwrap_or_else(|e| panic!("{text}: {e}"))
+}
+
+fn password(info: &ConnInfo) -> String {
+    String::from_utf8(info.config.get_password().unwrap().to_vec()).unwrap()
+}
+
+#[test]
+fn a_slash_in_a_url_password_is_parsed_and_never_shown() {
+    let info = parse("postgres://u:right/pw+x@host/db");
+    assert_eq!(password(&info), "right/pw+x");
+    assert_eq!(info.config.get_dbname(), Some("db"));
+    assert_eq!(info.redacted(), "postgres://u:***@host:5432/db");
+}
+
+#[test]
+fn an_at_sign_in_a_url_password_is_refused_without_showing_it() {
+    let err = ConnInfo::parse("postgres://u:s3c@ret@host/db").unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("%40"), "{text}");
+    assert!(!text.contains("s3c") && !text.contains("ret"), "{text}");
+    let info = parse("postgres://u:s3c%40ret@host/db");
+    assert_eq!(password(&info), "s3c@ret");
+}
+
+#[test]
+fn the_scheme_may_be_upper_case() {
+    let info = parse("POSTGRES://u:s3cret@db:6543/x");
+    assert_eq!(info.redacted(), "postgres://u:***@db:6543/x");
+    assert_eq!(parse("PostgreSQL://u@db/x").redacted(), "postgres://u@db:5432/x");
+}
+
+#[test]
+fn key_value_strings_follow_the_libpq_grammar() {
+    let info = parse("host=db  password = s3cret user=app");
+    assert_eq!(password(&info), "s3cret");
+    assert_eq!(info.redacted(), "postgres://app:***@db:5432/");
+
+    let info = parse("password='x y' sslmode=require dbname=t1 host=db");
+    assert_eq!(password(&info), "x y");
+    assert_eq!(info.config.get_ssl_mode(), SslMode::Require, "the settings after a quoted value are kept");
+    assert_eq!(info.config.get_dbname(), Some("t1"));
+
+    let info = parse(r"host=db password='it\'s \\ fine' dbname=d\ b");
+    assert_eq!(password(&info), r"it's \ fine");
+    assert_eq!(info.config.get_dbname(), Some("d b"));
+}
+
+#[test]
+fn tls_options_are_taken_out_in_both_forms() {
+    let info = parse("postgres://u@db/x?sslmode=verify-full&sslrootcert=/etc/ca.pem&connect_timeout=5");
+    assert_eq!(info.verify, Verify::Full);
+    assert_eq!(info.root_cert.as_deref(), Some(std::path::Path::new("/etc/ca.pem")));
+    assert_eq!(info.config.get_ssl_mode(), SslMode::Require);
+    assert_eq!(info.config.get_connect_timeout(), Some(&std::time::Duration::from_secs(5)));
+    assert_eq!(info.redacted(), "postgres://u@db:5432/x?sslmode=verify-full");
+
+    let info = parse("host=db sslmode=verify-ca user=u sslrootcert='/a b/ca.pem'");
+    assert_eq!(info.verify, Verify::Chain);
+    assert_eq!(info.root_cert.as_deref(), Some(std::path::Path::new("/a b/ca.pem")));
+    assert_eq!(info.config.get_user(), Some("u"));
+
+    let info = parse("postgres://u@db/x?application_name=a%20b&sslmode=disable");
+    assert_eq!(info.config.get_application_name(), Some("a b"));
+    assert_eq!(info.config.get_ssl_mode(), SslMode::Disable);
+}
+
+#[test]
+fn errors_never_show_a_value() {
+    let secret = "s3cr3t-value";
+    for text in [
+        format!("PASSWORD={secret} host=db"),
+        format!("host=db {secret}"),
+        format!("host=db password='{secret}"),
+        format!("postgres://u:{secret}@db:notaport/x"),
+        format!("postgres://u:{secret}@db/x?sslmode=always-{secret}"),
+        format!("postgres://u:{secret}@db/x?{secret}"),
+        format!("host=db password = {secret} port={secret}"),
+        format!("postgres://u:{secret}@db/x?Password={secret}"),
+    ] {
+        let err = ConnInfo::parse(&text).expect_err(&text);
+        assert!(!err.to_string().contains(secret), "{text}: {err}");
+        assert!(!format!("{err:?}").contains(secret), "{text}: {err:?}");
+    }
+}
+
+#[test]
+fn unknown_options_are_named() {
+    let err = ConnInfo::parse("host=db PASSWORD=x").unwrap_err().to_string();
+    assert!(err.contains("unknown connection option \"PASSWORD\" (option names are lower case)"), "{err}");
+    let err = ConnInfo::parse("postgres://db/x?sslmod=require").unwrap_err().to_string();
+    assert!(err.contains("unknown connection option \"sslmod\""), "{err}");
+}
+
+#[test]
+fn the_url_rebuilt_from_the_parsed_form_parses_to_the_same_settings() {
+    for text in [
+        "postgres://u:right/pw+x@host:6543/db",
+        "host=db password='x y' user='a b' dbname='my db' sslmode=require",
+        "postgres://app@%2Fvar%2Frun%2Fpostgresql:5433/shop",
+        "postgres://app:s3c%40ret@h1:5432,h2:5433/shop?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+    ] {
+        let info = parse(text);
+        let again = parse(&info.to_url());
+        assert_eq!(again.config.get_user(), info.config.get_user(), "{text}");
+        assert_eq!(again.config.get_password(), info.config.get_password(), "{text}");
+        assert_eq!(again.config.get_hosts(), info.config.get_hosts(), "{text}");
+        let ports = |c: &Config| if c.get_ports().is_empty() { vec![5432] } else { c.get_ports().to_vec() };
+        assert_eq!(ports(&again.config), ports(&info.config), "{text}");
+        assert_eq!(again.config.get_dbname(), info.config.get_dbname(), "{text}");
+        assert_eq!(again.config.get_ssl_mode(), info.config.get_ssl_mode(), "{text}");
+        assert_eq!((again.verify, &again.root_cert), (info.verify, &info.root_cert), "{text}");
+    }
+}
+
+#[test]
+fn socket_directories_and_several_hosts_are_shown() {
+    let info = parse("postgres://app@%2Fvar%2Frun%2Fpostgresql/shop");
+    assert_eq!(info.redacted(), "postgres://app@/var/run/postgresql/.s.PGSQL.5432/shop");
+    let info = parse("postgres://app:pw@h1:5432,h2:5433/shop");
+    assert_eq!(info.redacted(), "postgres://app:***@h1:5432,h2:5433/shop");
+}

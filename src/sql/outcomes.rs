@@ -1,0 +1,199 @@
+//! What became of claimed events: copied into a destination's parked events or dead letters,
+//! their outbox rows finished, parked events completed, rescheduled, leased or buried.
+
+use std::time::Duration;
+
+use super::{Db, count, micros, one};
+use crate::error::Result;
+
+/// Per new event that waits for this destination: its id, how long from now it waits (at least
+/// until its own `available_at`), its error and its attempts.
+#[derive(Debug, Default)]
+pub(crate) struct Copies {
+    pub(crate) ids: Vec<i64>,
+    pub(crate) delays: Vec<i64>,
+    pub(crate) errors: Vec<Option<String>>,
+    pub(crate) attempts: Vec<i32>,
+}
+
+impl Copies {
+    pub(crate) fn push(&mut self, id: i64, delay: Duration, error: Option<String>, attempts: i32) {
+        self.ids.push(id);
+        self.delays.push(micros(delay));
+        self.errors.push(error);
+        self.attempts.push(attempts);
+    }
+}
+
+const PARKED_COPY: &str = "\
+insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at, attempts,
+                                 last_error, lease_token)
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at,
+       greatest(o.available_at, now() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
+  from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
+  join outbox_relay.outbox o on o.id = f.id
+ order by f.n
+on conflict (destination, id) do nothing";
+
+/// Copies new events into the destination's parked events (under the lease `token`, if any).
+pub(crate) async fn park_new_events(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&destination, &c.ids, &c.delays, &c.errors, &c.attempts, &token];
+    count(db, PARKED_COPY, &params, "parking events for a destination").await
+}
+
+const DEAD_LETTER_NEW: &str = "\
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+  from unnest($2::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
+  join outbox_relay.outbox o on o.id = f.id
+on conflict (destination, id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Copies new events into the dead letters of the destination, with their errors and attempts.
+pub(crate) async fn bury_new_events(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    errors: &[String],
+    attempts: &[i32],
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &errors, &attempts];
+    count(db, DEAD_LETTER_NEW, &params, "moving events to the dead letters").await
+}
+
+/// Deletes (`$3`) or marks processed the outbox rows `$2` that every registered destination but
+/// `$1` has passed: `$1`'s claim passed them in this transaction. A destination has passed an
+/// event when its newest position's snapshot sees the event's transaction, or when it is in
+/// the position's cut delta at or below `after_id`.
+const OUTBOX_FINISH: &str = "\
+with others as materialized (
+    select p.since, p.snapshot, p.after_id
+      from outbox_relay.destinations d cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+     where d.name <> $1::text
+),
+done as materialized (
+    select e.id from outbox_relay.outbox e
+     where e.id = any($2::int8[]) and e.processed_at is null
+       and not exists (
+        select 1 from others p
+         where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
+),
+deleted as (delete from outbox_relay.outbox where $3 and id in (select id from done) returning 1),
+marked as (update outbox_relay.outbox set processed_at = now() where not $3 and id in (select id from done) returning 1)
+select (select count(*) from deleted) + (select count(*) from marked)";
+
+/// Deletes (`delete`) or marks processed the outbox rows `ids`, which `destination`'s claim has
+/// passed in this transaction, where every other destination has passed them too (the janitor
+/// does the rest); returns how many.
+pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i64], delete: bool) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&destination, &ids, &delete];
+    let finished: i64 = one(db, OUTBOX_FINISH, &params, "recording deliveries").await?.get(0);
+    Ok(finished.max(0) as u64)
+}
+
+/// Turns held parked events into leased ones, counting the attempt, so that the transaction can
+/// commit while their delivery goes on (held new events are copied with `park_new_events`).
+const PARKED_LEASE_HELD: &str = "\
+update outbox_relay.parked
+   set available_at = now() + $3::int8 * interval '1 microsecond',
+       attempts = least(attempts, 2147483646) + 1,
+       lease_token = $4
+ where destination = $1 and id = any($2)";
+
+/// Leases the held parked events `ids` for `lease` under `token`.
+pub(crate) async fn lease_held_parked(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    lease: Duration,
+    token: i64,
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &micros(lease), &token];
+    count(db, PARKED_LEASE_HELD, &params, "turning a held claim into a lease").await
+}
+
+const PARKED_RENEW_LEASE: &str = "\
+update outbox_relay.parked set available_at = now() + $4::int8 * interval '1 microsecond'
+ where destination = $1 and id = any($2) and lease_token = $3";
+
+/// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery
+/// that goes on); returns how many still carry the token.
+pub(crate) async fn renew_lease(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    lease: Duration,
+    token: i64,
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &token, &micros(lease)];
+    count(db, PARKED_RENEW_LEASE, &params, "renewing a lease").await
+}
+
+const PARKED_DELIVERED: &str = "\
+delete from outbox_relay.parked where destination = $1 and id = any($2) and ($3::int8 is null or lease_token = $3)";
+
+/// Records the deliveries of parked events `ids`.
+pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64], token: Option<i64>) -> Result<u64> {
+    count(db, PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
+}
+
+const PARKED_RESCHEDULE: &str = "\
+update outbox_relay.parked o
+   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
+       lease_token = null, attempts = f.attempts
+  from unnest($2::int8[], $4::int8[], $5::text[], $6::int4[]) as f(id, delay_us, error, attempts)
+ where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)";
+
+/// Reschedules parked events: per event a delay, an error (none keeps the last) and its
+/// attempts. Failed deliveries and events given back alike.
+pub(crate) async fn reschedule_parked(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+        [&destination, &c.ids, &token, &c.delays, &c.errors, &c.attempts];
+    count(db, PARKED_RESCHEDULE, &params, "rescheduling parked events").await
+}
+
+const DEAD_LETTER_PARKED: &str = "\
+with failed as (
+    delete from outbox_relay.parked o
+     using unnest($2::int8[], $4::text[], $5::int4[]) as f(id, error, attempts)
+     where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)
+    returning o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+)
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
+select $1, id, uuid, topic, key, payload, created_at, attempts, error from failed
+on conflict (destination, id) do update
+   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+
+/// Moves parked events to the destination's dead letters with their errors and attempts.
+pub(crate) async fn bury_parked(
+    db: &impl Db,
+    destination: &str,
+    ids: &[i64],
+    errors: &[String],
+    attempts: &[i32],
+    token: Option<i64>,
+) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&destination, &ids, &token, &errors, &attempts];
+    count(db, DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await
+}
+
+/// Prepares every statement that records outcomes or leases a held claim, so that they can be
+/// pipelined before a COMMIT.
+pub(crate) async fn prepare_outcomes(db: &impl Db) -> Result<()> {
+    for sql in [
+        PARKED_COPY,
+        DEAD_LETTER_NEW,
+        OUTBOX_FINISH,
+        PARKED_LEASE_HELD,
+        PARKED_DELIVERED,
+        PARKED_RESCHEDULE,
+        DEAD_LETTER_PARKED,
+    ] {
+        db.prepare(sql).await.map_err(|e| crate::error::Error::database("preparing the outcome statements", e))?;
+    }
+    Ok(())
+}
