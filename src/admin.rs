@@ -158,7 +158,7 @@ impl Outbox {
     pub async fn pause_destination(&self, destination: &str, topic: Option<&str>) -> Result<bool> {
         let topic = pause_topic(topic)?;
         if !destination.is_empty() {
-            crate::relay::validate_destination_name(destination)?;
+            crate::destination::validate_destination_name(destination)?;
         }
         self.bounded("pausing", async { sql::pause(&*self.pooled().await?, topic, destination).await }).await
     }
@@ -208,7 +208,7 @@ impl Outbox {
     /// name registers it anew, starting where the destination furthest behind is). Returns how
     /// many parked events went to the dead letters; an error when no destination has that name.
     pub async fn drop_destination(&self, name: &str) -> Result<u64> {
-        crate::relay::validate_destination_name(name)?;
+        crate::destination::validate_destination_name(name)?;
         let dropped = self
             .bounded("dropping a destination", async { sql::drop_destination(&mut self.pooled().await?, name).await })
             .await?;

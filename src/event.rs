@@ -151,6 +151,40 @@ pub fn validate_topic(topic: &str) -> Result<()> {
     Ok(())
 }
 
+/// An audit entry: who changed what.
+#[derive(Debug, Clone)]
+pub struct AuditEntry<'a> {
+    /// The kind of thing changed, e.g. `order`.
+    pub entity: &'a str,
+    /// Its id, as text.
+    pub entity_id: String,
+    /// What was done, e.g. `placed`.
+    pub action: &'a str,
+    /// Details (the request, the new state).
+    pub data: serde_json::Value,
+}
+
+impl<'a> AuditEntry<'a> {
+    /// An entry for `entity` `entity_id` and `action`, with `data` serialized to JSON.
+    pub fn new(
+        entity: &'a str,
+        entity_id: impl ToString,
+        action: &'a str,
+        data: &impl Serialize,
+    ) -> Result<AuditEntry<'a>> {
+        Ok(AuditEntry { entity, entity_id: entity_id.to_string(), action, data: serde_json::to_value(data)? })
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        validate_key("audit entity", self.entity)?;
+        validate_key("audit action", self.action)?;
+        if self.entity_id.is_empty() {
+            return Err(Error::invalid_input("audit entity id must not be empty"));
+        }
+        crate::payload::check_storable("the audit entry's data", &self.data)
+    }
+}
+
 /// Checks a key (`what` names it in the message): 1 to 255 characters, no control characters.
 pub(crate) fn validate_key(what: &str, key: &str) -> Result<()> {
     if key.is_empty() {

@@ -5,6 +5,7 @@
 mod admin;
 mod connect;
 mod conninfo;
+mod destination;
 mod error;
 mod event;
 pub mod inbox;
@@ -30,11 +31,11 @@ pub use connect::{DEFAULT_POOL_SIZE, DatabaseUrl, redact};
 /// deadpool-postgres, whose [`Pool`](deadpool_postgres::Pool) [`Outbox::pool`] hands out.
 pub use deadpool_postgres;
 pub use error::{Error, ErrorKind, Result};
-pub use event::{Event, MAX_KEY_LEN, MAX_TOPIC_LEN, NewEvent, validate_topic};
+pub use event::{AuditEntry, Event, MAX_KEY_LEN, MAX_TOPIC_LEN, NewEvent, validate_topic};
 pub use migrate::MigrationReport;
 pub use outbox::{Connection, DEFAULT_OPERATION_TIMEOUT, Outbox};
 pub use payload::{MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, Payload};
-pub use publish::{AuditEntry, audit, publish, publish_all};
+pub use publish::{audit, publish, publish_all};
 pub use queue::{
     CleanupReport, ConnectedRelay, DEAD_TUPLES_WARNING, DeadLetter, DestinationStats, ErrorCount, FoundEvent, Health,
     NOTIFICATION_QUEUE_WARNING, OLD_TRANSACTION_WARNING, Pause, QueueStats, XMIN_AGE_WARNING,

@@ -4,11 +4,10 @@
 //! a service that manages its own transactions makes its events part of them: they commit with
 //! the business change, or vanish with its rollback.
 
-use serde::Serialize;
 use tokio_postgres::GenericClient;
 
-use crate::error::{Error, Result};
-use crate::event::{NewEvent, validate_key};
+use crate::error::Result;
+use crate::event::{AuditEntry, NewEvent};
 use crate::sql::{self, Unprepared};
 
 /// Adds one event inside the caller's transaction and returns its id.
@@ -37,38 +36,4 @@ pub async fn publish_all<C: GenericClient + Sync>(client: &C, events: &[NewEvent
 pub async fn audit<C: GenericClient + Sync>(client: &C, entry: &AuditEntry<'_>) -> Result<i64> {
     entry.validate()?;
     sql::insert_audit(&Unprepared(client), entry, None).await
-}
-
-/// An audit entry: who changed what.
-#[derive(Debug, Clone)]
-pub struct AuditEntry<'a> {
-    /// The kind of thing changed, e.g. `order`.
-    pub entity: &'a str,
-    /// Its id, as text.
-    pub entity_id: String,
-    /// What was done, e.g. `placed`.
-    pub action: &'a str,
-    /// Details (the request, the new state).
-    pub data: serde_json::Value,
-}
-
-impl<'a> AuditEntry<'a> {
-    /// An entry for `entity` `entity_id` and `action`, with `data` serialized to JSON.
-    pub fn new(
-        entity: &'a str,
-        entity_id: impl ToString,
-        action: &'a str,
-        data: &impl Serialize,
-    ) -> Result<AuditEntry<'a>> {
-        Ok(AuditEntry { entity, entity_id: entity_id.to_string(), action, data: serde_json::to_value(data)? })
-    }
-
-    pub(crate) fn validate(&self) -> Result<()> {
-        validate_key("audit entity", self.entity)?;
-        validate_key("audit action", self.action)?;
-        if self.entity_id.is_empty() {
-            return Err(Error::invalid_input("audit entity id must not be empty"));
-        }
-        crate::payload::check_storable("the audit entry's data", &self.data)
-    }
 }

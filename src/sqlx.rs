@@ -19,8 +19,8 @@ use ::sqlx::PgConnection;
 use ::sqlx::types::Json;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::event::AuditEntry;
 use crate::event::NewEvent;
-use crate::publish::AuditEntry;
 use crate::sql;
 
 fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {

@@ -3,23 +3,24 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
-use tokio::sync::Notify;
-
-use crate::relay::RelayMetrics;
-
 /// The relays of this process that run on an [`crate::Outbox`] (or a clone of it), to be woken
 /// after each commit that added events.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(crate) struct Wakeup {
-    relays: Mutex<Vec<Weak<WakeTarget>>>,
+    relays: Mutex<Vec<Weak<dyn Wake>>>,
 }
 
-/// What a running relay is woken through: `work` stores one wake-up when no worker waits, so
-/// none is lost while it is busy.
-#[derive(Debug)]
-pub(crate) struct WakeTarget {
-    pub(crate) work: Arc<Notify>,
-    pub(crate) metrics: Arc<RelayMetrics>,
+impl std::fmt::Debug for Wakeup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let relays = self.relays.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).len();
+        f.debug_struct("Wakeup").field("relays", &relays).finish()
+    }
+}
+
+/// What a running relay is woken through after a commit.
+pub(crate) trait Wake: Send + Sync {
+    /// A commit added events; must not block.
+    fn wake(&self);
 }
 
 impl Wakeup {
@@ -32,8 +33,7 @@ impl Wakeup {
         let mut relays = self.relays.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         relays.retain(|relay| match relay.upgrade() {
             Some(relay) => {
-                relay.metrics.woken();
-                relay.work.notify_one();
+                relay.wake();
                 true
             }
             None => false, // that relay has stopped
@@ -41,7 +41,7 @@ impl Wakeup {
     }
 
     /// Wakes `relay` after each commit from now on, for as long as it is alive.
-    pub(crate) fn register(&self, relay: &Arc<WakeTarget>) {
+    pub(crate) fn register(&self, relay: &Arc<dyn Wake>) {
         self.relays.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(Arc::downgrade(relay));
     }
 }

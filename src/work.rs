@@ -14,9 +14,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::event::AuditEntry;
 use crate::event::{NewEvent, validate_key};
 use crate::outbox::{Connection, Outbox};
-use crate::publish::AuditEntry;
 use crate::sql;
 
 /// How a unit of work under an idempotency key begins: see [`Connection::begin`].

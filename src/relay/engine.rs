@@ -18,6 +18,7 @@ use super::{
 };
 use crate::outbox::Outbox;
 use crate::sql;
+use crate::wake::Wake;
 
 /// The delivery to one registered destination: its workers, listener, timer, breaker, limits
 /// and pauses.
@@ -29,6 +30,20 @@ pub(crate) struct Engine<H> {
     pub(crate) metrics: Arc<RelayMetrics>,
     pub(crate) pool: RelayPool,
     pub(crate) outbox: Outbox,
+}
+
+/// An engine as this process's commits wake it: `work` stores one wake-up when no worker
+/// waits, so none is lost while it is busy.
+struct WokenByCommits {
+    work: Arc<Notify>,
+    metrics: Arc<RelayMetrics>,
+}
+
+impl Wake for WokenByCommits {
+    fn wake(&self) {
+        self.metrics.woken();
+        self.work.notify_one();
+    }
 }
 
 /// What an engine's tasks share.
@@ -49,7 +64,8 @@ impl<H: Handler> Engine<H> {
     pub(crate) async fn run(self, stop: CancellationToken) {
         let work = Arc::new(Notify::new());
         // Commits through this process's Outbox wake a worker for as long as this lives.
-        let woken_by_commits = Arc::new(crate::wake::WakeTarget { work: work.clone(), metrics: self.metrics.clone() });
+        let woken_by_commits: Arc<dyn Wake> =
+            Arc::new(WokenByCommits { work: work.clone(), metrics: self.metrics.clone() });
         self.outbox.wakeup().register(&woken_by_commits);
         let timer = Arc::new(timer::Timer::default());
         // Parked events may be due at the start (retries, delays, what a stopped relay gave back).

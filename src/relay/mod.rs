@@ -67,7 +67,7 @@ use tracing::Instrument;
 pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{CLAIM_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot, Percentiles, RelayMetrics};
-pub(crate) use route::validate_destination_name;
+
 pub use route::{DEFAULT_DESTINATION, Route, TopicPattern};
 
 use crate::connect::{DatabaseUrl, pool_error};

@@ -8,6 +8,14 @@ use super::{Db, all};
 use crate::error::Result;
 use crate::payload::Payload;
 
+// The claims: of new events (`claim_new.sql`), read by transaction snapshots above the
+// position, so that no claim ever reads an entry of an event delivered before it and a held
+// snapshot cannot slow it down; and of parked events (`claim_parked.sql`: failed, delayed,
+// paused, leased, behind their key), from small indexes of their own. Each ends with a marker
+// row (id null). Both run in the caller's READ COMMITTED transaction, which holds what they took
+// until it ends: the new events by the advisory lock that only one transaction at a time holds,
+// the parked ones by row locks.
+
 const CLAIM_NEW: &str = include_str!("claim_new.sql");
 const CLAIM_PARKED: &str = include_str!("claim_parked.sql");
 

@@ -5,9 +5,8 @@ use std::time::Duration;
 
 use super::{Db, all, count, micros, one};
 use crate::error::Result;
-use crate::event::NewEvent;
+use crate::event::{AuditEntry, NewEvent};
 use crate::payload::Payload;
-use crate::publish::AuditEntry;
 
 /// The class of the advisory locks that serialize the writers of one key (`'outb'` in ASCII);
 /// see migration 0004.
@@ -93,14 +92,6 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
         [&entry.entity, &entry.entity_id, &entry.action, &entry.data, &idempotency_key];
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
-
-// The claims: of new events (`claim_new.sql`), read by transaction snapshots above the
-// position, so that no claim ever reads an entry of an event delivered before it and a held
-// snapshot cannot slow it down; and of parked events (`claim_parked.sql`: failed, delayed,
-// paused, leased, behind their key), from small indexes of their own. Each ends with a marker
-// row (id null). Both run in the caller's READ COMMITTED transaction, which holds what they took
-// until it ends: the new events by the advisory lock that only one transaction at a time holds,
-// the parked ones by row locks.
 
 const EVENT_DELETE_EXPIRED: &str = "\
 delete from outbox_relay.outbox where id in (
