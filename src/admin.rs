@@ -176,10 +176,10 @@ impl Outbox {
         // Any row can be lifted, also one written by hand with a topic no event could have.
         let lifted = |what: &str, name: Option<&str>| match name {
             Some("") => Err(crate::error::Error::invalid_input(format!("{what} must not be empty"))),
-            Some(t) if t.contains('\0') || t.chars().count() > crate::event::MAX_TOPIC_LEN => {
+            Some(t) if t.contains('\0') || t.chars().count() > crate::NewEvent::MAX_TOPIC_LEN => {
                 Err(crate::error::Error::invalid_input(format!(
                     "no pause can have that {what} (a NUL, or longer than {} characters)",
-                    crate::event::MAX_TOPIC_LEN
+                    crate::NewEvent::MAX_TOPIC_LEN
                 )))
             }
             Some(t) => Ok(t.to_string()),

@@ -18,8 +18,6 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) const KEEPALIVES_IDLE: Duration = Duration::from_secs(10);
 /// How long sent data may stay unacknowledged before the connection counts as dead.
 pub(crate) const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default number of pooled connections.
-pub const DEFAULT_POOL_SIZE: usize = 16;
 
 /// A parsed database URL (or key=value string), with the password kept out of every message.
 ///

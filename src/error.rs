@@ -35,11 +35,13 @@ pub struct Error {
     kind: ErrorKind,
     message: String,
     source: Option<BoxError>,
+    /// The SQLSTATE of a database error whose source is not tokio-postgres's (sqlx's).
+    sqlstate: Option<tokio_postgres::error::SqlState>,
 }
 
 impl Error {
     pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        Error { kind, message: message.into(), source: None }
+        Error { kind, message: message.into(), source: None, sqlstate: None }
     }
 
     pub(crate) fn with_source(mut self, source: impl Into<BoxError>) -> Self {
@@ -53,6 +55,13 @@ impl Error {
 
     pub(crate) fn config(message: impl Into<String>) -> Self {
         Error::new(ErrorKind::Config, message)
+    }
+
+    /// Keeps the SQLSTATE of a database error that did not come through tokio-postgres.
+    #[cfg_attr(not(feature = "sqlx"), allow(dead_code))]
+    pub(crate) fn with_sqlstate(mut self, code: &str) -> Self {
+        self.sqlstate = Some(tokio_postgres::error::SqlState::from_code(code));
+        self
     }
 
     /// Wraps a database error that happened while doing `context` (e.g. "claiming events").
@@ -80,9 +89,10 @@ impl Error {
         self.kind == ErrorKind::Connect
     }
 
-    /// The SQLSTATE code, when PostgreSQL answered with an error.
+    /// The SQLSTATE code, when PostgreSQL answered with an error (through tokio-postgres or,
+    /// with the `sqlx` feature, through sqlx).
     pub fn code(&self) -> Option<&tokio_postgres::error::SqlState> {
-        self.pg_error().and_then(|e| e.code())
+        self.pg_error().and_then(|e| e.code()).or(self.sqlstate.as_ref())
     }
 
     /// True when the connection to the database was closed (the statement's outcome is unknown).

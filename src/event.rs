@@ -9,11 +9,6 @@ use serde_json::Value;
 use crate::error::{Error, Result};
 use crate::payload::Payload;
 
-/// The longest topic, in characters.
-pub const MAX_TOPIC_LEN: usize = 255;
-/// The longest event key or idempotency key, in characters.
-pub const MAX_KEY_LEN: usize = 255;
-
 /// An event to add to the outbox.
 ///
 /// ```
@@ -30,6 +25,13 @@ pub struct NewEvent {
     pub(crate) payload: Body,
     pub(crate) key: Option<String>,
     pub(crate) delay: Duration,
+}
+
+impl NewEvent {
+    /// The longest event key or idempotency key, in characters.
+    pub const MAX_KEY_LEN: usize = 255;
+    /// The longest topic, in characters.
+    pub const MAX_TOPIC_LEN: usize = 255;
 }
 
 /// A new event's payload as the caller gave it.
@@ -135,8 +137,11 @@ pub fn validate_topic(topic: &str) -> Result<()> {
         return Err(Error::invalid_input("topic must not be empty"));
     }
     let len = topic.chars().count();
-    if len > MAX_TOPIC_LEN {
-        return Err(Error::invalid_input(format!("topic is {len} characters long; the limit is {MAX_TOPIC_LEN}")));
+    if len > NewEvent::MAX_TOPIC_LEN {
+        return Err(Error::invalid_input(format!(
+            "topic is {len} characters long; the limit is {max}",
+            max = NewEvent::MAX_TOPIC_LEN
+        )));
     }
     if let Some(c) = topic.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | ':' | '/'))) {
         return Err(Error::invalid_input(format!(
@@ -191,8 +196,11 @@ pub(crate) fn validate_key(what: &str, key: &str) -> Result<()> {
         return Err(Error::invalid_input(format!("{what} must not be empty")));
     }
     let len = key.chars().count();
-    if len > MAX_KEY_LEN {
-        return Err(Error::invalid_input(format!("{what} is {len} characters long; the limit is {MAX_KEY_LEN}")));
+    if len > NewEvent::MAX_KEY_LEN {
+        return Err(Error::invalid_input(format!(
+            "{what} is {len} characters long; the limit is {max}",
+            max = NewEvent::MAX_KEY_LEN
+        )));
     }
     if key.chars().any(char::is_control) {
         return Err(Error::invalid_input(format!("{what} {key:?} contains a control character")));

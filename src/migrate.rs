@@ -59,6 +59,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
 
 /// What a migration run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MigrationReport {
     /// Migrations applied by this run, as `(version, name)`, in order.
     pub applied: Vec<(i32, String)>,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
-use crate::connect::{DEFAULT_POOL_SIZE, DatabaseUrl, pool_error};
+use crate::connect::{DatabaseUrl, pool_error};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::NewEvent;
 use crate::migrate::{self, MigrationReport};
@@ -23,9 +23,13 @@ pub struct Outbox {
     timeout: Duration,
 }
 
-/// How long an operation of an [`Outbox`] (a listing, a count, a pause, a migration, each
-/// statement of a cleanup) may wait for the database before it fails. Defaults to 30 s.
-pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+impl Outbox {
+    /// Default number of pooled connections.
+    pub const DEFAULT_POOL_SIZE: usize = 16;
+    /// How long an operation of an [`Outbox`] (a listing, a count, a pause, a migration, each
+    /// statement of a cleanup) may wait for the database before it fails. Defaults to 30 s.
+    pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(30);
+}
 
 struct Inner {
     url: DatabaseUrl,
@@ -34,23 +38,25 @@ struct Inner {
 }
 
 impl Outbox {
-    /// Connects to `url` with a pool of [`DEFAULT_POOL_SIZE`] connections, checking that the database
+    /// Connects to `url` with a pool of [`Outbox::DEFAULT_POOL_SIZE`] connections, checking that the database
     /// answers.
     pub async fn connect(url: &str) -> Result<Outbox> {
-        Outbox::connect_with(DatabaseUrl::parse(url)?, DEFAULT_POOL_SIZE).await
+        Outbox::connect_with(DatabaseUrl::parse(url)?, Outbox::DEFAULT_POOL_SIZE).await
     }
 
     /// Connects with a parsed URL and a pool of `pool_size` connections.
     pub async fn connect_with(url: DatabaseUrl, pool_size: usize) -> Result<Outbox> {
         let pool = url.pool(pool_size)?;
-        let outbox =
-            Outbox { inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }), timeout: DEFAULT_OPERATION_TIMEOUT };
+        let outbox = Outbox {
+            inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }),
+            timeout: Outbox::DEFAULT_OPERATION_TIMEOUT,
+        };
         drop(outbox.pooled().await?);
         Ok(outbox)
     }
 
     /// The same outbox, its operations bounded by `timeout` instead of
-    /// [`DEFAULT_OPERATION_TIMEOUT`]: the admin operations ([`Outbox::queue_stats`],
+    /// [`Outbox::DEFAULT_OPERATION_TIMEOUT`]: the admin operations ([`Outbox::queue_stats`],
     /// [`Outbox::dead_letters`], [`Outbox::pause`], [`Outbox::ping`], ...), [`Outbox::migrate`],
     /// [`Outbox::check_schema`] and each statement of [`Outbox::cleanup`]. An operation past it
     /// fails with an error of kind [`ErrorKind::Connect`] that says the database did not answer

@@ -10,9 +10,9 @@
 //! delivered:
 //! - **Size**: the bytes of the payload's text as PostgreSQL prints the `jsonb`
 //!   (`octet_length(payload::text)`: `{"a": 1, "b": [1, 2]}`, numbers in full), at most
-//!   [`MAX_PAYLOAD_BYTES`]. The limit is 1 MiB less 8 KiB so that the event's envelope (id,
+//!   [`Payload::MAX_BYTES`]. The limit is 1 MiB less 8 KiB so that the event's envelope (id,
 //!   topic, key, timestamps) and a broker's headers fit in 1 MiB, NATS' default `max_payload`.
-//! - **Nesting**: at most [`MAX_PAYLOAD_DEPTH`] arrays and objects inside each other, so the
+//! - **Nesting**: at most [`Payload::MAX_DEPTH`] arrays and objects inside each other, so the
 //!   delivered envelope stays within serde_json's (and most parsers') recursion limit of 128.
 //! - **No NUL** (`\u0000`) in any string or key: `jsonb` cannot store it.
 //!
@@ -27,11 +27,6 @@ use serde_json::value::RawValue;
 use tokio_postgres::types::{FromSql, Type};
 
 use crate::error::{Error, Result};
-
-/// The largest payload, in bytes of its text as PostgreSQL prints the `jsonb` (1 MiB − 8 KiB).
-pub const MAX_PAYLOAD_BYTES: usize = (1 << 20) - 8 * 1024;
-/// The most arrays and objects a payload may nest inside each other.
-pub const MAX_PAYLOAD_DEPTH: usize = 100;
 
 /// An event's payload: JSON text, exactly as PostgreSQL stored it.
 ///
@@ -51,6 +46,13 @@ pub const MAX_PAYLOAD_DEPTH: usize = 100;
 /// ```
 #[derive(Clone)]
 pub struct Payload(Box<RawValue>);
+
+impl Payload {
+    /// The largest payload, in bytes of its text as PostgreSQL prints the `jsonb` (1 MiB − 8 KiB).
+    pub const MAX_BYTES: usize = (1 << 20) - 8 * 1024;
+    /// The most arrays and objects a payload may nest inside each other.
+    pub const MAX_DEPTH: usize = 100;
+}
 
 impl Payload {
     /// Takes JSON text as it is (after checking that it is JSON): a payload published this way
@@ -136,9 +138,10 @@ impl<'a> FromSql<'a> for Payload {
 /// the value in the message (e.g. `payload of an "order.placed" event`).
 pub(crate) fn check_payload(what: &str, payload: &Payload) -> Result<()> {
     let size = pg_text_len(what, payload.get())?;
-    if size > MAX_PAYLOAD_BYTES {
+    if size > Payload::MAX_BYTES {
         return Err(Error::invalid_input(format!(
-            "{what} is {size} bytes of JSON (as PostgreSQL prints it); the limit is {MAX_PAYLOAD_BYTES}"
+            "{what} is {size} bytes of JSON (as PostgreSQL prints it); the limit is {max}",
+            max = Payload::MAX_BYTES
         )));
     }
     Ok(())
@@ -170,7 +173,7 @@ pub(crate) fn check_storable(what: &str, value: &Value) -> Result<()> {
             }
             Value::Null | Value::Bool(_) | Value::Number(_) => continue,
         };
-        if depth > MAX_PAYLOAD_DEPTH {
+        if depth > Payload::MAX_DEPTH {
             return Err(too_deep(what));
         }
         stack.extend(children.map(|child| (child, depth + 1)));
@@ -179,7 +182,7 @@ pub(crate) fn check_storable(what: &str, value: &Value) -> Result<()> {
 }
 
 fn too_deep(what: &str) -> Error {
-    Error::invalid_input(format!("{what} nests arrays and objects more than {MAX_PAYLOAD_DEPTH} deep"))
+    Error::invalid_input(format!("{what} nests arrays and objects more than {max} deep", max = Payload::MAX_DEPTH))
 }
 
 fn check_no_nul(what: &str, text: &str) -> Result<()> {
@@ -191,7 +194,7 @@ fn check_no_nul(what: &str, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether valid JSON `text` nests arrays and objects more than [`MAX_PAYLOAD_DEPTH`] deep (a
+/// Whether valid JSON `text` nests arrays and objects more than [`Payload::MAX_DEPTH`] deep (a
 /// row written by hand past both doors): one pass over its bytes, strings skipped.
 pub(crate) fn too_deep_text(text: &str) -> bool {
     let bytes = text.as_bytes();
@@ -200,7 +203,7 @@ pub(crate) fn too_deep_text(text: &str) -> bool {
         match b {
             b'[' | b'{' => {
                 depth += 1;
-                if depth > MAX_PAYLOAD_DEPTH {
+                if depth > Payload::MAX_DEPTH {
                     return true;
                 }
             }
@@ -375,7 +378,7 @@ mod tests {
     #[test]
     fn nesting_is_limited() {
         let mut value = json!(1);
-        for _ in 0..MAX_PAYLOAD_DEPTH {
+        for _ in 0..Payload::MAX_DEPTH {
             value = json!([value]);
         }
         assert!(check(&value).is_ok());
@@ -386,7 +389,7 @@ mod tests {
         assert!(err.is_invalid_input() && err.to_string().contains("more than 100 deep"), "{err}");
         // a scalar or an empty container at the limit is fine; one more container is not
         let mut empty = json!([]);
-        for _ in 1..MAX_PAYLOAD_DEPTH {
+        for _ in 1..Payload::MAX_DEPTH {
             empty = json!([empty]);
         }
         assert!(check(&empty).is_ok());
@@ -409,11 +412,11 @@ mod tests {
 
     #[test]
     fn the_size_limit_is_exact() {
-        let fits = json!("x".repeat(MAX_PAYLOAD_BYTES - 2));
+        let fits = json!("x".repeat(Payload::MAX_BYTES - 2));
         assert!(check(&fits).is_ok());
-        let over = json!("x".repeat(MAX_PAYLOAD_BYTES - 1));
+        let over = json!("x".repeat(Payload::MAX_BYTES - 1));
         let err = check(&over).unwrap_err();
-        assert!(err.to_string().contains(&format!("the limit is {MAX_PAYLOAD_BYTES}")), "{err}");
+        assert!(err.to_string().contains(&format!("the limit is {max}", max = Payload::MAX_BYTES)), "{err}");
     }
 
     #[test]

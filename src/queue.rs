@@ -8,6 +8,7 @@ use serde::Serialize;
 
 /// The state of the queue.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct QueueStats {
     /// Pending events deliverable now (ready): due, and without a key or at the head of theirs.
     pub pending: i64,
@@ -39,6 +40,7 @@ pub struct QueueStats {
 
 /// An error that pending events failed with, and how many of them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ErrorCount {
     /// The `last_error` text.
     pub error: String,
@@ -48,6 +50,7 @@ pub struct ErrorCount {
 
 /// A relay connected to the database, as its listener connection shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct ConnectedRelay {
     /// The PostgreSQL backend pid of its listener connection.
     pub listener_pid: i32,
@@ -112,6 +115,7 @@ pub struct DestinationStats {
 
 /// An event in the dead letters.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// The event's id, kept from the outbox.
     pub id: i64,
@@ -137,6 +141,7 @@ pub struct DeadLetter {
 
 /// What one cleanup pass removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct CleanupReport {
     /// Processed events deleted.
     pub events: u64,
@@ -146,6 +151,7 @@ pub struct CleanupReport {
 
 /// A pause of delivery (see [`crate::Outbox::pause`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct Pause {
     /// The paused topic; `None` for the pause of every topic.
     pub topic: Option<String>,
@@ -161,6 +167,7 @@ pub struct Pause {
 /// What holds PostgreSQL back from keeping the outbox lean, and how full its notification queue
 /// is. [`Health::warnings`] compares them with documented thresholds.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct Health {
     /// Age of the oldest open transaction on the server, in milliseconds (sessions of other
     /// roles count only when the role may see them: a superuser or pg_read_all_stats).
@@ -176,39 +183,42 @@ pub struct Health {
     pub notification_queue_usage: f64,
 }
 
-/// An open transaction older than this holds vacuum back long enough to notice.
-pub const OLD_TRANSACTION_WARNING: std::time::Duration = std::time::Duration::from_secs(5 * 60);
-/// An xmin horizon older than this many transactions.
-pub const XMIN_AGE_WARNING: i64 = 100_000_000;
-/// Dead tuples in the outbox beyond this many, and more than live ones.
-pub const DEAD_TUPLES_WARNING: i64 = 1_000_000;
-/// A notification queue fuller than this share.
-pub const NOTIFICATION_QUEUE_WARNING: f64 = 0.5;
+impl Health {
+    /// Dead tuples in the outbox beyond this many, and more than live ones.
+    pub const DEAD_TUPLES_WARNING: i64 = 1_000_000;
+    /// A notification queue fuller than this share.
+    pub const NOTIFICATION_QUEUE_WARNING: f64 = 0.5;
+    /// An open transaction older than this holds vacuum back long enough to notice.
+    pub const OLD_TRANSACTION_WARNING: std::time::Duration = std::time::Duration::from_secs(5 * 60);
+    /// An xmin horizon older than this many transactions.
+    pub const XMIN_AGE_WARNING: i64 = 100_000_000;
+}
 
 impl Health {
-    /// One line per signal past its threshold ([`OLD_TRANSACTION_WARNING`],
-    /// [`XMIN_AGE_WARNING`], [`DEAD_TUPLES_WARNING`], [`NOTIFICATION_QUEUE_WARNING`]).
+    /// One line per signal past its threshold ([`Health::OLD_TRANSACTION_WARNING`],
+    /// [`Health::XMIN_AGE_WARNING`], [`Health::DEAD_TUPLES_WARNING`], [`Health::NOTIFICATION_QUEUE_WARNING`]).
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
-        if let Some(ms) = self.oldest_transaction_age_ms.filter(|ms| *ms >= OLD_TRANSACTION_WARNING.as_millis() as i64)
+        if let Some(ms) =
+            self.oldest_transaction_age_ms.filter(|ms| *ms >= Health::OLD_TRANSACTION_WARNING.as_millis() as i64)
         {
             warnings.push(format!(
                 "a transaction has been open for {}: vacuum cannot remove the outbox's dead rows meanwhile (see pg_stat_activity)",
                 humantime::format_duration(std::time::Duration::from_secs(ms.max(0) as u64 / 1000))
             ));
         }
-        if let Some(age) = self.xmin_horizon_age.filter(|age| *age >= XMIN_AGE_WARNING) {
+        if let Some(age) = self.xmin_horizon_age.filter(|age| *age >= Health::XMIN_AGE_WARNING) {
             warnings.push(format!(
                 "the xmin horizon is {age} transactions old: a session, replication slot or prepared transaction holds vacuum back"
             ));
         }
-        if self.outbox_dead_tuples >= DEAD_TUPLES_WARNING && self.outbox_dead_tuples > self.outbox_live_tuples {
+        if self.outbox_dead_tuples >= Health::DEAD_TUPLES_WARNING && self.outbox_dead_tuples > self.outbox_live_tuples {
             warnings.push(format!(
                 "the outbox table holds {} dead tuples ({} live): is autovacuum keeping up, or is something holding it back?",
                 self.outbox_dead_tuples, self.outbox_live_tuples
             ));
         }
-        if self.notification_queue_usage >= NOTIFICATION_QUEUE_WARNING {
+        if self.notification_queue_usage >= Health::NOTIFICATION_QUEUE_WARNING {
             warnings.push(format!(
                 "the notification queue is {:.0}% full: a listening session is not reading (NOTIFY fails when it is full)",
                 self.notification_queue_usage * 100.0
@@ -220,6 +230,7 @@ impl Health {
 
 /// An event found by [`crate::Outbox::look_up`], wherever it is.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[non_exhaustive]
 pub struct FoundEvent {
     /// Its id.
     pub id: i64,

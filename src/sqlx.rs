@@ -23,8 +23,17 @@ use crate::event::AuditEntry;
 use crate::event::NewEvent;
 use crate::sql;
 
+/// A sqlx error while `doing`, its SQLSTATE kept for [`Error::code`].
 fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
-    move |e| Error::new(ErrorKind::Database, format!("{doing}: {e}")).with_source(e)
+    move |e| {
+        let code = e.as_database_error().and_then(|db| db.code()).map(|code| code.into_owned());
+        let error = Error::new(ErrorKind::Database, format!("{doing}: {e}"));
+        let error = match code {
+            Some(code) => error.with_sqlstate(&code),
+            None => error,
+        };
+        error.with_source(e)
+    }
 }
 
 /// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed

@@ -4,8 +4,7 @@
 
 use std::time::Duration;
 
-use pg_outbox_relay::Completion;
-use pg_outbox_relay::defaults::{MAX_BATCH_SIZE, MAX_WORKERS};
+use pg_outbox_relay::{Completion, RelayConfig};
 use pg_outbox_relay_bench as bench;
 use pg_outbox_relay_bench::{
     BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ReceiverKind,
@@ -47,10 +46,10 @@ pub(crate) struct BenchArgs {
     #[arg(long, default_value_t = 200_000)]
     events: usize,
     /// Relay workers of the drain (the same number of clients run a second claim-and-delete loop).
-    #[arg(long, default_value_t = pg_outbox_relay::defaults::DEFAULT_WORKERS)]
+    #[arg(long, default_value_t = pg_outbox_relay::RelayConfig::DEFAULT_WORKERS)]
     workers: usize,
     /// Events per claim of the drain (and of the second claim-and-delete loop).
-    #[arg(long, default_value_t = pg_outbox_relay::defaults::DEFAULT_BATCH_SIZE)]
+    #[arg(long, default_value_t = pg_outbox_relay::RelayConfig::DEFAULT_BATCH_SIZE)]
     batch_size: usize,
     /// Latency samples per wake-up path (a quarter of them, at least one, for the 100 ms poll).
     #[arg(long, default_value_t = 200)]
@@ -94,11 +93,16 @@ impl BenchArgs {
         if self.samples == 0 {
             return Err("--samples must be at least 1".into());
         }
-        if self.workers == 0 || self.workers > MAX_WORKERS {
-            return Err(format!("--workers is {}; it must be 1 to {MAX_WORKERS}", self.workers).into());
+        if self.workers == 0 || self.workers > RelayConfig::MAX_WORKERS {
+            return Err(format!("--workers is {}; it must be 1 to {}", self.workers, RelayConfig::MAX_WORKERS).into());
         }
-        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
-            return Err(format!("--batch-size is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size).into());
+        if self.batch_size == 0 || self.batch_size > RelayConfig::MAX_BATCH_SIZE {
+            return Err(format!(
+                "--batch-size is {}; it must be 1 to {}",
+                self.batch_size,
+                RelayConfig::MAX_BATCH_SIZE
+            )
+            .into());
         }
         if !(10..=1_000_000).contains(&self.receiver_events) {
             return Err(format!("--receiver-events is {}; it must be 10 to 1000000", self.receiver_events).into());

@@ -61,7 +61,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Cleanup { retention, idempotency_retention } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let report = outbox
-                .cleanup(retention, idempotency_retention, pg_outbox_relay::defaults::DEFAULT_JANITOR_BATCH)
+                .cleanup(retention, idempotency_retention, pg_outbox_relay::RelayConfig::DEFAULT_JANITOR_BATCH)
                 .await?;
             println!(
                 "removed {} processed events older than {} and {} idempotency receipts older than {}",

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use pg_outbox_relay::defaults;
+use pg_outbox_relay::RelayConfig;
 use pg_outbox_relay::sink::Secret;
 
 /// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
@@ -174,12 +174,12 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     /// Concurrent claimers (each claims its own batches; new events one claim at a time).
-    #[arg(long, default_value_t = defaults::DEFAULT_WORKERS, value_parser = parse_workers)]
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_WORKERS, value_parser = parse_workers)]
     workers: usize,
     /// The most deliveries in progress at once, across all workers (HTTP requests in flight; a
     /// NATS or stdout batch counts once). The relay learns how many the destination takes, up to
     /// this, unless --fixed-concurrency.
-    #[arg(long, default_value_t = defaults::DEFAULT_CONCURRENCY, value_parser = parse_concurrency)]
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_CONCURRENCY, value_parser = parse_concurrency)]
     concurrency: usize,
     /// Keep --concurrency as a fixed limit instead of learning one up to it.
     #[arg(long)]
@@ -193,30 +193,30 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     dead_letter_holds_key: bool,
     /// Distinct events failing transiently in a row that open the outage breaker (0: never).
-    #[arg(long, default_value_t = defaults::DEFAULT_BREAKER_THRESHOLD)]
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_BREAKER_THRESHOLD)]
     breaker_threshold: u32,
     /// First wait before the open breaker probes the destination; doubles per failed probe,
     /// except after a refused connection (10ms to 1h).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "250ms")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_BREAKER_PROBE, RelayConfig::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "250ms")]
     breaker_probe_min: Duration,
     /// Longest wait between probes (10ms to 1h, at least --breaker-probe-min).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_BREAKER_PROBE, defaults::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1m")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_BREAKER_PROBE, RelayConfig::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1m")]
     breaker_probe_max: Duration,
     /// Events per claim.
-    #[arg(long, default_value_t = defaults::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
     batch_size: usize,
     /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications);
     /// 1ms to 1 day.
-    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_POLL_INTERVAL, defaults::MAX_POLL_INTERVAL), allow_hyphen_values = true, default_value = "1s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_POLL_INTERVAL, RelayConfig::MAX_POLL_INTERVAL), allow_hyphen_values = true, default_value = "1s")]
     poll_interval: Duration,
     /// Delivery attempts before an event goes to the dead letters.
-    #[arg(long, default_value_t = defaults::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
     max_attempts: u32,
     /// First retry delay; doubles per attempt (1ms to 7 days).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, defaults::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, RelayConfig::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1s")]
     backoff_base: Duration,
     /// Longest retry delay (1ms to 7 days, at least --backoff-base).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, defaults::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1h")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, RelayConfig::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1h")]
     backoff_max: Duration,
     /// Delete processed events older than this (0s to 100 years).
     #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
@@ -225,18 +225,18 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     idempotency_retention: Duration,
     /// How long a claimed event belongs to its worker before another may take it (100ms to 1 day).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(defaults::MIN_LEASE, defaults::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_LEASE, RelayConfig::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
     lease: Duration,
     /// How long a claim's transaction may stay open while its batch is delivered (its row locks
     /// hold the events, the fastest way); a longer delivery turns the claim into a lease. 0s
     /// leases every claim. 0s to 1m; cut to half of --lease when longer.
-    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_HOLD), allow_hyphen_values = true, default_value = "1s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true, default_value = "1s")]
     hold: Duration,
     /// Delete delivered events, or keep them (marked processed) until the retention passes.
     #[arg(long, value_enum, default_value_t = CompletionArg::Delete)]
     completion: CompletionArg,
     /// Time in-flight deliveries get to finish on shutdown (0s to 1h).
-    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, defaults::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
     shutdown_grace: Duration,
     /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements); 1ms to 1h.
     #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, pg_outbox_relay::sink::MAX_TIMEOUT), allow_hyphen_values = true, default_value = "10s")]
@@ -314,13 +314,20 @@ fn duration_in(min: Duration, max: Duration) -> impl Fn(&str) -> Result<Duration
         }
         let value = humantime::parse_duration(text)
             .map_err(|e| format!("{e}; expected a number with a unit, e.g. 500ms, 30s, 5m, 2h or 7d"))?;
-        defaults::check_range(value, min, max).map(|()| value)
+        let show = |d: Duration| humantime::format_duration(d).to_string();
+        if value < min {
+            return Err(format!("is {}; it must be at least {}", show(value), show(min)));
+        }
+        if value > max {
+            return Err(format!("is {}; it must be at most {}", show(value), show(max)));
+        }
+        Ok(value)
     }
 }
 
 /// Retention-like ages: 0s to 100 years.
 fn retention() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
-    duration_in(Duration::ZERO, defaults::MAX_RETENTION)
+    duration_in(Duration::ZERO, RelayConfig::MAX_RETENTION)
 }
 
 fn db_timeout() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync {
@@ -328,7 +335,7 @@ fn db_timeout() -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sy
 }
 
 fn parse_workers(text: &str) -> Result<usize, String> {
-    parse_count(text, 1, defaults::MAX_WORKERS)
+    parse_count(text, 1, RelayConfig::MAX_WORKERS)
 }
 
 /// A rate as events per second: `N/s`, `N/m` (or `N/min`), `N/h`.
@@ -343,19 +350,19 @@ fn parse_rate(text: &str) -> Result<f64, String> {
     };
     let count: f64 = count.trim().parse().map_err(|_| format!("{count:?} is no number: {expected}"))?;
     let rate = count / per;
-    if rate.is_finite() && rate > 0.0 && rate <= defaults::MAX_RATE_LIMIT {
+    if rate.is_finite() && rate > 0.0 && rate <= RelayConfig::MAX_RATE_LIMIT {
         Ok(rate)
     } else {
-        Err(format!("{text} is out of range: above 0 and at most {} events a second", defaults::MAX_RATE_LIMIT))
+        Err(format!("{text} is out of range: above 0 and at most {} events a second", RelayConfig::MAX_RATE_LIMIT))
     }
 }
 
 fn parse_concurrency(text: &str) -> Result<usize, String> {
-    parse_count(text, 1, defaults::MAX_CONCURRENCY)
+    parse_count(text, 1, RelayConfig::MAX_CONCURRENCY)
 }
 
 fn parse_batch_size(text: &str) -> Result<usize, String> {
-    parse_count(text, 1, defaults::MAX_BATCH_SIZE)
+    parse_count(text, 1, RelayConfig::MAX_BATCH_SIZE)
 }
 
 fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, String> {

@@ -306,7 +306,7 @@ fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i
         .map_err(|cause| (row.id, row.attempts, format!("the payload cannot be read as JSON by the relay: {cause}")))?;
     if crate::payload::too_deep_text(payload.get()) {
         // Written past both doors' checks: its event's JSON would be too deep for most parsers.
-        let why = format!("the payload nests arrays and objects more than {} deep", crate::MAX_PAYLOAD_DEPTH);
+        let why = format!("the payload nests arrays and objects more than {} deep", crate::Payload::MAX_DEPTH);
         return Err((row.id, row.attempts, why));
     }
     let Some(age) = row.age else {

@@ -4,89 +4,6 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 
-/// Default number of concurrent delivery workers. New events are claimed by one transaction at
-/// a time; the other workers claim parked events meanwhile, and those claims pass over the rows
-/// other claims hold, so more concurrent claims cost more than they bring (measured with the
-/// 0007 storage: 2 x 500 drained about 1.6 times as fast as 4 x 100).
-pub const DEFAULT_WORKERS: usize = 2;
-/// Default number of events one claim takes.
-pub const DEFAULT_BATCH_SIZE: usize = 500;
-/// Default interval of the fallback poll.
-pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
-/// Default lease of a claimed event.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
-/// Default number of delivery attempts before an event goes to the dead letters.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
-/// Default first retry delay.
-pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
-/// Default longest retry delay.
-pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
-/// Default share of a retry delay that is randomized.
-pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
-/// Default age after which processed events are deleted.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-/// Default age after which idempotency receipts are deleted.
-pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-/// Default interval between janitor passes.
-pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60);
-/// Default rows a janitor statement deletes at most.
-pub const DEFAULT_JANITOR_BATCH: usize = 1000;
-/// Default time in-flight deliveries get to finish on shutdown.
-pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
-/// Default quiet time before an idle relay asks writers to notify it.
-pub const DEFAULT_LINGER: Duration = Duration::from_millis(20);
-/// Default longest wait between reconnection attempts of the listener.
-pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
-/// Default longest time a claim's transaction stays open for its delivery.
-pub const DEFAULT_HOLD: Duration = Duration::from_secs(1);
-/// The longest `hold`: an open transaction holds back vacuum in the whole database.
-pub const MAX_HOLD: Duration = Duration::from_secs(60);
-/// Default number of deliveries in progress at once.
-pub const DEFAULT_CONCURRENCY: usize = 256;
-/// Default number of distinct events failing in a row that opens the outage breaker.
-pub const DEFAULT_BREAKER_THRESHOLD: u32 = 10;
-/// Default first wait before the open breaker's probe; it doubles with each failed probe.
-pub const DEFAULT_BREAKER_PROBE_MIN: Duration = Duration::from_millis(250);
-/// Default longest wait between probes of the open breaker.
-pub const DEFAULT_BREAKER_PROBE_MAX: Duration = Duration::from_secs(60);
-
-/// The largest batch one claim may take.
-pub const MAX_BATCH_SIZE: usize = 10_000;
-/// The most workers one relay may run.
-pub const MAX_WORKERS: usize = 256;
-/// The shortest lease.
-pub const MIN_LEASE: Duration = Duration::from_millis(100);
-/// The longest lease.
-pub const MAX_LEASE: Duration = DAY;
-/// The shortest fallback poll interval.
-pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
-/// The longest fallback poll interval.
-pub const MAX_POLL_INTERVAL: Duration = DAY;
-/// The longest retry delay, and so the longest `backoff_base` and `backoff_max`: a longer one
-/// is a mistake, not a policy.
-pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 3600);
-/// The longest retention of processed events and receipts (and age for purging dead letters).
-/// 100 years of 365.25 days, as humantime reads `100y`.
-pub const MAX_RETENTION: Duration = Duration::from_secs(3_155_760_000);
-/// The longest interval between janitor passes.
-pub const MAX_JANITOR_INTERVAL: Duration = DAY;
-/// The longest shutdown grace period.
-pub const MAX_SHUTDOWN_GRACE: Duration = Duration::from_secs(3600);
-/// The shortest and longest wait between listener reconnection attempts.
-pub const MIN_RECONNECT_MAX: Duration = Duration::from_millis(10);
-/// See [`MIN_RECONNECT_MAX`].
-pub const MAX_RECONNECT_MAX: Duration = Duration::from_secs(3600);
-/// The longest linger.
-pub const MAX_LINGER: Duration = Duration::from_secs(10);
-/// The most deliveries one relay may have in progress.
-pub const MAX_CONCURRENCY: usize = 10_000;
-/// The highest `rate_limit`, in events a second.
-pub const MAX_RATE_LIMIT: f64 = 1_000_000.0;
-/// The shortest wait between probes of an open breaker.
-pub const MIN_BREAKER_PROBE: Duration = Duration::from_millis(10);
-/// The longest wait between probes of an open breaker.
-pub const MAX_BREAKER_PROBE: Duration = Duration::from_secs(3600);
-
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
 /// What the relay does with an event once it is delivered.
@@ -106,7 +23,7 @@ pub enum Completion {
 #[must_use]
 pub struct RelayConfig {
     /// Concurrent delivery workers, each claiming its own batches (new events one transaction at
-    /// a time: see `DEFAULT_WORKERS`). Defaults to 2.
+    /// a time: see `RelayConfig::DEFAULT_WORKERS`). Defaults to 2.
     pub workers: usize,
     /// Events one claim takes at most. Defaults to 500.
     pub batch_size: usize,
@@ -186,33 +103,119 @@ pub struct RelayConfig {
     pub breaker_probe_max: Duration,
 }
 
+/// Defaults and bounds of the settings.
+impl RelayConfig {
+    /// Default number of concurrent delivery workers. New events are claimed by one transaction at
+    /// a time; the other workers claim parked events meanwhile, and those claims pass over the rows
+    /// other claims hold, so more concurrent claims cost more than they bring (measured with the
+    /// 0007 storage: 2 x 500 drained about 1.6 times as fast as 4 x 100).
+    pub const DEFAULT_WORKERS: usize = 2;
+    /// Default number of events one claim takes.
+    pub const DEFAULT_BATCH_SIZE: usize = 500;
+    /// Default interval of the fallback poll.
+    pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
+    /// Default lease of a claimed event.
+    pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+    /// Default number of delivery attempts before an event goes to the dead letters.
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 12;
+    /// Default first retry delay.
+    pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+    /// Default longest retry delay.
+    pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
+    /// Default share of a retry delay that is randomized.
+    pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
+    /// Default age after which processed events are deleted.
+    pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default age after which idempotency receipts are deleted.
+    pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default interval between janitor passes.
+    pub const DEFAULT_JANITOR_INTERVAL: Duration = Duration::from_secs(60);
+    /// Default rows a janitor statement deletes at most.
+    pub const DEFAULT_JANITOR_BATCH: usize = 1000;
+    /// Default time in-flight deliveries get to finish on shutdown.
+    pub const DEFAULT_SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+    /// Default quiet time before an idle relay asks writers to notify it.
+    pub const DEFAULT_LINGER: Duration = Duration::from_millis(20);
+    /// Default longest wait between reconnection attempts of the listener.
+    pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(5);
+    /// Default longest time a claim's transaction stays open for its delivery.
+    pub const DEFAULT_HOLD: Duration = Duration::from_secs(1);
+    /// The longest `hold`: an open transaction holds back vacuum in the whole database.
+    pub const MAX_HOLD: Duration = Duration::from_secs(60);
+    /// Default number of deliveries in progress at once.
+    pub const DEFAULT_CONCURRENCY: usize = 256;
+    /// Default number of distinct events failing in a row that opens the outage breaker.
+    pub const DEFAULT_BREAKER_THRESHOLD: u32 = 10;
+    /// Default first wait before the open breaker's probe; it doubles with each failed probe.
+    pub const DEFAULT_BREAKER_PROBE_MIN: Duration = Duration::from_millis(250);
+    /// Default longest wait between probes of the open breaker.
+    pub const DEFAULT_BREAKER_PROBE_MAX: Duration = Duration::from_secs(60);
+
+    /// The largest batch one claim may take.
+    pub const MAX_BATCH_SIZE: usize = 10_000;
+    /// The most workers one relay may run.
+    pub const MAX_WORKERS: usize = 256;
+    /// The shortest lease.
+    pub const MIN_LEASE: Duration = Duration::from_millis(100);
+    /// The longest lease.
+    pub const MAX_LEASE: Duration = DAY;
+    /// The shortest fallback poll interval.
+    pub const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+    /// The longest fallback poll interval.
+    pub const MAX_POLL_INTERVAL: Duration = DAY;
+    /// The longest retry delay, and so the longest `backoff_base` and `backoff_max`: a longer one
+    /// is a mistake, not a policy.
+    pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// The longest retention of processed events and receipts (and age for purging dead letters).
+    /// 100 years of 365.25 days, as humantime reads `100y`.
+    pub const MAX_RETENTION: Duration = Duration::from_secs(3_155_760_000);
+    /// The longest interval between janitor passes.
+    pub const MAX_JANITOR_INTERVAL: Duration = DAY;
+    /// The longest shutdown grace period.
+    pub const MAX_SHUTDOWN_GRACE: Duration = Duration::from_secs(3600);
+    /// The shortest and longest wait between listener reconnection attempts.
+    pub const MIN_RECONNECT_MAX: Duration = Duration::from_millis(10);
+    /// See [`Self::MIN_RECONNECT_MAX`].
+    pub const MAX_RECONNECT_MAX: Duration = Duration::from_secs(3600);
+    /// The longest linger.
+    pub const MAX_LINGER: Duration = Duration::from_secs(10);
+    /// The most deliveries one relay may have in progress.
+    pub const MAX_CONCURRENCY: usize = 10_000;
+    /// The highest `rate_limit`, in events a second.
+    pub const MAX_RATE_LIMIT: f64 = 1_000_000.0;
+    /// The shortest wait between probes of an open breaker.
+    pub const MIN_BREAKER_PROBE: Duration = Duration::from_millis(10);
+    /// The longest wait between probes of an open breaker.
+    pub const MAX_BREAKER_PROBE: Duration = Duration::from_secs(3600);
+}
+
 impl Default for RelayConfig {
     fn default() -> Self {
         RelayConfig {
-            workers: DEFAULT_WORKERS,
-            batch_size: DEFAULT_BATCH_SIZE,
-            poll_interval: DEFAULT_POLL_INTERVAL,
-            lease: DEFAULT_LEASE,
-            hold: DEFAULT_HOLD,
-            max_attempts: DEFAULT_MAX_ATTEMPTS,
-            backoff_base: DEFAULT_BACKOFF_BASE,
-            backoff_max: DEFAULT_BACKOFF_MAX,
-            backoff_jitter: DEFAULT_BACKOFF_JITTER,
+            workers: RelayConfig::DEFAULT_WORKERS,
+            batch_size: RelayConfig::DEFAULT_BATCH_SIZE,
+            poll_interval: RelayConfig::DEFAULT_POLL_INTERVAL,
+            lease: RelayConfig::DEFAULT_LEASE,
+            hold: RelayConfig::DEFAULT_HOLD,
+            max_attempts: RelayConfig::DEFAULT_MAX_ATTEMPTS,
+            backoff_base: RelayConfig::DEFAULT_BACKOFF_BASE,
+            backoff_max: RelayConfig::DEFAULT_BACKOFF_MAX,
+            backoff_jitter: RelayConfig::DEFAULT_BACKOFF_JITTER,
             completion: Completion::default(),
-            retention: DEFAULT_RETENTION,
-            idempotency_retention: DEFAULT_IDEMPOTENCY_RETENTION,
-            janitor_interval: DEFAULT_JANITOR_INTERVAL,
-            janitor_batch: DEFAULT_JANITOR_BATCH,
-            shutdown_grace: DEFAULT_SHUTDOWN_GRACE,
-            reconnect_max: DEFAULT_RECONNECT_MAX,
-            linger: DEFAULT_LINGER,
-            concurrency: DEFAULT_CONCURRENCY,
+            retention: RelayConfig::DEFAULT_RETENTION,
+            idempotency_retention: RelayConfig::DEFAULT_IDEMPOTENCY_RETENTION,
+            janitor_interval: RelayConfig::DEFAULT_JANITOR_INTERVAL,
+            janitor_batch: RelayConfig::DEFAULT_JANITOR_BATCH,
+            shutdown_grace: RelayConfig::DEFAULT_SHUTDOWN_GRACE,
+            reconnect_max: RelayConfig::DEFAULT_RECONNECT_MAX,
+            linger: RelayConfig::DEFAULT_LINGER,
+            concurrency: RelayConfig::DEFAULT_CONCURRENCY,
             fixed_concurrency: false,
             rate_limit: None,
             dead_letter_holds_key: false,
-            breaker_threshold: DEFAULT_BREAKER_THRESHOLD,
-            breaker_probe_min: DEFAULT_BREAKER_PROBE_MIN,
-            breaker_probe_max: DEFAULT_BREAKER_PROBE_MAX,
+            breaker_threshold: RelayConfig::DEFAULT_BREAKER_THRESHOLD,
+            breaker_probe_min: RelayConfig::DEFAULT_BREAKER_PROBE_MIN,
+            breaker_probe_max: RelayConfig::DEFAULT_BREAKER_PROBE_MAX,
         }
     }
 }
@@ -226,26 +229,36 @@ impl RelayConfig {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<()> {
         let bad = |field: &str, why: String| Err(Error::config(format!("invalid relay config: {field} {why}")));
-        if self.workers == 0 || self.workers > MAX_WORKERS {
-            return bad("workers", format!("is {}; it must be 1 to {MAX_WORKERS}", self.workers));
+        if self.workers == 0 || self.workers > RelayConfig::MAX_WORKERS {
+            return bad("workers", format!("is {}; it must be 1 to {}", self.workers, Self::MAX_WORKERS));
         }
-        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
-            return bad("batch_size", format!("is {}; it must be 1 to {MAX_BATCH_SIZE}", self.batch_size));
+        if self.batch_size == 0 || self.batch_size > RelayConfig::MAX_BATCH_SIZE {
+            return bad("batch_size", format!("is {}; it must be 1 to {}", self.batch_size, Self::MAX_BATCH_SIZE));
         }
         let durations = [
-            ("poll_interval", self.poll_interval, MIN_POLL_INTERVAL, MAX_POLL_INTERVAL),
-            ("lease", self.lease, MIN_LEASE, MAX_LEASE),
-            ("hold", self.hold, Duration::ZERO, MAX_HOLD),
-            ("backoff_base", self.backoff_base, Duration::from_millis(1), MAX_BACKOFF),
-            ("backoff_max", self.backoff_max, Duration::from_millis(1), MAX_BACKOFF),
-            ("retention", self.retention, Duration::ZERO, MAX_RETENTION),
-            ("idempotency_retention", self.idempotency_retention, Duration::ZERO, MAX_RETENTION),
-            ("janitor_interval", self.janitor_interval, Duration::ZERO, MAX_JANITOR_INTERVAL),
-            ("shutdown_grace", self.shutdown_grace, Duration::ZERO, MAX_SHUTDOWN_GRACE),
-            ("reconnect_max", self.reconnect_max, MIN_RECONNECT_MAX, MAX_RECONNECT_MAX),
-            ("linger", self.linger, Duration::ZERO, MAX_LINGER),
-            ("breaker_probe_min", self.breaker_probe_min, MIN_BREAKER_PROBE, MAX_BREAKER_PROBE),
-            ("breaker_probe_max", self.breaker_probe_max, MIN_BREAKER_PROBE, MAX_BREAKER_PROBE),
+            ("poll_interval", self.poll_interval, RelayConfig::MIN_POLL_INTERVAL, RelayConfig::MAX_POLL_INTERVAL),
+            ("lease", self.lease, RelayConfig::MIN_LEASE, RelayConfig::MAX_LEASE),
+            ("hold", self.hold, Duration::ZERO, RelayConfig::MAX_HOLD),
+            ("backoff_base", self.backoff_base, Duration::from_millis(1), RelayConfig::MAX_BACKOFF),
+            ("backoff_max", self.backoff_max, Duration::from_millis(1), RelayConfig::MAX_BACKOFF),
+            ("retention", self.retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
+            ("idempotency_retention", self.idempotency_retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
+            ("janitor_interval", self.janitor_interval, Duration::ZERO, RelayConfig::MAX_JANITOR_INTERVAL),
+            ("shutdown_grace", self.shutdown_grace, Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE),
+            ("reconnect_max", self.reconnect_max, RelayConfig::MIN_RECONNECT_MAX, RelayConfig::MAX_RECONNECT_MAX),
+            ("linger", self.linger, Duration::ZERO, RelayConfig::MAX_LINGER),
+            (
+                "breaker_probe_min",
+                self.breaker_probe_min,
+                RelayConfig::MIN_BREAKER_PROBE,
+                RelayConfig::MAX_BREAKER_PROBE,
+            ),
+            (
+                "breaker_probe_max",
+                self.breaker_probe_max,
+                RelayConfig::MIN_BREAKER_PROBE,
+                RelayConfig::MAX_BREAKER_PROBE,
+            ),
         ];
         for (field, value, min, max) in durations {
             if let Err(why) = check_range(value, min, max) {
@@ -253,15 +266,15 @@ impl RelayConfig {
             }
         }
         if let Some(rate) = self.rate_limit
-            && !(rate.is_finite() && rate > 0.0 && rate <= MAX_RATE_LIMIT)
+            && !(rate.is_finite() && rate > 0.0 && rate <= RelayConfig::MAX_RATE_LIMIT)
         {
             return bad(
                 "rate_limit",
-                format!("is {rate} events a second; it must be above 0 and at most {MAX_RATE_LIMIT}"),
+                format!("is {rate} events a second; it must be above 0 and at most {}", Self::MAX_RATE_LIMIT),
             );
         }
-        if self.concurrency == 0 || self.concurrency > MAX_CONCURRENCY {
-            return bad("concurrency", format!("is {}; it must be 1 to {MAX_CONCURRENCY}", self.concurrency));
+        if self.concurrency == 0 || self.concurrency > RelayConfig::MAX_CONCURRENCY {
+            return bad("concurrency", format!("is {}; it must be 1 to {}", self.concurrency, Self::MAX_CONCURRENCY));
         }
         if self.breaker_probe_max < self.breaker_probe_min {
             return bad(
@@ -293,7 +306,7 @@ impl RelayConfig {
 
 /// Checks that `value` lies in `min..=max`; the error says which way it is out, readably
 /// (`is 10000years; it must be at most 100years`).
-pub fn check_range(value: Duration, min: Duration, max: Duration) -> std::result::Result<(), String> {
+pub(crate) fn check_range(value: Duration, min: Duration, max: Duration) -> std::result::Result<(), String> {
     let show = |d: Duration| humantime::format_duration(d).to_string();
     if value < min {
         return Err(format!("is {}; it must be at least {}", show(value), show(min)));
@@ -318,7 +331,7 @@ mod tests {
         let config = RelayConfig { lease: Duration::from_millis(500), ..Default::default() };
         config.validate().unwrap();
         assert_eq!(config.effective_hold(), Duration::from_millis(250));
-        assert_eq!(RelayConfig::default().effective_hold(), DEFAULT_HOLD);
+        assert_eq!(RelayConfig::default().effective_hold(), RelayConfig::DEFAULT_HOLD);
     }
 
     #[test]

@@ -11,6 +11,7 @@ const LATENCY_WINDOW: usize = 4096;
 /// Percentiles of a set of durations (nearest-rank: the smallest sample with at least p % of the
 /// samples at or below it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Percentiles {
     /// The median.
     pub p50: Duration,
@@ -34,10 +35,11 @@ impl Percentiles {
 
 /// Upper bounds of the delivery latency histogram's buckets, in seconds (commit to delivery:
 /// from half a millisecond, where a relay at rest delivers, to the hours a backlog can take).
-pub const LATENCY_BUCKETS: [f64; 18] =
+pub(crate) const LATENCY_BUCKETS: [f64; 18] =
     [0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0];
 /// Upper bounds of the claim duration histogram's buckets, in seconds.
-pub const CLAIM_BUCKETS: [f64; 12] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0];
+pub(crate) const CLAIM_BUCKETS: [f64; 12] =
+    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.0];
 
 /// A histogram of durations with fixed buckets, lock-free.
 #[derive(Debug)]
@@ -80,6 +82,7 @@ impl Histogram {
 /// A histogram as read: per bucket (upper bound in seconds, the last infinite) its own count,
 /// not cumulative.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct HistogramSnapshot {
     /// Observations in all.
     pub count: u64,
@@ -139,6 +142,7 @@ impl Default for RelayMetrics {
 
 /// A snapshot of [`RelayMetrics`].
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct MetricsSnapshot {
     /// Events delivered (handler returned `Ok`) since the relay started.
     pub delivered: u64,

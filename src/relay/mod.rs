@@ -66,7 +66,7 @@ use tracing::Instrument;
 
 pub use config::{Completion, RelayConfig};
 pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
-pub use metrics::{CLAIM_BUCKETS, HistogramSnapshot, LATENCY_BUCKETS, MetricsSnapshot, Percentiles, RelayMetrics};
+pub use metrics::{HistogramSnapshot, MetricsSnapshot, Percentiles, RelayMetrics};
 
 pub use route::{DEFAULT_DESTINATION, Route, TopicPattern};
 

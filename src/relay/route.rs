@@ -1,11 +1,7 @@
 //! Routes: which events go to which destination.
 //!
-//! A relay delivers each event to every destination whose topic pattern matches the event's
-//! topic. Patterns are AMQP topic patterns: a topic is split into words on `.`; in a pattern, `*`
-//! stands for exactly one word and `#` for zero or more words; any other word must equal the
-//! topic's word. So `order.*` matches `order.placed` but neither `order` nor
-//! `order.placed.eu`; `order.#` matches all three; `#.failed` matches `mail.failed` and
-//! `failed`; `#` matches every topic.
+//! A relay delivers each event to every destination whose topic pattern ([`TopicPattern`])
+//! matches the event's topic.
 //!
 //! Each destination is delivered to on its own: its own position over the new events, its own
 //! parked events (retries, delays, events behind their key), its own concurrency limit, rate
@@ -24,8 +20,11 @@ use crate::relay::Handler;
 /// every topic.
 pub const DEFAULT_DESTINATION: &str = "default";
 
-/// A topic pattern: words separated by `.`, `*` for exactly one word, `#` for zero or more (see
-/// the [module docs](self)).
+/// A topic pattern, in the AMQP grammar: a topic is split into words on `.`; in a pattern, `*`
+/// stands for exactly one word and `#` for zero or more words; any other word must equal the
+/// topic's word. So `order.*` matches `order.placed` but neither `order` nor `order.placed.eu`;
+/// `order.#` matches all three; `#.failed` matches `mail.failed` and `failed`; `#` matches every
+/// topic.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct TopicPattern {
     text: String,

@@ -56,6 +56,7 @@ pub struct HttpSink {
 
 /// Builds an [`HttpSink`]: `HttpSink::builder(url).signing_secret(secret).format(..).build()`.
 #[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `build` is called"]
 pub struct HttpSinkBuilder {
     url: String,
     timeout: Duration,

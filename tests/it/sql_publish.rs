@@ -119,7 +119,7 @@ async fn writers_do_not_notify_when_no_relay_is_waiting() {
 /// passes both, one byte more fails both.
 #[tokio::test]
 async fn both_doors_measure_the_payload_size_the_same_way() {
-    use pg_outbox_relay::{MAX_PAYLOAD_BYTES, NewEvent};
+    use pg_outbox_relay::{NewEvent, Payload};
     let db = TestDb::new().await;
     let client = db.client().await;
     let payload = |padding: usize| {
@@ -127,7 +127,7 @@ async fn both_doors_measure_the_payload_size_the_same_way() {
                "text": "é \" \\ \u{1}", "pad": "x".repeat(padding)})
     };
     let base: i32 = client.query_one("select octet_length($1::jsonb::text)", &[&payload(0)]).await.unwrap().get(0);
-    let fits = MAX_PAYLOAD_BYTES - base as usize;
+    let fits = Payload::MAX_BYTES - base as usize;
     let sql = "select outbox_relay.publish('t', $1::jsonb)";
     db.outbox.publish(&NewEvent::new("t", payload(fits))).await.expect("the Rust API takes exactly the limit");
     client.query_one(sql, &[&payload(fits)]).await.expect("the SQL function takes exactly the limit");

@@ -80,7 +80,7 @@ async fn bad_input_is_refused_like_the_tokio_postgres_functions_and_writes_nothi
         NewEvent::new("", json!({})),
         NewEvent::new("has space", json!({})),
         NewEvent::new("ok", json!({})).key(""),
-        NewEvent::new("ok", json!({"big": "x".repeat(pg_outbox_relay::MAX_PAYLOAD_BYTES)})),
+        NewEvent::new("ok", json!({"big": "x".repeat(pg_outbox_relay::Payload::MAX_BYTES)})),
     ] {
         let ours = pg_outbox_relay::sqlx::publish(&mut conn, &event).await.unwrap_err();
         let theirs = pg_outbox_relay::publish(&db.client().await, &event).await.unwrap_err();
@@ -100,4 +100,20 @@ async fn bad_input_is_refused_like_the_tokio_postgres_functions_and_writes_nothi
     assert_eq!(e.kind(), ErrorKind::Database);
     assert!(e.to_string().starts_with("adding an event"), "{e}");
     sqlx::query("reset role").execute(&mut *conn).await.unwrap();
+}
+
+/// A database error on the sqlx path keeps its SQLSTATE for `Error::code`, as on the
+/// tokio-postgres path: here an event published in a transaction that a failed statement aborted.
+#[tokio::test]
+async fn a_database_error_through_sqlx_keeps_its_sqlstate() {
+    let db = TestDb::new().await;
+    let pool = pool(&db).await;
+    let mut tx = pool.begin().await.unwrap();
+    let refused = sqlx::query("select 1 / 0").execute(&mut *tx).await.unwrap_err();
+    assert_eq!(refused.as_database_error().and_then(|e| e.code()).as_deref(), Some("22012"));
+    let err = pg_outbox_relay::sqlx::publish(&mut *tx, &NewEvent::new("t", json!({}))).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Database);
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION), "{err}");
+    tx.rollback().await.unwrap();
+    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0);
 }

@@ -1,7 +1,7 @@
 //! The atomic, idempotent write path: the article's checks.
 
 use futures::future::join_all;
-use pg_outbox_relay::{ErrorKind, Executed, MAX_KEY_LEN, MAX_PAYLOAD_BYTES, NewEvent, Outbox, publish, publish_all};
+use pg_outbox_relay::{ErrorKind, Executed, NewEvent, Outbox, Payload, publish, publish_all};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
@@ -168,7 +168,7 @@ async fn bad_input_is_refused_with_a_clear_error_and_writes_nothing() {
         other => panic!("expected invalid input, got {other:?}"),
     };
     expect_invalid(place_order(outbox, "", &ana(), false).await, "idempotency key must not be empty");
-    let long = "k".repeat(MAX_KEY_LEN + 1);
+    let long = "k".repeat(NewEvent::MAX_KEY_LEN + 1);
     expect_invalid(place_order(outbox, &long, &ana(), false).await, "the limit is 255");
 
     let request = json!({"n": 1});
@@ -181,7 +181,7 @@ async fn bad_input_is_refused_with_a_clear_error_and_writes_nothing() {
     expect_invalid(with_event(NewEvent::new("", json!({}))).await, "topic must not be empty");
     expect_invalid(with_event(NewEvent::new("t".repeat(256), json!({}))).await, "limit is 255");
     expect_invalid(with_event(NewEvent::new("order placed", json!({}))).await, "character ' '");
-    let huge = json!({"blob": "x".repeat(MAX_PAYLOAD_BYTES)});
+    let huge = json!({"blob": "x".repeat(Payload::MAX_BYTES)});
     expect_invalid(with_event(NewEvent::new("big", huge.clone())).await, "limit is 1040384");
     expect_invalid(with_event(NewEvent::new("order..placed", json!({}))).await, "has an empty word");
     expect_invalid(with_event(NewEvent::new("t", json!({"name": "a\u{0}b"}))).await, "NUL character");

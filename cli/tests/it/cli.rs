@@ -232,7 +232,7 @@ async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_
     let js = nats().await;
     let prefix = unique("outboxbig");
     let mut stream = stream_for(&js, &prefix).await;
-    let largest = json!("x".repeat(pg_outbox_relay::MAX_PAYLOAD_BYTES - 2));
+    let largest = json!("x".repeat(pg_outbox_relay::Payload::MAX_BYTES - 2));
     let big =
         db.outbox.publish(&pg_outbox_relay::NewEvent::new("order.placed", largest).key("k".repeat(255))).await.unwrap();
     let client = db.client().await;
