@@ -1,7 +1,7 @@
 //! Draining to real destinations: NATS JetStream, and the stdout sink's work aimed at
 //! `/dev/null` (HTTP receivers are in `receivers`).
 
-use pg_outbox_relay::sink::{NatsSink, SinkOptions};
+use pg_outbox_relay::sink::NatsSink;
 use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
 use std::io::Write;
 
@@ -10,12 +10,7 @@ use super::BoxError;
 /// A NATS JetStream sink on a stream of its own (created, or purged when it exists), for a
 /// drain measurement; `None` with the reason when no NATS server answers at `url`.
 pub async fn nats_sink(url: &str, stream: &str) -> Result<Result<NatsSink, String>, BoxError> {
-    let options = SinkOptions {
-        subject_prefix: stream.to_lowercase(),
-        create_stream: Some(stream.to_string()),
-        ..SinkOptions::default()
-    };
-    match NatsSink::connect(url, &options).await {
+    match NatsSink::builder(url).subject_prefix(stream.to_lowercase()).create_stream(stream).connect().await {
         Ok(sink) => Ok(Ok(sink)),
         Err(e) if e.kind() == pg_outbox_relay::ErrorKind::Connect => Ok(Err(e.to_string())),
         Err(e) => Err(e.into()),

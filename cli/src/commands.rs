@@ -1,6 +1,8 @@
 //! The body of each command.
 
-use pg_outbox_relay::sink::{HttpFormat, Secret, SinkOptions};
+use pg_outbox_relay::sink::{HttpFormat, Secret};
+
+use crate::sinks::SinkOptions;
 use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
 use crate::{

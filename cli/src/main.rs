@@ -7,6 +7,7 @@ mod console;
 mod demo;
 mod http;
 mod routes;
+mod sinks;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -387,11 +388,13 @@ impl std::error::Error for UsageError {}
 
 /// 2 for bad arguments (flags, a malformed database URL or sink), 1 for everything else.
 fn exit_code(error: &CliError) -> ExitCode {
-    let config = |e: &pg_outbox_relay::Error| e.kind() == pg_outbox_relay::ErrorKind::Config;
-    let bad_arguments = error.is::<UsageError>()
-        || error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(config)
-        || error.downcast_ref::<routes::AtDestination>().is_some_and(|e| config(&e.error));
-    if bad_arguments { ExitCode::from(2) } else { ExitCode::FAILURE }
+    fn bad_arguments(error: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+        let config = |e: &pg_outbox_relay::Error| e.kind() == pg_outbox_relay::ErrorKind::Config;
+        error.is::<UsageError>()
+            || error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(config)
+            || error.downcast_ref::<routes::AtDestination>().is_some_and(|e| bad_arguments(&*e.error))
+    }
+    if bad_arguments(&**error) { ExitCode::from(2) } else { ExitCode::FAILURE }
 }
 
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1

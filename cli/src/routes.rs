@@ -23,10 +23,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use pg_outbox_relay::sink::{HttpFormat, Secret, Sink, SinkOptions};
+use pg_outbox_relay::sink::{HttpFormat, Secret, Sink};
 use pg_outbox_relay::{DEFAULT_DESTINATION, Route};
 use serde::Deserialize;
 
+use crate::sinks::SinkOptions;
 use crate::{CliError, UsageError};
 
 /// One destination as the command line or the file gives it, before its sink is connected.
@@ -45,10 +46,10 @@ impl Destination {
     /// Connects its sink (a bad spec is refused before anything touches the database) and makes
     /// its route.
     pub(crate) async fn route(self) -> Result<(Route<Sink>, String), CliError> {
-        let sink = match Sink::connect(&self.sink, &self.options).await {
+        let sink = match crate::sinks::connect(&self.sink, &self.options).await {
             Ok(sink) => sink,
             // `--sink`'s error as it was; a route's names the route.
-            Err(error) if self.name == DEFAULT_DESTINATION && self.pattern == "#" => return Err(error.into()),
+            Err(error) if self.name == DEFAULT_DESTINATION && self.pattern == "#" => return Err(error),
             Err(error) => return Err(AtDestination { name: self.name, error }.into()),
         };
         let shown = format!("{} ({}) -> {}", self.name, self.pattern, sink.describe());
@@ -71,7 +72,7 @@ impl Destination {
 #[derive(Debug)]
 pub(crate) struct AtDestination {
     name: String,
-    pub(crate) error: pg_outbox_relay::Error,
+    pub(crate) error: CliError,
 }
 
 impl std::fmt::Display for AtDestination {
@@ -82,7 +83,7 @@ impl std::fmt::Display for AtDestination {
 
 impl std::error::Error for AtDestination {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
+        Some(&*self.error)
     }
 }
 

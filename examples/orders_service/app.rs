@@ -26,7 +26,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use pg_outbox_relay::sink::{Sink, SinkOptions};
+use pg_outbox_relay::sink::{HttpSink, SigningSecret, Sink};
 use pg_outbox_relay::{
     AuditEntry, Begun, DeliveryError, ErrorKind, Event, Handler, NewEvent, Outbox, Relay, RelayConfig, Slots,
 };
@@ -82,14 +82,15 @@ impl AppHandler {
     /// A sink for `spec` (connecting to it now; an HTTP sink signs with `signing_secret` when
     /// given), or the log when there is none.
     pub async fn new(sink: Option<&str>, signing_secret: Option<&str>) -> pg_outbox_relay::Result<AppHandler> {
-        let options = SinkOptions {
-            signing_secrets: signing_secret.map(pg_outbox_relay::sink::Secret::new).into_iter().collect(),
-            ..SinkOptions::default()
+        let sink = match (sink, signing_secret) {
+            (None, _) => return Ok(AppHandler::Log),
+            (Some(url), Some(secret)) => {
+                let secret = SigningSecret::parse(secret)?;
+                Sink::Http(HttpSink::builder(url).signing_secret(secret).build()?)
+            }
+            (Some(spec), None) => Sink::connect(spec).await?,
         };
-        Ok(match sink {
-            Some(spec) => AppHandler::Sink(Box::new(Sink::connect(spec, &options).await?)),
-            None => AppHandler::Log,
-        })
+        Ok(AppHandler::Sink(Box::new(sink)))
     }
 }
 

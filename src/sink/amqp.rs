@@ -7,7 +7,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use tokio::sync::Mutex;
 
-use super::{SinkOptions, event_json};
+use super::{DEFAULT_EXCHANGE, DEFAULT_HTTP_TIMEOUT, event_json};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
@@ -41,11 +41,35 @@ struct Link {
     channel: Channel,
 }
 
-impl AmqpSink {
-    /// Connects to the broker of `uri` (`amqp://user:pass@host:5672/vhost`) and declares the
-    /// exchange `options.exchange` as a durable topic exchange (nothing changes when it exists
-    /// as one; an exchange of that name of another kind is an error).
-    pub async fn connect(uri: &str, options: &SinkOptions) -> Result<Self> {
+/// Builds an [`AmqpSink`]: `AmqpSink::builder(uri).exchange("events").connect().await`.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct AmqpSinkBuilder {
+    uri: String,
+    exchange: String,
+    timeout: Duration,
+}
+
+impl AmqpSinkBuilder {
+    /// The exchange events are published to (declared as a durable topic exchange when
+    /// missing). Defaults to [`DEFAULT_EXCHANGE`].
+    pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.exchange = exchange.into();
+        self
+    }
+
+    /// How long connecting and each confirm may take (1 ms to
+    /// [`MAX_TIMEOUT`](super::MAX_TIMEOUT)). Defaults to 10 s.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connects to the broker and declares the exchange as a durable topic exchange (nothing
+    /// changes when it exists as one; an exchange of that name of another kind is an error).
+    pub async fn connect(self) -> Result<AmqpSink> {
+        let AmqpSinkBuilder { uri, exchange, timeout } = self;
+        let uri = uri.as_str();
         let shown = super::url::describe(uri);
         if uri.starts_with("amqps://") {
             return Err(Error::config(format!(
@@ -56,12 +80,12 @@ impl AmqpSink {
         if parsed.scheme() != "amqp" || parsed.host_str().is_none_or(str::is_empty) {
             return Err(Error::config(format!("invalid AMQP URL {shown}: expected amqp://user:pass@host:5672/vhost")));
         }
-        validate_exchange(&options.exchange)?;
-        super::check_timeout(options.timeout)?;
+        validate_exchange(&exchange)?;
+        super::check_timeout(timeout)?;
         let sink = AmqpSink {
             uri: uri.to_string(),
-            exchange: options.exchange.clone(),
-            timeout: options.timeout,
+            exchange,
+            timeout,
             link: Mutex::new(None),
             broken: std::sync::atomic::AtomicBool::new(false),
             shown,
@@ -69,6 +93,18 @@ impl AmqpSink {
         let link = sink.open().await?;
         *sink.link.lock().await = Some(Box::new(link));
         Ok(sink)
+    }
+}
+
+impl AmqpSink {
+    /// A builder for a sink to the broker of `uri` (`amqp://user:pass@host:5672/vhost`).
+    pub fn builder(uri: &str) -> AmqpSinkBuilder {
+        AmqpSinkBuilder { uri: uri.to_string(), exchange: DEFAULT_EXCHANGE.to_string(), timeout: DEFAULT_HTTP_TIMEOUT }
+    }
+
+    /// Connects to the broker of `uri` with the defaults.
+    pub async fn connect(uri: &str) -> Result<Self> {
+        AmqpSink::builder(uri).connect().await
     }
 
     /// A connection, a channel in confirm mode, the exchange declared.

@@ -24,13 +24,13 @@ mod url;
 use std::time::Duration;
 
 #[cfg(feature = "amqp")]
-pub use self::amqp::AmqpSink;
+pub use self::amqp::{AmqpSink, AmqpSinkBuilder};
 #[cfg(feature = "http")]
 pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, SigningSecret};
 #[cfg(feature = "http")]
 pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_UUID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
 #[cfg(feature = "nats")]
-pub use self::nats::NatsSink;
+pub use self::nats::{NatsSink, NatsSinkBuilder};
 pub use self::stdout::StdoutSink;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -76,55 +76,6 @@ impl std::str::FromStr for HttpFormat {
     }
 }
 
-/// Settings of the sinks; each sink reads the ones that concern it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SinkOptions {
-    /// Timeout of one HTTP request, and of connecting to NATS and waiting for its acknowledgement
-    /// (1 ms to [`MAX_TIMEOUT`]). Defaults to [`DEFAULT_HTTP_TIMEOUT`].
-    pub timeout: Duration,
-    /// NATS subject prefix. Defaults to [`DEFAULT_SUBJECT_PREFIX`].
-    pub subject_prefix: String,
-    /// Create (or reuse) a JetStream stream of this name capturing `<prefix>.>`. Streams are
-    /// normally the operator's to create. Defaults to none.
-    pub create_stream: Option<String>,
-    /// RabbitMQ: the exchange events are published to (declared as a durable topic exchange
-    /// when missing). Defaults to `outbox`.
-    pub exchange: String,
-    /// HTTP: Standard Webhooks signing secrets (`whsec_…`); every one signs each request.
-    pub signing_secrets: Vec<Secret>,
-    /// HTTP: how an event goes into its request. Defaults to [`HttpFormat::Raw`].
-    pub http_format: HttpFormat,
-    /// HTTP: the CloudEvents `source`; defaults to `urn:outbox-relay`.
-    pub cloudevents_source: Option<String>,
-    /// HTTP: fixed headers sent with every request, as `(name, value)`.
-    pub headers: Vec<(String, Secret)>,
-}
-
-impl Default for SinkOptions {
-    fn default() -> Self {
-        SinkOptions {
-            timeout: DEFAULT_HTTP_TIMEOUT,
-            subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
-            create_stream: None,
-            exchange: DEFAULT_EXCHANGE.into(),
-            signing_secrets: Vec::new(),
-            http_format: HttpFormat::Raw,
-            cloudevents_source: None,
-            headers: Vec::new(),
-        }
-    }
-}
-
-impl SinkOptions {
-    /// Whether any HTTP-only option differs from its default (the other sinks refuse them).
-    fn has_http_options(&self) -> bool {
-        !self.signing_secrets.is_empty()
-            || self.http_format != HttpFormat::Raw
-            || self.cloudevents_source.is_some()
-            || !self.headers.is_empty()
-    }
-}
-
 /// A secret (a signing secret, a header's value): `Debug` shows nothing of it.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
@@ -166,50 +117,33 @@ pub enum Sink {
 }
 
 impl Sink {
-    /// Builds the sink a spec names; connects where the sink needs a connection, so an
-    /// unreachable destination is reported here, not at the first event.
-    pub async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink> {
+    /// Builds the sink a spec names, with each sink's defaults (its builder sets the rest:
+    /// [`HttpSink::builder`], [`NatsSink::builder`], [`AmqpSink::builder`]); connects where the
+    /// sink needs a connection, so an unreachable destination is reported here, not at the first
+    /// event.
+    pub async fn connect(spec: &str) -> Result<Sink> {
         let http = spec.starts_with("http://") || spec.starts_with("https://");
-        if !http && options.has_http_options() {
-            return Err(Error::config(
-                "signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only",
-            ));
-        }
-        if options.cloudevents_source.is_some() && options.http_format == HttpFormat::Raw {
-            return Err(Error::config(
-                "--cloudevents-source applies to --format cloudevents or cloudevents-structured",
-            ));
-        }
-        let amqp = spec.starts_with("amqp://") || spec.starts_with("amqps://");
-        if !amqp && options.exchange != DEFAULT_EXCHANGE {
-            return Err(Error::config("--exchange applies to the RabbitMQ sink (amqp://) only"));
-        }
-        let nats = spec.starts_with("nats://");
-        if !nats && (options.subject_prefix != DEFAULT_SUBJECT_PREFIX || options.create_stream.is_some()) {
-            return Err(Error::config("--subject-prefix and --create-stream apply to the NATS sink (nats://) only"));
-        }
         if spec == "stdout" || spec == "-" {
             return Ok(Sink::Stdout(StdoutSink::new()));
         }
         if http {
             #[cfg(feature = "http")]
-            return Ok(Sink::Http(http_sink(spec, options)?));
+            return Ok(Sink::Http(HttpSink::new(spec, DEFAULT_HTTP_TIMEOUT)?));
             #[cfg(not(feature = "http"))]
             return Err(Error::config("this build has no HTTP sink: enable outbox-relay's `http` feature"));
         }
         if spec.starts_with("nats://") {
             #[cfg(feature = "nats")]
-            return Ok(Sink::Nats(NatsSink::connect(spec, options).await?));
+            return Ok(Sink::Nats(NatsSink::connect(spec).await?));
             #[cfg(not(feature = "nats"))]
             return Err(Error::config("this build has no NATS sink: enable outbox-relay's `nats` feature"));
         }
         if spec.starts_with("amqp://") || spec.starts_with("amqps://") {
             #[cfg(feature = "amqp")]
-            return Ok(Sink::Amqp(AmqpSink::connect(spec, options).await?));
+            return Ok(Sink::Amqp(AmqpSink::connect(spec).await?));
             #[cfg(not(feature = "amqp"))]
             return Err(Error::config("this build has no RabbitMQ sink: enable outbox-relay's `amqp` feature"));
         }
-        let _ = options;
         Err(Error::config(format!(
             "unknown sink {}: expected stdout, http://host[:port]/path, https://..., nats://host:port or amqp://user:pass@host:5672/vhost",
             describe_spec(spec)
@@ -254,30 +188,6 @@ impl Handler for Sink {
             Sink::Amqp(s) => s.handle_batch(events, slots).await,
         }
     }
-}
-
-/// The HTTP sink `options` describe.
-#[cfg(feature = "http")]
-fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink> {
-    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format);
-    if let Some(source) = &options.cloudevents_source {
-        builder = builder.cloudevents_source(source.clone());
-    }
-    let count = options.signing_secrets.len();
-    for (n, secret) in options.signing_secrets.iter().enumerate() {
-        let which = if count > 1 { format!("signing secret {} of {count}", n + 1) } else { "signing secret".into() };
-        if secret.expose().trim().is_empty() {
-            return Err(Error::config(format!(
-                "the {which} is empty (a stray comma in OUTBOX_RELAY_SIGNING_SECRETS?)"
-            )));
-        }
-        let parsed = SigningSecret::parse(secret.expose()).map_err(|e| Error::config(format!("the {which}: {e}")))?;
-        builder = builder.signing_secret(parsed);
-    }
-    for (name, value) in &options.headers {
-        builder = builder.header(name.clone(), value.expose());
-    }
-    builder.build()
 }
 
 /// A sink spec as it may be shown: redacted when it is a URL; a spec that does not parse as one

@@ -4,7 +4,9 @@ use async_nats::HeaderMap;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::{self};
 
-use super::{SinkOptions, event_json};
+use std::time::Duration;
+
+use super::{DEFAULT_HTTP_TIMEOUT, DEFAULT_SUBJECT_PREFIX, event_json};
 use crate::error::{Error, ErrorKind, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
@@ -23,24 +25,55 @@ pub struct NatsSink {
     pub(super) shown: String,
 }
 
-impl NatsSink {
-    /// Connects to the NATS server of `url` (`nats://host:port`); creates the stream named in
-    /// `options.create_stream`, if any.
-    pub async fn connect(url: &str, options: &SinkOptions) -> Result<Self> {
-        validate_prefix(&options.subject_prefix)?;
-        let shown = super::url::describe(url);
-        super::check_timeout(options.timeout)?;
+/// Builds a [`NatsSink`]: `NatsSink::builder(url).subject_prefix("orders").connect().await`.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until `connect` is called"]
+pub struct NatsSinkBuilder {
+    url: String,
+    timeout: Duration,
+    subject_prefix: String,
+    create_stream: Option<String>,
+}
+
+impl NatsSinkBuilder {
+    /// How long connecting and each acknowledgement may take (1 ms to
+    /// [`MAX_TIMEOUT`](super::MAX_TIMEOUT)). Defaults to 10 s.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The subject prefix: events go to `<prefix>.<topic>`. Defaults to
+    /// [`DEFAULT_SUBJECT_PREFIX`].
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self
+    }
+
+    /// Creates (or reuses) a JetStream stream of this name capturing `<prefix>.>`. Streams are
+    /// normally the operator's to create.
+    pub fn create_stream(mut self, name: impl Into<String>) -> Self {
+        self.create_stream = Some(name.into());
+        self
+    }
+
+    /// Connects to the NATS server; creates the stream, if one is asked for.
+    pub async fn connect(self) -> Result<NatsSink> {
+        let NatsSinkBuilder { url, timeout, subject_prefix, create_stream } = self;
+        validate_prefix(&subject_prefix)?;
+        let shown = super::url::describe(&url);
+        super::check_timeout(timeout)?;
         let client =
-            async_nats::ConnectOptions::new().connection_timeout(options.timeout).connect(url).await.map_err(|e| {
+            async_nats::ConnectOptions::new().connection_timeout(timeout).connect(url.as_str()).await.map_err(|e| {
                 Error::new(
                     ErrorKind::Connect,
                     format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)),
                 )
             })?;
         let mut jetstream = jetstream::new(client);
-        jetstream.set_timeout(options.timeout);
-        if let Some(name) = &options.create_stream {
-            let subjects = format!("{}.>", options.subject_prefix);
+        jetstream.set_timeout(timeout);
+        if let Some(name) = &create_stream {
+            let subjects = format!("{subject_prefix}.>");
             jetstream
                 .get_or_create_stream(jetstream::stream::Config {
                     name: name.clone(),
@@ -55,7 +88,24 @@ impl NatsSink {
                     )
                 })?;
         }
-        Ok(NatsSink { jetstream, prefix: options.subject_prefix.clone(), shown })
+        Ok(NatsSink { jetstream, prefix: subject_prefix, shown })
+    }
+}
+
+impl NatsSink {
+    /// A builder for a sink to the NATS server of `url` (`nats://host:port`).
+    pub fn builder(url: &str) -> NatsSinkBuilder {
+        NatsSinkBuilder {
+            url: url.to_string(),
+            timeout: DEFAULT_HTTP_TIMEOUT,
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_string(),
+            create_stream: None,
+        }
+    }
+
+    /// Connects to the NATS server of `url` with the defaults.
+    pub async fn connect(url: &str) -> Result<Self> {
+        NatsSink::builder(url).connect().await
     }
 
     fn subject(&self, event: &Event) -> String {

@@ -1,0 +1,121 @@
+//! The sink a spec names, built with the command's sink flags (or a destination's settings in
+//! `--config`): each flag applies to one kind of sink, and one given for another is refused.
+
+use std::time::Duration;
+
+use pg_outbox_relay::sink::{
+    AmqpSink, DEFAULT_EXCHANGE, DEFAULT_HTTP_TIMEOUT, DEFAULT_SUBJECT_PREFIX, HttpFormat, HttpSink, NatsSink, Secret,
+    SigningSecret, Sink, StdoutSink,
+};
+
+use crate::{CliError, UsageError};
+
+/// The sink settings of the command line or of one destination in the configuration file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SinkOptions {
+    /// Of one HTTP request, and of connecting to NATS or RabbitMQ and each acknowledgement.
+    pub(crate) timeout: Duration,
+    /// NATS: events go to `<prefix>.<topic>`.
+    pub(crate) subject_prefix: String,
+    /// NATS: create (or reuse) a JetStream stream of this name capturing `<prefix>.>`.
+    pub(crate) create_stream: Option<String>,
+    /// RabbitMQ: the exchange events are published to.
+    pub(crate) exchange: String,
+    /// HTTP: Standard Webhooks signing secrets (`whsec_…`); every one signs each request.
+    pub(crate) signing_secrets: Vec<Secret>,
+    /// HTTP: how an event goes into its request.
+    pub(crate) http_format: HttpFormat,
+    /// HTTP: the CloudEvents `source`.
+    pub(crate) cloudevents_source: Option<String>,
+    /// HTTP: fixed headers sent with every request, as `(name, value)`.
+    pub(crate) headers: Vec<(String, Secret)>,
+}
+
+impl Default for SinkOptions {
+    fn default() -> Self {
+        SinkOptions {
+            timeout: DEFAULT_HTTP_TIMEOUT,
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.into(),
+            create_stream: None,
+            exchange: DEFAULT_EXCHANGE.into(),
+            signing_secrets: Vec::new(),
+            http_format: HttpFormat::Raw,
+            cloudevents_source: None,
+            headers: Vec::new(),
+        }
+    }
+}
+
+impl SinkOptions {
+    /// Refuses a setting given for a sink it does not apply to.
+    fn check_for(&self, spec: &str) -> Result<(), UsageError> {
+        let refuse = |why: &str| Err(UsageError(why.to_string()));
+        let http = spec.starts_with("http://") || spec.starts_with("https://");
+        let http_options = !self.signing_secrets.is_empty()
+            || self.http_format != HttpFormat::Raw
+            || self.cloudevents_source.is_some()
+            || !self.headers.is_empty();
+        if !http && http_options {
+            return refuse("signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only");
+        }
+        if self.cloudevents_source.is_some() && self.http_format == HttpFormat::Raw {
+            return refuse("--cloudevents-source applies to --format cloudevents or cloudevents-structured");
+        }
+        let amqp = spec.starts_with("amqp://") || spec.starts_with("amqps://");
+        if !amqp && self.exchange != DEFAULT_EXCHANGE {
+            return refuse("--exchange applies to the RabbitMQ sink (amqp://) only");
+        }
+        let nats = spec.starts_with("nats://");
+        if !nats && (self.subject_prefix != DEFAULT_SUBJECT_PREFIX || self.create_stream.is_some()) {
+            return refuse("--subject-prefix and --create-stream apply to the NATS sink (nats://) only");
+        }
+        Ok(())
+    }
+}
+
+/// Builds the sink `spec` names with `options`; connects where the sink needs a connection, so
+/// an unreachable destination is reported here, not at the first event.
+pub(crate) async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink, CliError> {
+    options.check_for(spec)?;
+    if spec == "stdout" || spec == "-" {
+        return Ok(Sink::Stdout(StdoutSink::new()));
+    }
+    if spec.starts_with("http://") || spec.starts_with("https://") {
+        return Ok(Sink::Http(http_sink(spec, options)?));
+    }
+    if spec.starts_with("nats://") {
+        let mut builder = NatsSink::builder(spec).timeout(options.timeout).subject_prefix(&options.subject_prefix);
+        if let Some(stream) = &options.create_stream {
+            builder = builder.create_stream(stream);
+        }
+        return Ok(Sink::Nats(builder.connect().await?));
+    }
+    if spec.starts_with("amqp://") || spec.starts_with("amqps://") {
+        let builder = AmqpSink::builder(spec).timeout(options.timeout).exchange(&options.exchange);
+        return Ok(Sink::Amqp(builder.connect().await?));
+    }
+    // Refused there, with the spec shown redacted.
+    Ok(Sink::connect(spec).await?)
+}
+
+/// The HTTP sink `options` describe.
+fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink, CliError> {
+    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format);
+    if let Some(source) = &options.cloudevents_source {
+        builder = builder.cloudevents_source(source.clone());
+    }
+    let count = options.signing_secrets.len();
+    for (n, secret) in options.signing_secrets.iter().enumerate() {
+        let which = if count > 1 { format!("signing secret {} of {count}", n + 1) } else { "signing secret".into() };
+        if secret.expose().trim().is_empty() {
+            let why = format!("the {which} is empty (a stray comma in OUTBOX_RELAY_SIGNING_SECRETS?)");
+            return Err(UsageError(why).into());
+        }
+        let parsed = SigningSecret::parse(secret.expose()).map_err(|e| UsageError(format!("the {which}: {e}")))?;
+        builder = builder.signing_secret(parsed);
+    }
+    for (name, value) in &options.headers {
+        builder = builder.header(name.clone(), value.expose());
+    }
+    Ok(builder.build()?)
+}
