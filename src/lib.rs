@@ -37,7 +37,8 @@ pub use outbox::{Connection, Outbox};
 pub use payload::Payload;
 pub use publish::{audit, publish, publish_all};
 pub use queue::{
-    CleanupReport, ConnectedRelay, DeadLetter, DestinationStats, ErrorCount, FoundEvent, Health, Pause, QueueStats,
+    CleanupReport, ConnectedRelay, DeadLetter, DestinationStats, ErrorCount, EventState, FoundEvent, Health, Pause,
+    QueueStats,
 };
 pub use text::printable;
 /// The type of [`Event::uuid`].

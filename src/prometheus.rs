@@ -167,7 +167,7 @@ fn register(registry: &mut Registry, database: Option<&Read>, relay: &[(String, 
 
 /// The outbox's figures and the server's health, as the database answered this scrape.
 fn register_database(registry: &mut Registry, stats: &QueueStats, health: &Health, pauses: usize) {
-    let seconds = |ms: Option<i64>| ms.map_or(0.0, |ms| ms.max(0) as f64 / 1000.0);
+    let seconds = |age: Option<std::time::Duration>| age.map_or(0.0, |age| age.as_secs_f64());
     gauge(
         registry,
         "outbox_relay_pending_events",
@@ -193,14 +193,14 @@ fn register_database(registry: &mut Registry, stats: &QueueStats, health: &Healt
         "outbox_relay_oldest_pending_age",
         "Age of the oldest undelivered event (0 when there is none)",
         Unit::Seconds,
-        seconds(stats.oldest_pending_age_ms),
+        seconds(stats.oldest_pending_age),
     );
     gauge_in(
         registry,
         "outbox_relay_oldest_ready_age",
         "How long the longest-waiting deliverable event has been due: the relay's lag",
         Unit::Seconds,
-        seconds(stats.oldest_ready_age_ms),
+        seconds(stats.oldest_ready_age),
     );
     gauge(registry, "outbox_relay_dead_letters", "Events in the dead letters", stats.dead_letters as f64);
     gauge(
@@ -214,7 +214,7 @@ fn register_database(registry: &mut Registry, stats: &QueueStats, health: &Healt
         "outbox_relay_oldest_transaction_age",
         "Age of the oldest open transaction on the server (holds vacuum back)",
         Unit::Seconds,
-        seconds(health.oldest_transaction_age_ms),
+        seconds(health.oldest_transaction_age),
     );
     gauge(
         registry,

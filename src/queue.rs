@@ -1,7 +1,7 @@
 //! The queue as an operator sees it: counts, the errors events wait on, the relays, the dead
 //! letters. [`crate::Outbox`]'s operating methods return these.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use crate::payload::Payload;
 use serde::Serialize;
@@ -26,11 +26,15 @@ pub struct QueueStats {
     /// Dead letters that no destination's pattern matched (destination `""`): events no route
     /// takes. Add a route and retry them.
     pub unrouted: i64,
-    /// Age of the oldest undelivered event (delayed ones included), in milliseconds.
-    pub oldest_pending_age_ms: Option<i64>,
+    /// Age of the oldest undelivered event (delayed ones included). In JSON, in milliseconds
+    /// (`oldest_pending_age_ms`).
+    #[serde(rename = "oldest_pending_age_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub oldest_pending_age: Option<Duration>,
     /// How long the longest-waiting ready event has been due (since its `available_at`:
-    /// its commit, or the end of its delay or retry backoff), in milliseconds: the relay's lag.
-    pub oldest_ready_age_ms: Option<i64>,
+    /// its commit, or the end of its delay or retry backoff): the relay's lag. In JSON, in
+    /// milliseconds (`oldest_ready_age_ms`).
+    #[serde(rename = "oldest_ready_age_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub oldest_ready_age: Option<Duration>,
     /// The most attempts any undelivered event has had.
     pub max_attempts: i32,
     /// Share of PostgreSQL's notification queue in use (0 to 1); it grows when a listener stops
@@ -99,9 +103,10 @@ pub struct DestinationStats {
     pub dead_letters: i64,
     /// The most attempts one of its parked events has had.
     pub max_attempts: i32,
-    /// Milliseconds since its position last moved (it moves with every claim that finds new
-    /// events, whether or not they match).
-    pub position_age_ms: Option<i64>,
+    /// How long ago its position last moved (it moves with every claim that finds new events,
+    /// whether or not they match). In JSON, in milliseconds (`position_age_ms`).
+    #[serde(rename = "position_age_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub position_age: Option<Duration>,
     /// Whether its delivery is paused (the destination, or every destination).
     pub paused: bool,
     /// How many relays connected now deliver to it.
@@ -169,9 +174,11 @@ pub struct Pause {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Health {
-    /// Age of the oldest open transaction on the server, in milliseconds (sessions of other
-    /// roles count only when the role may see them: a superuser or pg_read_all_stats).
-    pub oldest_transaction_age_ms: Option<i64>,
+    /// Age of the oldest open transaction on the server (sessions of other roles count only
+    /// when the role may see them: a superuser or pg_read_all_stats). In JSON, in milliseconds
+    /// (`oldest_transaction_age_ms`).
+    #[serde(rename = "oldest_transaction_age_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub oldest_transaction_age: Option<Duration>,
     /// Age in transactions of the xmin horizon (the oldest snapshot a session, a replication
     /// slot or a prepared transaction holds): vacuum removes no row deleted after it.
     pub xmin_horizon_age: Option<i64>,
@@ -199,12 +206,10 @@ impl Health {
     /// [`Health::XMIN_AGE_WARNING`], [`Health::DEAD_TUPLES_WARNING`], [`Health::NOTIFICATION_QUEUE_WARNING`]).
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
-        if let Some(ms) =
-            self.oldest_transaction_age_ms.filter(|ms| *ms >= Health::OLD_TRANSACTION_WARNING.as_millis() as i64)
-        {
+        if let Some(age) = self.oldest_transaction_age.filter(|age| *age >= Health::OLD_TRANSACTION_WARNING) {
             warnings.push(format!(
                 "a transaction has been open for {}: vacuum cannot remove the outbox's dead rows meanwhile (see pg_stat_activity)",
-                humantime::format_duration(std::time::Duration::from_secs(ms.max(0) as u64 / 1000))
+                humantime::format_duration(Duration::from_secs(age.as_secs()))
             ));
         }
         if let Some(age) = self.xmin_horizon_age.filter(|age| *age >= Health::XMIN_AGE_WARNING) {
@@ -228,6 +233,64 @@ impl Health {
     }
 }
 
+/// Where an event found by [`crate::Outbox::look_up`] is. Shown (and in JSON) as `new`,
+/// `processed`, `pending`, `delayed`, `in flight` or `dead`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub enum EventState {
+    /// In the outbox, and some destination has not passed it yet.
+    #[serde(rename = "new")]
+    New,
+    /// In the outbox, passed by every destination (`completion: MarkProcessed`).
+    #[serde(rename = "processed")]
+    Processed,
+    /// Waiting for a destination, due now.
+    #[serde(rename = "pending")]
+    Pending,
+    /// Waiting for a destination until its delay or retry backoff ends.
+    #[serde(rename = "delayed")]
+    Delayed,
+    /// Claimed under a lease, its delivery in progress.
+    #[serde(rename = "in flight")]
+    InFlight,
+    /// In the dead letters.
+    #[serde(rename = "dead")]
+    Dead,
+}
+
+impl EventState {
+    /// The state as the database query names it.
+    pub(crate) fn from_sql(text: &str) -> Option<EventState> {
+        Some(match text {
+            "new" => EventState::New,
+            "processed" => EventState::Processed,
+            "pending" => EventState::Pending,
+            "delayed" => EventState::Delayed,
+            "in flight" => EventState::InFlight,
+            "dead" => EventState::Dead,
+            _ => return None,
+        })
+    }
+
+    /// Its name, as shown.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventState::New => "new",
+            EventState::Processed => "processed",
+            EventState::Pending => "pending",
+            EventState::Delayed => "delayed",
+            EventState::InFlight => "in flight",
+            EventState::Dead => "dead",
+        }
+    }
+}
+
+impl std::fmt::Display for EventState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// An event found by [`crate::Outbox::look_up`], wherever it is.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[non_exhaustive]
@@ -247,9 +310,9 @@ pub struct FoundEvent {
     pub attempts: i32,
     /// The error of its last failed attempt.
     pub last_error: Option<String>,
-    /// In the outbox: `new` (some destination has not passed it) or `processed`; waiting for a
-    /// destination: `pending` (due), `delayed` or `in flight`; or `dead`.
-    pub state: String,
+    /// Where it is: in the outbox, new or processed; waiting for a destination, pending,
+    /// delayed or in flight; or dead.
+    pub state: EventState,
     /// The destination it waits for or was refused by; `None` for the outbox row itself,
     /// `Some("")` for a dead letter no destination's pattern matched.
     pub destination: Option<String>,

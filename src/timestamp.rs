@@ -6,7 +6,7 @@
 //! expanded form (`+294277-01-09T04:00:54.775807Z`).
 
 use std::fmt::Write as _;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// `2026-11-30T15:20:42.008892Z`: UTC, microseconds (rounded down).
 pub(crate) fn rfc3339_micros(t: SystemTime) -> String {
@@ -42,6 +42,20 @@ pub(crate) fn serialize_option<S: serde::Serializer>(t: &Option<SystemTime>, s: 
         Some(t) => serialize(t, s),
         None => s.serialize_none(),
     }
+}
+
+/// Serializes an optional duration as whole milliseconds, or null.
+pub(crate) fn serialize_millis<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        None => s.serialize_none(),
+    }
+}
+
+/// A duration of `ms` milliseconds as PostgreSQL computed it (a negative one, from clocks a
+/// little apart, is zero).
+pub(crate) fn millis(ms: Option<i64>) -> Option<Duration> {
+    ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0)))
 }
 
 /// The proleptic Gregorian date of a day counted from 1970-01-01 (Howard Hinnant's

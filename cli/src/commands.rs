@@ -285,9 +285,7 @@ fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
         "destination", "pattern", "new", "due", "delayed", "in flight", "dead", "attempts", "relays"
     );
     for d in destinations {
-        let moved = d.position_age_ms.map_or("-".to_string(), |ms| {
-            format!("{} ago", humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)))
-        });
+        let moved = d.position_age.map_or("-".to_string(), |age| format!("{} ago", humantime::format_duration(age)));
         let paused = if d.paused { "  PAUSED" } else { "" };
         println!(
             "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved}{paused}",
@@ -356,9 +354,8 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         println!("{}", serde_json::to_string(&status)?);
         return Ok(());
     }
-    let age = |ms: Option<i64>| {
-        ms.map(|ms| humantime::format_duration(std::time::Duration::from_millis(ms.max(0) as u64)).to_string())
-            .unwrap_or_else(|| "-".into())
+    let age = |age: Option<std::time::Duration>| {
+        age.map(|age| humantime::format_duration(age).to_string()).unwrap_or_else(|| "-".into())
     };
     let waiting = relays.iter().filter(|r| r.waiting).count();
     println!("pending (ready)           {}", stats.pending);
@@ -367,11 +364,11 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
     println!("in flight                 {}", stats.in_flight);
     println!("processed (kept)          {}", stats.processed);
     println!("dead letters              {}", stats.dead_letters);
-    println!("oldest pending            {}", age(stats.oldest_pending_age_ms));
-    println!("oldest ready (lag)        {}", age(stats.oldest_ready_age_ms));
+    println!("oldest pending            {}", age(stats.oldest_pending_age));
+    println!("oldest ready (lag)        {}", age(stats.oldest_ready_age));
     println!("highest attempts          {}", stats.max_attempts);
     println!("notification queue usage  {:.6}", stats.notification_queue_usage);
-    println!("oldest open transaction   {}", age(health.oldest_transaction_age_ms));
+    println!("oldest open transaction   {}", age(health.oldest_transaction_age));
     println!(
         "xmin horizon age          {}",
         health.xmin_horizon_age.map_or("-".to_string(), |a| format!("{a} transactions"))

@@ -119,10 +119,10 @@ pub(crate) fn queue_warnings(stats: &QueueStats, pauses: &[Pause], relays: &[Con
             stats.unrouted
         ));
     }
-    if let Some(ms) = stats.oldest_ready_age_ms.filter(|ms| *ms >= LAG_WARNING.as_millis() as i64 && !all_paused) {
+    if let Some(age) = stats.oldest_ready_age.filter(|age| *age >= LAG_WARNING && !all_paused) {
         warnings.push(format!(
             "the oldest ready event has waited {}: the relays are behind, its topic is paused, or they are down",
-            humantime::format_duration(Duration::from_secs(ms.max(0) as u64 / 1000))
+            humantime::format_duration(Duration::from_secs(age.as_secs()))
         ));
     }
     warnings
@@ -208,12 +208,8 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
 }
 
 fn render_summary(html: &mut String, console: &Console, s: &Summary) {
-    let age = |ms: Option<i64>| {
-        ms.map_or_else(
-            || "-".to_string(),
-            |ms| humantime::format_duration(Duration::from_millis(ms.max(0) as u64)).to_string(),
-        )
-    };
+    let age =
+        |age: Option<Duration>| age.map_or_else(|| "-".to_string(), |age| humantime::format_duration(age).to_string());
     let breaker = match &s.relay {
         None => "no relay in this process".to_string(),
         Some(r) if r.breaker_open => "OPEN: destination down, probing".to_string(),
@@ -242,7 +238,7 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
         ("delayed", "delayed", s.stats.delayed.to_string()),
         ("in_flight", "in flight", s.stats.in_flight.to_string()),
         ("dead_letters", "dead letters", s.stats.dead_letters.to_string()),
-        ("oldest_pending", "oldest pending", age(s.stats.oldest_pending_age_ms)),
+        ("oldest_pending", "oldest pending", age(s.stats.oldest_pending_age)),
         ("breaker", "breaker", breaker),
         ("limit", "concurrency limit", limit),
         ("paused", "paused", paused),
@@ -281,7 +277,7 @@ fn render_summary(html: &mut String, console: &Console, s: &Summary) {
     let _ = writeln!(
         html,
         "<p class=\"health\">oldest open transaction {} · xmin horizon age {} · outbox dead tuples {} · notification queue {:.2}%</p>",
-        age(s.health.oldest_transaction_age_ms),
+        age(s.health.oldest_transaction_age),
         s.health.xmin_horizon_age.map_or("-".into(), |a| a.to_string()),
         s.health.outbox_dead_tuples,
         s.health.notification_queue_usage * 100.0
@@ -345,7 +341,7 @@ fn render_found(html: &mut String, found: &[FoundEvent]) {
             html,
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td><details><summary>show</summary><pre>{}</pre></details></td></tr>",
             e.id,
-            escape(&e.state),
+            escape(e.state.as_str()),
             escape(&e.topic),
             escape(e.key.as_deref().unwrap_or("")),
             e.attempts,

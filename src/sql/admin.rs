@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use super::{Db, all, count, micros, one};
-use crate::error::Result;
-use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, FoundEvent, Health, Pause, QueueStats};
+use crate::error::{Error, ErrorKind, Result};
+use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, EventState, FoundEvent, Health, Pause, QueueStats};
 
 /// Milliseconds from `$t` to now (null when `$t` is), for any timestamp a row may hold: clamped,
 /// never an error.
@@ -72,8 +72,8 @@ pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
         processed: row.get(4),
         dead_letters: row.get(5),
         unrouted: row.get(6),
-        oldest_pending_age_ms: row.get(7),
-        oldest_ready_age_ms: row.get(8),
+        oldest_pending_age: crate::timestamp::millis(row.get(7)),
+        oldest_ready_age: crate::timestamp::millis(row.get(8)),
         max_attempts: row.get(9),
         notification_queue_usage: row.get(10),
     })
@@ -282,7 +282,7 @@ select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000):
 pub(crate) async fn health(db: &impl Db) -> Result<Health> {
     let row = one(db, HEALTH, &[], "reading the database's health").await?;
     Ok(Health {
-        oldest_transaction_age_ms: row.get(0),
+        oldest_transaction_age: crate::timestamp::millis(row.get(0)),
         xmin_horizon_age: row.get(1),
         outbox_dead_tuples: row.get::<_, Option<i64>>(2).unwrap_or(0),
         outbox_live_tuples: row.get::<_, Option<i64>>(3).unwrap_or(0),
@@ -317,21 +317,26 @@ order by coalesce(id = $1, false) desc, id desc, destination nulls first limit $
 /// Up to `limit` events whose id is `id` or whose key is `key`, wherever they are.
 pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, limit: i64) -> Result<Vec<FoundEvent>> {
     let rows = all(db, EVENT_LOOKUP, &[&id, &key, &limit], "looking events up").await?;
-    Ok(rows
-        .iter()
-        .map(|r| FoundEvent {
-            id: r.get(0),
-            topic: r.get(1),
-            key: r.get(2),
-            payload: r.get(3),
-            created_at: r.get(4),
-            attempts: r.get(5),
-            last_error: r.get(6),
-            state: r.get(7),
-            since: r.get(8),
-            destination: r.get(9),
+    rows.iter()
+        .map(|r| {
+            let state: &str = r.get(7);
+            let state = EventState::from_sql(state).ok_or_else(|| {
+                Error::new(ErrorKind::Database, format!("looking up an event: unknown state {state:?}"))
+            })?;
+            Ok(FoundEvent {
+                id: r.get(0),
+                topic: r.get(1),
+                key: r.get(2),
+                payload: r.get(3),
+                created_at: r.get(4),
+                attempts: r.get(5),
+                last_error: r.get(6),
+                state,
+                since: r.get(8),
+                destination: r.get(9),
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// Every registered destination with its pattern and what waits for it.
@@ -379,7 +384,7 @@ pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::
             in_flight: r.get(5),
             dead_letters: r.get(6),
             max_attempts: r.get(7),
-            position_age_ms: r.get(8),
+            position_age: crate::timestamp::millis(r.get(8)),
             paused: r.get(9),
             relays: r.get(10),
             registered: r.get(11),

@@ -11,7 +11,7 @@ use axum::Router;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use pg_outbox_relay::sink::HttpSink;
-use pg_outbox_relay::{DeliveryError, Event, Handler, NewEvent, Outbox, RelayConfig, publish};
+use pg_outbox_relay::{DeliveryError, Event, EventState, Handler, NewEvent, Outbox, RelayConfig, publish};
 use serde_json::json;
 use tokio::sync::Notify;
 
@@ -440,13 +440,13 @@ async fn events_behind_a_head_in_backoff_are_held_by_their_key_not_ready() {
     eventually("the head failed once and the free event was delivered", || async {
         let stats = db.outbox.queue_stats().await.unwrap();
         let found = db.outbox.look_up(Some(free), None, 1).await.unwrap();
-        stats.delayed == 1 && stats.in_flight == 0 && found.iter().all(|e| e.state == "processed")
+        stats.delayed == 1 && stats.in_flight == 0 && found.iter().all(|e| e.state == EventState::Processed)
     })
     .await;
     let stats = db.outbox.queue_stats().await.unwrap();
     assert_eq!(stats.pending, 0, "nothing is deliverable: {stats:?}");
     assert_eq!(stats.held_by_key, 49, "the head's followers wait for it: {stats:?}");
-    assert_eq!(stats.oldest_ready_age_ms, None, "no ready event, so no lag: {stats:?}");
+    assert_eq!(stats.oldest_ready_age, None, "no ready event, so no lag: {stats:?}");
     let prometheus = pg_outbox_relay::prometheus::Exporter::new(&db.outbox).encode().await;
     assert!(prometheus.contains("outbox_relay_ready_events 0"), "{prometheus}");
     assert!(prometheus.contains("outbox_relay_held_by_key_events 49"), "{prometheus}");
