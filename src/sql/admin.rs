@@ -7,21 +7,6 @@ use super::{Db, all, count, micros, one};
 use crate::error::{Error, ErrorKind, Result};
 use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, EventState, FoundEvent, Health, Pause, QueueStats};
 
-/// Milliseconds from `$t` to now (null when `$t` is), for any timestamp a row may hold: clamped,
-/// never an error.
-macro_rules! age_ms {
-    ($t:literal) => {
-        concat!(
-            "(case when ",
-            $t,
-            " is not null then ",
-            "(least(greatest(extract(epoch from now()) - extract(epoch from ",
-            $t,
-            "), -9e12), 9e12) * 1000)::int8 end)"
-        )
-    };
-}
-
 /// The queue at a glance, over every destination. New events (in the outbox, not yet passed by
 /// every destination) count as ready, or delayed; a destination's parked event is *ready* when it
 /// is due and deliverable: without a key, or the head (lowest id) of its key there; a due event
@@ -29,8 +14,8 @@ macro_rules! age_ms {
 /// key*, not lag. One scan of the outbox and one of the parked events (`offset 0` keeps the
 /// planner from copying the `ready` test, and the heads' aggregate with it, into every aggregate
 /// that reads it).
-const QUEUE_STATS: &str = concat!(
-    "with heads as (
+const QUEUE_STATS: &str = "\
+with heads as (
     select destination, min(id) as id from outbox_relay.parked where key is not null group by destination, key
 ),
 n as (
@@ -40,42 +25,44 @@ n as (
            min(created_at) filter (where processed_at is null) as oldest,
            min(available_at) filter (where processed_at is null and available_at <= now()) as oldest_ready
       from outbox_relay.outbox
+),
+q as (
+    select (select ready from n) + count(*) filter (where ready) as pending,
+           count(*) filter (where due and not ready) as held_by_key,
+           (select delayed from n) + count(*) filter (where available_at > now() and lease_token is null) as delayed,
+           count(*) filter (where available_at > now() and lease_token is not null) as in_flight,
+           (select processed from n) as processed,
+           least((select oldest from n), min(created_at)) as oldest,
+           least((select oldest_ready from n), min(available_at) filter (where ready)) as oldest_ready,
+           coalesce(max(attempts), 0) as max_attempts
+      from (select o.*, available_at <= now() as due,
+                   available_at <= now() and (key is null or (destination, id) in (select destination, id from heads)) as ready
+              from outbox_relay.parked o offset 0) o
 )
-select (select ready from n) + count(*) filter (where ready),
-       count(*) filter (where due and not ready),
-       (select delayed from n) + count(*) filter (where available_at > now() and lease_token is null),
-       count(*) filter (where available_at > now() and lease_token is not null),
-       (select processed from n),
-       (select count(*) from outbox_relay.dead_letters),
-       (select count(*) from outbox_relay.dead_letters where destination = ''),
-       ",
-    age_ms!("least((select oldest from n), min(created_at))"),
-    ",
-       ",
-    age_ms!("least((select oldest_ready from n), min(available_at) filter (where ready))"),
-    ",
-       coalesce(max(attempts), 0),
-       pg_notification_queue_usage()
-  from (select o.*, available_at <= now() as due,
-               available_at <= now() and (key is null or (destination, id) in (select destination, id from heads)) as ready
-          from outbox_relay.parked o offset 0) o"
-);
+select pending, held_by_key, delayed, in_flight, processed,
+       (select count(*) from outbox_relay.dead_letters) as dead_letters,
+       (select count(*) from outbox_relay.dead_letters where destination = '') as unrouted,
+       (case when oldest is not null then (least(greatest(extract(epoch from now()) - extract(epoch from oldest), -9e12), 9e12) * 1000)::int8 end) as oldest_pending_age_ms,
+       (case when oldest_ready is not null then (least(greatest(extract(epoch from now()) - extract(epoch from oldest_ready), -9e12), 9e12) * 1000)::int8 end) as oldest_ready_age_ms,
+       max_attempts,
+       pg_notification_queue_usage() as notification_queue_usage
+  from q";
 
 /// Counts ready, held, delayed, in-flight, processed and dead events.
 pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
     let row = one(db, QUEUE_STATS, &[], "reading the queue's state").await?;
     Ok(QueueStats {
-        pending: row.get(0),
-        held_by_key: row.get(1),
-        delayed: row.get(2),
-        in_flight: row.get(3),
-        processed: row.get(4),
-        dead_letters: row.get(5),
-        unrouted: row.get(6),
-        oldest_pending_age: crate::timestamp::millis(row.get(7)),
-        oldest_ready_age: crate::timestamp::millis(row.get(8)),
-        max_attempts: row.get(9),
-        notification_queue_usage: row.get(10),
+        pending: row.get("pending"),
+        held_by_key: row.get("held_by_key"),
+        delayed: row.get("delayed"),
+        in_flight: row.get("in_flight"),
+        processed: row.get("processed"),
+        dead_letters: row.get("dead_letters"),
+        unrouted: row.get("unrouted"),
+        oldest_pending_age: crate::timestamp::millis(row.get("oldest_pending_age_ms")),
+        oldest_ready_age: crate::timestamp::millis(row.get("oldest_ready_age_ms")),
+        max_attempts: row.get("max_attempts"),
+        notification_queue_usage: row.get("notification_queue_usage"),
     })
 }
 
@@ -340,25 +327,24 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
 }
 
 /// Every registered destination with its pattern and what waits for it.
-const DESTINATION_STATS: &str = concat!(
-    "select d.name, d.pattern,
+const DESTINATION_STATS: &str = "\
+select d.name, d.pattern,
        (select count(*) from outbox_relay.outbox e
          where e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
            and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
-                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))),
-       (select count(*) from outbox_relay.parked x where x.destination = d.name and x.available_at <= now()),
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
+         as new,
+       (select count(*) from outbox_relay.parked x where x.destination = d.name and x.available_at <= now()) as due,
        (select count(*) from outbox_relay.parked x
-         where x.destination = d.name and x.available_at > now() and x.lease_token is null),
+         where x.destination = d.name and x.available_at > now() and x.lease_token is null) as delayed,
        (select count(*) from outbox_relay.parked x
-         where x.destination = d.name and x.available_at > now() and x.lease_token is not null),
-       (select count(*) from outbox_relay.dead_letters x where x.destination = d.name),
-       (select coalesce(max(x.attempts), 0) from outbox_relay.parked x where x.destination = d.name),
-       ",
-    age_ms!("p.at"),
-    ",
-       exists (select 1 from outbox_relay.pauses s where s.destination in ('', d.name) and s.topic = ''),
+         where x.destination = d.name and x.available_at > now() and x.lease_token is not null) as in_flight,
+       (select count(*) from outbox_relay.dead_letters x where x.destination = d.name) as dead_letters,
+       (select coalesce(max(x.attempts), 0) from outbox_relay.parked x where x.destination = d.name) as max_attempts,
+       (case when p.at is not null then (least(greatest(extract(epoch from now()) - extract(epoch from p.at), -9e12), 9e12) * 1000)::int8 end) as position_age_ms,
+       exists (select 1 from outbox_relay.pauses s where s.destination in ('', d.name) and s.topic = '') as paused,
        (select count(*) from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
-         where r.destination = d.name and a.datname = current_database()),
+         where r.destination = d.name and a.datname = current_database()) as relays,
        d.registered
   from (select name, pattern, topic_regex, true as registered from outbox_relay.destinations
         union all
@@ -367,8 +353,7 @@ const DESTINATION_STATS: &str = concat!(
   left join lateral (
         select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p on true
- order by d.name"
-);
+ order by d.name";
 
 /// Every registered destination, by name.
 pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::DestinationStats>> {
@@ -376,18 +361,18 @@ pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::
     Ok(rows
         .iter()
         .map(|r| crate::queue::DestinationStats {
-            name: r.get(0),
-            pattern: r.get(1),
-            new: r.get(2),
-            due: r.get(3),
-            delayed: r.get(4),
-            in_flight: r.get(5),
-            dead_letters: r.get(6),
-            max_attempts: r.get(7),
-            position_age: crate::timestamp::millis(r.get(8)),
-            paused: r.get(9),
-            relays: r.get(10),
-            registered: r.get(11),
+            name: r.get("name"),
+            pattern: r.get("pattern"),
+            new: r.get("new"),
+            due: r.get("due"),
+            delayed: r.get("delayed"),
+            in_flight: r.get("in_flight"),
+            dead_letters: r.get("dead_letters"),
+            max_attempts: r.get("max_attempts"),
+            position_age: crate::timestamp::millis(r.get("position_age_ms")),
+            paused: r.get("paused"),
+            relays: r.get("relays"),
+            registered: r.get("registered"),
         })
         .collect())
 }
