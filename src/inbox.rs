@@ -23,7 +23,7 @@
 //! second waits for the first transaction, and finds the record if it committed (or records
 //! the event itself if it rolled back). The table lives in the consumer's database: run the
 //! library's migrations there (`outbox-relay migrate`, or [`crate::Outbox::migrate`]).
-//! sqlx users have the same in [`crate::sqlx::record_in_inbox`].
+//! sqlx users have the same in `pg_outbox_relay::sqlx::record_in_inbox` (feature `sqlx`).
 //!
 //! **Retention.** Records are kept until [`Inbox::purge`] deletes those older than a retention.
 //! Keep it longer than any redelivery can come: a relay redelivers within seconds to minutes,

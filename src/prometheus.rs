@@ -18,7 +18,7 @@
 //! # }
 //! ```
 //!
-//! Every family, its type and meaning, is listed in the README ("Running it in production").
+//! Every family, its type and meaning, is listed in docs/operations.md ("Metrics").
 //! The relay's families, and the per-destination gauges of the queue, carry one label,
 //! `destination`; no other family has labels: nothing in them grows with topics, keys or events.
 

@@ -76,8 +76,8 @@ pub struct RelayConfig {
     /// The most deliveries in progress at once, across all workers (each HTTP request, NATS
     /// batch or stdout write is one). Independent of `workers`, which only claim. The relay
     /// learns how many the destination takes, up to this (a delay-based limit that starts at a
-    /// few and grows while answers come back as fast as with nothing queued; see the README),
-    /// unless `fixed_concurrency` is set. Defaults to 256.
+    /// few and grows while answers come back as fast as with nothing queued; see "The
+    /// concurrency limit" in docs/relay.md), unless `fixed_concurrency` is set. Defaults to 256.
     pub concurrency: usize,
     /// Keep `concurrency` as a fixed limit instead of learning one up to it. Defaults to false.
     pub fixed_concurrency: bool,

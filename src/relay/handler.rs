@@ -248,7 +248,7 @@ impl Slots {
     }
 
     /// A bound learnt from the destination's answers, from a few deliveries at once up to
-    /// `ceiling` (a delay-based limit: see "The concurrency limit" in the README).
+    /// `ceiling` (a delay-based limit: see "The concurrency limit" in docs/relay.md).
     pub fn adaptive(ceiling: usize) -> Self {
         let vegas = Vegas::new(ceiling, Instant::now());
         Slots::with(vegas.limit(), Some(vegas), None, None)

@@ -118,7 +118,7 @@ pub enum Sink {
 
 impl Sink {
     /// Builds the sink a spec names, with each sink's defaults (its builder sets the rest:
-    /// [`HttpSink::builder`], [`NatsSink::builder`], [`AmqpSink::builder`]); connects where the
+    /// `HttpSink::builder`, `NatsSink::builder`, `AmqpSink::builder`); connects where the
     /// sink needs a connection, so an unreachable destination is reported here, not at the first
     /// event.
     pub async fn connect(spec: &str) -> Result<Sink> {
