@@ -13,12 +13,7 @@ use tokio::process::{Child, Command};
 
 use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate, terminate_with_output};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
-
-/// A port nothing listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use crate::relay_support::{PATIENCE, eventually, free_port, until};
 
 pub fn http() -> reqwest::Client {
     // (reqwest is built without a crypto provider of its own; the library uses ring)
@@ -30,22 +25,6 @@ pub fn http() -> reqwest::Client {
 async fn get(url: &str) -> Option<(u16, String)> {
     let response = http().get(url).send().await.ok()?;
     Some((response.status().as_u16(), response.text().await.ok()?))
-}
-
-/// Polls `check` until it gives a value; fails the test after [`PATIENCE`].
-async fn until<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {PATIENCE:?} waiting for: {what}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
 }
 
 /// Waits until `url` answers with `status`; returns the body.
