@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -9,6 +10,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+use crate::factory::OutboxRow;
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
@@ -276,16 +278,16 @@ async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_
 #[tokio::test]
 async fn status_json_matches_the_table() {
     let db = TestDb::new().await;
-    db.client()
-        .await
+    let client = db.client().await;
+    OutboxRow::new("ready").created_ago(Duration::from_secs(5)).insert(&client).await;
+    OutboxRow::new("ready").insert(&client).await;
+    OutboxRow::new("later").available_in(Duration::from_secs(3600)).insert(&client).await;
+    OutboxRow::new("done").processed_ago(Duration::ZERO).insert(&client).await;
+    client
         .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload, created_at) values ('ready', '{}', now() - interval '5 seconds');
-             insert into outbox_relay.outbox (topic, payload) values ('ready', '{}');
-             insert into outbox_relay.outbox (topic, payload, available_at) values ('later', '{}', now() + interval '1 hour');
-             insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
+            "insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
                                               lease_token, attempts)
                  values ('default', 900, gen_random_uuid(), 'leased', '{}', now(), now() + interval '30 seconds', 7, 3);
-             insert into outbox_relay.outbox (topic, payload, processed_at) values ('done', '{}', now());
              insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error)
                  values ('default', 1000, 'dead', '{}', now(), 12, 'gave up');",
         )
@@ -387,11 +389,12 @@ async fn dead_letters_list_retry_and_purge() {
 #[tokio::test]
 async fn cleanup_prints_what_it_removed() {
     let db = TestDb::new().await;
-    db.client()
-        .await
+    let client = db.client().await;
+    let three_days = Duration::from_secs(3 * 86400);
+    OutboxRow::new("old").processed_ago(three_days).insert_many(&client, 4).await;
+    client
         .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload, processed_at) select 'old', '{}', now() - interval '3 days' from generate_series(1, 4);
-             insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
+            "insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
         )
         .await
         .unwrap();
