@@ -13,7 +13,7 @@
 //!   (chromedriver and Chromium) and [`tools`] (openssl, python3 and its packages).
 //!   The tests that need them live in modules named `needs_nats`, `needs_rabbitmq`,
 //!   `needs_browser`, `needs_python` and `needs_openssl`, so that
-//!   `cargo test -- --skip needs_` runs the PostgreSQL-only part.
+//!   `cargo test -- --skip ::needs_` runs the PostgreSQL-only part.
 //!
 //! The benchmark drivers, which the command's `bench` runs too, are the crate
 //! `pg-outbox-relay-bench`.
