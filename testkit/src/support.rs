@@ -188,11 +188,47 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
+    until_within(what, limit, || {
+        let done = check();
+        async move { done.await.then_some(()) }
+    })
+    .await
+}
+
+/// Polls `check` until it gives a value, and returns it; for a value that no event announces (a
+/// page that shows, a counter that reaches a number). Fails the test after [`PATIENCE`].
+pub async fn until<T, F, Fut>(what: &str, check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    until_within(what, PATIENCE, check).await
+}
+
+/// [`until`], failing the test after `limit`: the one polling loop of the kit.
+pub async fn until_within<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
     let deadline = tokio::time::Instant::now() + limit;
-    while !check().await {
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
         assert!(tokio::time::Instant::now() < deadline, "timed out after {limit:?} waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// The one number `sql` selects (a `count(*)`, a `sum(…)::int8`), on `client`.
+pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}")).get(0)
+}
+
+/// A TCP port of 127.0.0.1 that nothing listens on right now (for a server a test starts).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()
 }
 
 /// Waits until the relay's listener connection has issued LISTEN.

@@ -13,11 +13,7 @@ use pg_outbox_relay::{ErrorKind, NewEvent, Uuid};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, recorder};
-
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
-}
+use crate::relay_support::{self as support, config, count, recorder};
 
 fn uuid(n: u128) -> Uuid {
     Uuid::from_u128(0x0c5b_8a34_5f0e_4d8e_9a3b_0000_0000_0000 + n)
@@ -46,7 +42,7 @@ async fn an_event_is_new_once_and_a_rolled_back_record_is_not_kept() {
     assert_eq!(billing.record(&tx, uuid(2)).await.unwrap(), Recorded::New, "a rolled-back record is gone");
     assert_eq!(mailer.record(&tx, uuid(1)).await.unwrap(), Recorded::New);
     tx.commit().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox").await, 3);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.inbox").await, 3);
 }
 
 /// Two deliveries of one event handled at the same time: the second waits for the first's
@@ -81,7 +77,7 @@ async fn racing_deliveries_of_one_event_are_handled_once() {
         }
         tx2.commit().await.unwrap();
     }
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox").await, 2);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.inbox").await, 2);
 
     // Fifty concurrent deliveries of one event: one is new.
     let event = uuid(99);
@@ -119,12 +115,22 @@ async fn purge_deletes_only_the_consumers_records_past_the_retention() {
         .unwrap();
     assert_eq!(billing.purge(&client, Duration::from_secs(3 * 86_400)).await.unwrap(), 0, "none older than 3 days");
     assert_eq!(billing.purge(&client, Duration::from_secs(86_400)).await.unwrap(), 20);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox where consumer = 'billing'").await, 10);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox where consumer = 'mailer'").await, 30);
+    assert_eq!(
+        count(&db.client().await, "select count(*) from outbox_relay.inbox where consumer = 'billing'").await,
+        10
+    );
+    assert_eq!(
+        count(&db.client().await, "select count(*) from outbox_relay.inbox where consumer = 'mailer'").await,
+        30
+    );
 
     let e = billing.purge(&client, Duration::from_secs(10)).await.unwrap_err();
     assert!(e.is_invalid_input() && e.to_string().contains("shorter than the minimum"), "{e}");
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox").await, 40, "a refused purge deletes nothing");
+    assert_eq!(
+        count(&db.client().await, "select count(*) from outbox_relay.inbox").await,
+        40,
+        "a refused purge deletes nothing"
+    );
 }
 
 /// More old records than one statement deletes: the purge goes on batch after batch.
@@ -143,7 +149,7 @@ async fn purge_goes_on_past_one_batch() {
         .unwrap();
     let inbox = Inbox::new("billing").unwrap();
     assert_eq!(inbox.purge(&client, Duration::from_secs(60)).await.unwrap(), rows as u64);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.inbox").await, 0);
 }
 
 #[tokio::test]

@@ -2,7 +2,7 @@
 //! [`harness`](pg_outbox_relay_testkit::harness) says where the server comes from, and gives each
 //! test a database of its own. The command's tests are in `cli/tests/`.
 
-use pg_outbox_relay_testkit::{harness, support as relay_support};
+use pg_outbox_relay_testkit::{factory, harness, support as relay_support, tools};
 
 mod bad_rows;
 mod delivery;

@@ -7,9 +7,10 @@ use std::time::Duration;
 use pg_outbox_relay::{Completion, DeliveryError, Event, Handler, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 
+use crate::factory::OutboxRow;
 use crate::harness::TestDb;
 use crate::relay_support::{
-    self as support, Deliveries, config, eventually, listener_pid, listener_ready, recorder, relay_waiting,
+    self as support, Deliveries, config, count, eventually, listener_pid, listener_ready, recorder, relay_waiting,
 };
 
 async fn publish_sql(client: &tokio_postgres::Client, n: i32) -> i64 {
@@ -18,10 +19,6 @@ async fn publish_sql(client: &tokio_postgres::Client, n: i32) -> i64 {
         .await
         .unwrap()
         .get(0)
-}
-
-async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -631,23 +628,21 @@ async fn delete_completion_removes_delivered_rows() {
 #[tokio::test]
 async fn the_janitor_removes_old_processed_events_and_receipts_in_batches() {
     let db = TestDb::new().await;
-    db.client()
-        .await
+    let client = db.client().await;
+    let day = Duration::from_secs(86400);
+    OutboxRow::new("old").processed_ago(8 * day).insert_many(&client, 25).await;
+    OutboxRow::new("recent").processed_ago(Duration::ZERO).insert(&client).await;
+    OutboxRow::new("pending").created_ago(30 * day).insert(&client).await;
+    client
         .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload, processed_at)
-                 select 'old', '{}', now() - interval '8 days' from generate_series(1, 25);
-             insert into outbox_relay.outbox (topic, payload, processed_at) values ('recent', '{}', now());
-             insert into outbox_relay.outbox (topic, payload, created_at) values ('pending', '{}', now() - interval '30 days');
-             insert into outbox_relay.idempotency (key, fingerprint, response, created_at)
+            "insert into outbox_relay.idempotency (key, fingerprint, response, created_at)
                  select 'k' || g, '\\x00', '{}', now() - interval '8 days' from generate_series(1, 7) g;
              insert into outbox_relay.idempotency (key, fingerprint, response) values ('fresh', '\\x00', '{}');",
         )
         .await
         .unwrap();
-    let day = Duration::from_secs(86400);
     let report = db.outbox.cleanup(7 * day, 7 * day, 10).await.unwrap();
     assert_eq!((report.events, report.receipts), (25, 7));
-    let client = db.client().await;
     let left: Vec<String> = client
         .query("select topic from outbox_relay.outbox order by topic", &[])
         .await

@@ -12,7 +12,9 @@ use pg_outbox_relay::{Completion, DeliveryError, Event, Handler, RelayConfig, Ro
 use tokio::time::Instant;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, HttpReceiver, PATIENCE, config, eventually, eventually_within, recorder};
+use crate::relay_support::{
+    self as support, HttpReceiver, PATIENCE, config, count, eventually, eventually_within, recorder,
+};
 
 /// Publishes `n` events of `topic`, keyed `<prefix>-<i % keys>`, in one transaction.
 async fn publish(db: &TestDb, topic: &str, n: i64, keys: i64) {
@@ -24,10 +26,6 @@ async fn publish(db: &TestDb, topic: &str, n: i64, keys: i64) {
         )
         .await
         .unwrap();
-}
-
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 /// The mailer's receiver refuses connections for 15 s while orders and mails are written in
@@ -91,7 +89,7 @@ async fn two_destinations_one_down_for_15s_the_other_flows_and_nothing_is_dead_l
     assert!(mailer.counts().values().all(|n| *n == 1), "each mail reached the mailer once");
     assert_eq!(erp.counts().len() as i64, 10 * waves);
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.parked").await, 0);
 }
 
 /// One event whose topic two patterns match reaches both destinations once; another only the
@@ -116,14 +114,14 @@ async fn an_event_routed_to_two_destinations_reaches_each_once_and_then_nothing_
     at_audit.sort();
     assert_eq!(at_audit, ["order.placed", "user.created"]);
     eventually("both outbox rows finished", || async {
-        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+        count(&db.client().await, "select count(*) from outbox_relay.outbox").await == 0
     })
     .await;
     relay.stop().await;
     assert_eq!(to_erp.counts().values().copied().collect::<Vec<_>>(), [1], "the ERP got the order once");
     assert!(to_audit.counts().values().all(|n| *n == 1) && to_audit.counts().len() == 2);
     assert!(to_erp.is_empty() && to_audit.is_empty());
-    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.parked").await, 0);
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
 }
 
@@ -333,10 +331,10 @@ async fn a_new_destination_starts_where_the_others_are_and_dropping_one_lets_its
         db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "b" && d.new == 3 && d.relays == 0)
     })
     .await;
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 3, "kept for b");
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 3, "kept for b");
     assert_eq!(db.outbox.drop_destination("b").await.unwrap(), 0);
     eventually("the rows finished once b is gone", || async {
-        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+        count(&db.client().await, "select count(*) from outbox_relay.outbox").await == 0
     })
     .await;
     assert!(db.outbox.drop_destination("b").await.unwrap_err().to_string().contains("no destination is named"));
@@ -387,7 +385,7 @@ async fn the_sweeper_finishes_passed_rows_while_an_older_transaction_stays_open(
     })
     .await;
     eventually("the order's row finished while the old transaction is open", || async {
-        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+        count(&db.client().await, "select count(*) from outbox_relay.outbox").await == 0
     })
     .await;
     held.batch_execute("commit").await.unwrap();
@@ -428,7 +426,7 @@ async fn a_dead_letter_names_the_destination_that_refused_the_event_and_its_retr
     let dead = db.outbox.dead_letters(10).await.unwrap();
     assert_eq!((dead[0].destination.as_str(), dead[0].id), ("a", delivered.event.id));
     eventually("the outbox row done with", || async {
-        count(&db, "select count(*) from outbox_relay.outbox").await == 0
+        count(&db.client().await, "select count(*) from outbox_relay.outbox").await == 0
     })
     .await;
     assert_eq!(db.outbox.retry_dead_letters(&[dead[0].id]).await.unwrap(), [dead[0].id]);
@@ -436,7 +434,7 @@ async fn a_dead_letter_names_the_destination_that_refused_the_event_and_its_retr
     relay.stop().await;
     assert!(to_b.is_empty(), "b had it once, and not again");
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.parked").await, 0);
 }
 
 /// A destination a connected relay delivers to is not dropped; dropping the last destination

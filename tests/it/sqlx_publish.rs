@@ -7,7 +7,7 @@ use pg_outbox_relay::{AuditEntry, ErrorKind, NewEvent};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, recorder};
+use crate::relay_support::{self as support, config, count, recorder};
 
 async fn pool(db: &TestDb) -> sqlx::PgPool {
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&db.url).await.unwrap();
@@ -16,10 +16,6 @@ async fn pool(db: &TestDb) -> sqlx::PgPool {
         .await
         .unwrap();
     pool
-}
-
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
 }
 
 #[tokio::test]
@@ -36,7 +32,11 @@ async fn an_event_published_in_a_sqlx_transaction_exists_after_commit_and_is_del
     let id = pg_outbox_relay::sqlx::publish(&mut *tx, &event).await.unwrap();
     let entry = AuditEntry::new("order", order, "placed", &json!({"total": 12.5})).unwrap();
     let audit = pg_outbox_relay::sqlx::audit(&mut *tx, &entry).await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0, "invisible before the commit");
+    assert_eq!(
+        count(&db.client().await, "select count(*) from outbox_relay.outbox").await,
+        0,
+        "invisible before the commit"
+    );
     tx.commit().await.unwrap();
 
     let delivered = deliveries.next().await;
@@ -67,8 +67,8 @@ async fn after_a_rollback_nothing_of_it_exists() {
     assert_eq!(ids.len(), 3);
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids in input order: {ids:?}");
     tx.rollback().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from orders").await, 0);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from orders").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 0);
 }
 
 #[tokio::test]
@@ -91,7 +91,7 @@ async fn bad_input_is_refused_like_the_tokio_postgres_functions_and_writes_nothi
             .unwrap_err();
         assert_eq!(all.kind(), ErrorKind::InvalidInput);
     }
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 0);
     // A database error says what was being done.
     sqlx::query("revoke all on outbox_relay.outbox from public").execute(&mut *conn).await.unwrap();
     sqlx::query("create role sqlx_nobody login").execute(&mut *conn).await.ok();
@@ -115,5 +115,5 @@ async fn a_database_error_through_sqlx_keeps_its_sqlstate() {
     assert_eq!(err.kind(), ErrorKind::Database);
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::IN_FAILED_SQL_TRANSACTION), "{err}");
     tx.rollback().await.unwrap();
-    assert_eq!(count(&db, "select count(*) from outbox_relay.outbox").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 0);
 }

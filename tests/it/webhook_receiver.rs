@@ -10,7 +10,7 @@ use pg_outbox_relay::sink::{HttpSink, SigningSecret};
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, PATIENCE, config, eventually};
+use crate::relay_support::{self as support, PATIENCE, config, count, eventually};
 
 #[path = "../../examples/webhook_receiver/app.rs"]
 mod app;
@@ -28,10 +28,6 @@ async fn serve(db: &TestDb) -> String {
     format!("http://{address}/webhook")
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
-}
-
 #[tokio::test]
 async fn every_event_delivered_twice_is_committed_once() {
     let (outbox_db, receiver_db) = (TestDb::new().await, TestDb::new().await);
@@ -46,8 +42,13 @@ async fn every_event_delivered_twice_is_committed_once() {
     let nothing_waits = "select count(*) from outbox_relay.parked";
     eventually("the 60 events delivered", || async {
         relay.snapshot().delivered >= 60
-            && count(&outbox_db, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 60
-            && count(&outbox_db, nothing_waits).await == 0
+            && count(
+                &outbox_db.client().await,
+                "select count(*) from outbox_relay.outbox where processed_at is not null",
+            )
+            .await
+                == 60
+            && count(&outbox_db.client().await, nothing_waits).await == 0
     })
     .await;
 
@@ -65,22 +66,34 @@ async fn every_event_delivered_twice_is_committed_once() {
         .unwrap();
     eventually("the 60 redeliveries delivered", || async {
         relay.snapshot().delivered >= 120
-            && count(&outbox_db, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 120
-            && count(&outbox_db, nothing_waits).await == 0
+            && count(
+                &outbox_db.client().await,
+                "select count(*) from outbox_relay.outbox where processed_at is not null",
+            )
+            .await
+                == 120
+            && count(&outbox_db.client().await, nothing_waits).await == 0
     })
     .await;
     let snapshot = relay.snapshot();
     relay.stop().await;
 
-    assert_eq!(count(&receiver_db, "select count(*) from received_events").await, 60, "each event written once");
-    assert_eq!(count(&receiver_db, "select count(distinct event_uuid) from received_events").await, 60);
-    assert_eq!(count(&receiver_db, "select count(*) from outbox_relay.inbox where consumer = 'erp'").await, 60);
+    assert_eq!(
+        count(&receiver_db.client().await, "select count(*) from received_events").await,
+        60,
+        "each event written once"
+    );
+    assert_eq!(count(&receiver_db.client().await, "select count(distinct event_uuid) from received_events").await, 60);
+    assert_eq!(
+        count(&receiver_db.client().await, "select count(*) from outbox_relay.inbox where consumer = 'erp'").await,
+        60
+    );
     let matching = "select count(*) from received_events r where (r.payload ->> 'order_id')::int between 0 and 59";
-    assert_eq!(count(&receiver_db, matching).await, 60, "the receiver wrote what the events said");
+    assert_eq!(count(&receiver_db.client().await, matching).await, 60, "the receiver wrote what the events said");
     // The duplicates were answered 200 at once: one attempt each, no retry, no dead letter.
     assert_eq!((snapshot.delivered, snapshot.retried, snapshot.dead_lettered), (120, 0, 0), "{snapshot:?}");
-    assert_eq!(count(&outbox_db, nothing_waits).await, 0);
-    assert_eq!(count(&outbox_db, "select count(*) from outbox_relay.dead_letters").await, 0);
+    assert_eq!(count(&outbox_db.client().await, nothing_waits).await, 0);
+    assert_eq!(count(&outbox_db.client().await, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
 /// A signed request as the relay would send it, by the specification's own crate.
@@ -120,7 +133,7 @@ async fn racing_duplicates_are_answered_200_and_unverified_requests_write_nothin
     let processed = answers.iter().filter(|(_, b)| b["status"] == "processed").count();
     let duplicates = answers.iter().filter(|(_, b)| b["status"] == "duplicate").count();
     assert_eq!((processed, duplicates), (1, 19), "{answers:?}");
-    assert_eq!(count(&db, "select count(*) from received_events").await, 1);
+    assert_eq!(count(&db.client().await, "select count(*) from received_events").await, 1);
 
     // Requests that do not verify: another secret, a changed body, a stale timestamp, none.
     let other = "9d8c7b6a-5f4e-4d3c-8b2a-1a0f9e8d7c6b";
@@ -138,6 +151,6 @@ async fn racing_duplicates_are_answered_200_and_unverified_requests_write_nothin
     // A verified body that is not an event: 400 (the relay dead-letters it).
     let (status, _) = post(signed(SECRET, other, SystemTime::now(), "[1]"), "[1]".into()).await;
     assert_eq!(status, 400);
-    assert_eq!(count(&db, "select count(*) from received_events").await, 1, "nothing more written");
-    assert_eq!(count(&db, "select count(*) from outbox_relay.inbox").await, 1, "nothing more recorded");
+    assert_eq!(count(&db.client().await, "select count(*) from received_events").await, 1, "nothing more written");
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.inbox").await, 1, "nothing more recorded");
 }

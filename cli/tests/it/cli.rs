@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -9,6 +10,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
+use crate::factory::OutboxRow;
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
@@ -131,15 +133,15 @@ pub async fn settled(db: &TestDb, events: i64) -> bool {
     stats.processed == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
 }
 
+/// The test kit's NATS server (`NATS_URL`, or a private `nats-server -js`).
 pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_string())
+    crate::nats::url()
 }
 
+/// A JetStream context on the test kit's NATS server.
 pub async fn nats() -> async_nats::jetstream::Context {
     let url = nats_url();
-    let client = async_nats::connect(&url).await.unwrap_or_else(|e| {
-        panic!("no NATS server at {url} ({e}); start one with `nats-server -js` or set NATS_URL (.ci/run does this)")
-    });
+    let client = async_nats::connect(&url).await.unwrap_or_else(|e| panic!("cannot connect to NATS at {url}: {e}"));
     async_nats::jetstream::new(client)
 }
 
@@ -158,134 +160,18 @@ pub async fn stream_for(js: &async_nats::jetstream::Context, prefix: &str) -> as
 }
 
 #[tokio::test]
-async fn run_nats_publishes_to_jetstream_once_per_event_id() {
-    let db = TestDb::new().await;
-    let js = nats().await;
-    let prefix = unique("outboxtest");
-    let mut stream = stream_for(&js, &prefix).await;
-
-    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
-    let first = publish(&db, "order.placed", json!({"n": 1})).await;
-    publish(&db, "order.shipped", json!({"n": 2})).await;
-    eventually("both published", || async { settled(&db, 2).await }).await;
-    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "both delivered");
-    assert_eq!(terminate(child).await, Some(0));
-    assert_eq!(stream.info().await.unwrap().state.messages, 2);
-    let message = stream.get_last_raw_message_by_subject(&format!("{prefix}.order.placed")).await.unwrap();
-    let body: Value = serde_json::from_slice(&message.payload).unwrap();
-    assert_eq!(body["id"], json!(first));
-    let headers = &message.headers;
-    assert_eq!(headers.get("Nats-Msg-Id").map(|v| v.as_str()), body["uuid"].as_str(), "Nats-Msg-Id is the uuid");
-    assert_eq!(headers.get("Outbox-Event-Id").map(|v| v.as_str()), Some(first.to_string().as_str()));
-
-    // A redelivery of the same event (a relay that died before recording the outcome: its
-    // lease, a copy parked for the destination, ended) is dropped by the stream: Nats-Msg-Id is
-    // the event's uuid.
-    let leased = db
-        .client()
-        .await
-        .execute(
-            "insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at,
-                                              attempts, lease_token)
-             select 'default', id, uuid, topic, key, payload, created_at, now(), 1, 7
-               from outbox_relay.outbox where id = $1",
-            &[&first],
-        )
-        .await
-        .unwrap();
-    assert_eq!(leased, 1);
-    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
-    eventually("redelivered", || async { settled(&db, 2).await }).await;
-    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "redelivered, not dead-lettered");
-    assert_eq!(terminate(child).await, Some(0));
-    assert_eq!(stream.info().await.unwrap().state.messages, 2, "the duplicate was dropped");
-    js.delete_stream(&prefix).await.unwrap();
-}
-
-#[tokio::test]
-async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() {
-    let db = TestDb::new().await;
-    nats().await;
-    let prefix = unique("nostream");
-    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix, "--timeout", "2s"]);
-    let id = publish(&db, "order.placed", json!({})).await;
-    let client = db.client().await;
-    // (a failed delivery waits for its retry as a copy parked for the destination)
-    let waiting = "select last_error from outbox_relay.parked where destination = 'default' and id = $1";
-    eventually("the failure recorded", || async {
-        client.query_opt(waiting, &[&id]).await.unwrap().is_some_and(|row| row.get::<_, Option<String>>(0).is_some())
-    })
-    .await;
-    assert_eq!(terminate(child).await, Some(0));
-    let row = client.query_opt(waiting, &[&id]).await.unwrap().expect("the event still waits for the destination");
-    let error: String = row.get(0);
-    assert!(error.contains("no JetStream stream captures subject"), "{error}");
-    assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "pending, not dead-lettered");
-}
-
-/// The largest payload the API accepts fits, envelope and headers included, in NATS' default
-/// max_payload (1 MiB); a topic from before migration 0003 with an empty word is refused for
-/// good, not retried for an hour.
-#[tokio::test]
-async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_word() {
-    let db = TestDb::new().await;
-    let js = nats().await;
-    let prefix = unique("outboxbig");
-    let mut stream = stream_for(&js, &prefix).await;
-    let largest = json!("x".repeat(pg_outbox_relay::Payload::MAX_BYTES - 2));
-    let big =
-        db.outbox.publish(&pg_outbox_relay::NewEvent::new("order.placed", largest).key("k".repeat(255))).await.unwrap();
-    let client = db.client().await;
-    client
-        .batch_execute(
-            "alter table outbox_relay.outbox drop constraint outbox_topic_valid;
-             insert into outbox_relay.outbox (topic, payload) values ('order..placed', '{}');",
-        )
-        .await
-        .unwrap();
-    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
-    eventually("both settled", || async {
-        let stats = db.outbox.queue_stats().await.unwrap();
-        settled(&db, 2).await && stats.dead_letters == 1
-    })
-    .await;
-    assert_eq!(terminate(child).await, Some(0));
-    // Delivered: passed, nothing waiting for the destination, not dead-lettered.
-    let delivered: Vec<i64> = client
-        .query(
-            "select id from outbox_relay.outbox o
-              where processed_at is not null
-                and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    assert_eq!(delivered, [big]);
-    assert_eq!(stream.info().await.unwrap().state.messages, 1, "the largest payload is in the stream");
-    let dead = db.outbox.dead_letters(10).await.unwrap();
-    assert_eq!(dead.len(), 1);
-    assert_ne!(dead[0].id, big);
-    assert!(dead[0].last_error.contains("cannot be a NATS subject"), "{}", dead[0].last_error);
-    assert_eq!(dead[0].attempts, 1, "a permanent failure, not retried");
-    js.delete_stream(&prefix).await.unwrap();
-}
-
-#[tokio::test]
 async fn status_json_matches_the_table() {
     let db = TestDb::new().await;
-    db.client()
-        .await
+    let client = db.client().await;
+    OutboxRow::new("ready").created_ago(Duration::from_secs(5)).insert(&client).await;
+    OutboxRow::new("ready").insert(&client).await;
+    OutboxRow::new("later").available_in(Duration::from_secs(3600)).insert(&client).await;
+    OutboxRow::new("done").processed_ago(Duration::ZERO).insert(&client).await;
+    client
         .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload, created_at) values ('ready', '{}', now() - interval '5 seconds');
-             insert into outbox_relay.outbox (topic, payload) values ('ready', '{}');
-             insert into outbox_relay.outbox (topic, payload, available_at) values ('later', '{}', now() + interval '1 hour');
-             insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
+            "insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
                                               lease_token, attempts)
                  values ('default', 900, gen_random_uuid(), 'leased', '{}', now(), now() + interval '30 seconds', 7, 3);
-             insert into outbox_relay.outbox (topic, payload, processed_at) values ('done', '{}', now());
              insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error)
                  values ('default', 1000, 'dead', '{}', now(), 12, 'gave up');",
         )
@@ -387,11 +273,12 @@ async fn dead_letters_list_retry_and_purge() {
 #[tokio::test]
 async fn cleanup_prints_what_it_removed() {
     let db = TestDb::new().await;
-    db.client()
-        .await
+    let client = db.client().await;
+    let three_days = Duration::from_secs(3 * 86400);
+    OutboxRow::new("old").processed_ago(three_days).insert_many(&client, 4).await;
+    client
         .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload, processed_at) select 'old', '{}', now() - interval '3 days' from generate_series(1, 4);
-             insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
+            "insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
         )
         .await
         .unwrap();
@@ -459,65 +346,6 @@ async fn demo_runs_the_article_scenario_and_every_check_passes() {
 /// SYN retransmits on purpose: fixed 64 at a listen backlog of five).
 const BENCH_PATIENCE: std::time::Duration = std::time::Duration::from_secs(300);
 
-#[tokio::test]
-async fn bench_json_prints_one_object_with_every_figure() {
-    // A short run on the test server (the bench makes and drops databases of its own there).
-    let server = crate::harness::server().url_for("postgres").to_connection_string();
-    let args = [
-        "bench",
-        "--json",
-        "--events",
-        "1000",
-        "--samples",
-        "8",
-        "--write-duration",
-        "300ms",
-        "--trickle-duration",
-        "1s",
-        "--held-duration",
-        "1s",
-        "--held-rate",
-        "200",
-        "--receiver-events",
-        "50",
-    ];
-    let output = cli_within(&server, &args, BENCH_PATIENCE).await;
-    let out = stdout(&output);
-    assert!(output.status.success(), "{out}\n{}", stderr(&output));
-    assert_eq!(out.trim().lines().count(), 1, "exactly one JSON object on stdout: {out}");
-    let report: Value = serde_json::from_str(out.trim()).unwrap();
-    for path in ["latency_notify_ms", "latency_inprocess_ms", "latency_poll_ms", "trickle_latency_ms"] {
-        for p in ["p50", "p90", "p99", "max"] {
-            let v = report[path][p].as_f64().unwrap_or_else(|| panic!("{path}.{p} missing: {report}"));
-            assert!(v > 0.0, "{path}.{p} = {v}");
-        }
-    }
-    for field in [
-        "drain_events_per_s",
-        "claim_delete_loop_rows_per_s",
-        "drain_share_of_claim_delete_loop",
-        "claim_delete_loop_alike_rows_per_s",
-        "drain_share_of_claim_delete_loop_alike",
-        "drain_mark_processed_events_per_s",
-        "drain_keyed_events_per_s",
-        "stdout_events_per_s",
-        "nats_events_per_s",
-        "nats_share_of_stdout",
-        "trickle_cpu_share",
-        "write_tps_trigger",
-        "write_tps_no_trigger",
-        "write_tps_notify_every_commit",
-        "write_trigger_share_of_no_trigger",
-    ] {
-        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
-    }
-    assert_eq!(report["claim_delete_loop_clients"], 4);
-    assert_eq!(report["claim_delete_loop_batch"], 100);
-    assert_held_figures(&report);
-    assert_receiver_figures(&report);
-    assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
-}
-
 /// The held-snapshot stage's figures: both phases published and delivered, with latencies.
 fn assert_held_figures(report: &Value) {
     for phase in ["held_clear", "held_held"] {
@@ -581,4 +409,195 @@ async fn bench_held_only_measures_the_held_snapshot_stage() {
     let output = cli(&server, &["bench", "--held-only", "--held-rate", "0"]).await;
     assert!(!output.status.success());
     assert!(stderr(&output).contains("--held-rate is 0; it must be 1 to 10000 events/s"), "{}", stderr(&output));
+}
+
+/// The NATS sink, and the benchmark that drains to NATS: the test kit starts nats-server (or
+/// uses `NATS_URL`).
+mod needs_nats {
+    use super::*;
+
+    #[tokio::test]
+    async fn run_nats_publishes_to_jetstream_once_per_event_id() {
+        let db = TestDb::new().await;
+        let js = nats().await;
+        let prefix = unique("outboxtest");
+        let mut stream = stream_for(&js, &prefix).await;
+
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+        let first = publish(&db, "order.placed", json!({"n": 1})).await;
+        publish(&db, "order.shipped", json!({"n": 2})).await;
+        eventually("both published", || async { settled(&db, 2).await }).await;
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "both delivered");
+        assert_eq!(terminate(child).await, Some(0));
+        assert_eq!(stream.info().await.unwrap().state.messages, 2);
+        let message = stream.get_last_raw_message_by_subject(&format!("{prefix}.order.placed")).await.unwrap();
+        let body: Value = serde_json::from_slice(&message.payload).unwrap();
+        assert_eq!(body["id"], json!(first));
+        let headers = &message.headers;
+        assert_eq!(headers.get("Nats-Msg-Id").map(|v| v.as_str()), body["uuid"].as_str(), "Nats-Msg-Id is the uuid");
+        assert_eq!(headers.get("Outbox-Event-Id").map(|v| v.as_str()), Some(first.to_string().as_str()));
+
+        // A redelivery of the same event (a relay that died before recording the outcome: its
+        // lease, a copy parked for the destination, ended) is dropped by the stream: Nats-Msg-Id is
+        // the event's uuid.
+        let leased = db
+            .client()
+            .await
+            .execute(
+                "insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at,
+                                              attempts, lease_token)
+             select 'default', id, uuid, topic, key, payload, created_at, now(), 1, 7
+               from outbox_relay.outbox where id = $1",
+                &[&first],
+            )
+            .await
+            .unwrap();
+        assert_eq!(leased, 1);
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+        eventually("redelivered", || async { settled(&db, 2).await }).await;
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "redelivered, not dead-lettered");
+        assert_eq!(terminate(child).await, Some(0));
+        assert_eq!(stream.info().await.unwrap().state.messages, 2, "the duplicate was dropped");
+        js.delete_stream(&prefix).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() {
+        let db = TestDb::new().await;
+        nats().await;
+        let prefix = unique("nostream");
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix, "--timeout", "2s"]);
+        let id = publish(&db, "order.placed", json!({})).await;
+        let client = db.client().await;
+        // (a failed delivery waits for its retry as a copy parked for the destination)
+        let waiting = "select last_error from outbox_relay.parked where destination = 'default' and id = $1";
+        eventually("the failure recorded", || async {
+            client
+                .query_opt(waiting, &[&id])
+                .await
+                .unwrap()
+                .is_some_and(|row| row.get::<_, Option<String>>(0).is_some())
+        })
+        .await;
+        assert_eq!(terminate(child).await, Some(0));
+        let row = client.query_opt(waiting, &[&id]).await.unwrap().expect("the event still waits for the destination");
+        let error: String = row.get(0);
+        assert!(error.contains("no JetStream stream captures subject"), "{error}");
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0, "pending, not dead-lettered");
+    }
+
+    /// The largest payload the API accepts fits, envelope and headers included, in NATS' default
+    /// max_payload (1 MiB); a topic from before migration 0003 with an empty word is refused for
+    /// good, not retried for an hour.
+    #[tokio::test]
+    async fn run_nats_takes_the_largest_payload_and_refuses_a_subject_with_an_empty_word() {
+        let db = TestDb::new().await;
+        let js = nats().await;
+        let prefix = unique("outboxbig");
+        let mut stream = stream_for(&js, &prefix).await;
+        let largest = json!("x".repeat(pg_outbox_relay::Payload::MAX_BYTES - 2));
+        let big = db
+            .outbox
+            .publish(&pg_outbox_relay::NewEvent::new("order.placed", largest).key("k".repeat(255)))
+            .await
+            .unwrap();
+        let client = db.client().await;
+        client
+            .batch_execute(
+                "alter table outbox_relay.outbox drop constraint outbox_topic_valid;
+             insert into outbox_relay.outbox (topic, payload) values ('order..placed', '{}');",
+            )
+            .await
+            .unwrap();
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+        eventually("both settled", || async {
+            let stats = db.outbox.queue_stats().await.unwrap();
+            settled(&db, 2).await && stats.dead_letters == 1
+        })
+        .await;
+        assert_eq!(terminate(child).await, Some(0));
+        // Delivered: passed, nothing waiting for the destination, not dead-lettered.
+        let delivered: Vec<i64> = client
+            .query(
+                "select id from outbox_relay.outbox o
+              where processed_at is not null
+                and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
+                &[],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        assert_eq!(delivered, [big]);
+        assert_eq!(stream.info().await.unwrap().state.messages, 1, "the largest payload is in the stream");
+        let dead = db.outbox.dead_letters(10).await.unwrap();
+        assert_eq!(dead.len(), 1);
+        assert_ne!(dead[0].id, big);
+        assert!(dead[0].last_error.contains("cannot be a NATS subject"), "{}", dead[0].last_error);
+        assert_eq!(dead[0].attempts, 1, "a permanent failure, not retried");
+        js.delete_stream(&prefix).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn bench_json_prints_one_object_with_every_figure() {
+        // A short run on the test server (the bench makes and drops databases of its own there).
+        let server = crate::harness::server().url_for("postgres").to_connection_string();
+        let nats = nats_url();
+        let args = [
+            "bench",
+            "--nats-url",
+            &nats,
+            "--json",
+            "--events",
+            "1000",
+            "--samples",
+            "8",
+            "--write-duration",
+            "300ms",
+            "--trickle-duration",
+            "1s",
+            "--held-duration",
+            "1s",
+            "--held-rate",
+            "200",
+            "--receiver-events",
+            "50",
+        ];
+        let output = cli_within(&server, &args, BENCH_PATIENCE).await;
+        let out = stdout(&output);
+        assert!(output.status.success(), "{out}\n{}", stderr(&output));
+        assert_eq!(out.trim().lines().count(), 1, "exactly one JSON object on stdout: {out}");
+        let report: Value = serde_json::from_str(out.trim()).unwrap();
+        for path in ["latency_notify_ms", "latency_inprocess_ms", "latency_poll_ms", "trickle_latency_ms"] {
+            for p in ["p50", "p90", "p99", "max"] {
+                let v = report[path][p].as_f64().unwrap_or_else(|| panic!("{path}.{p} missing: {report}"));
+                assert!(v > 0.0, "{path}.{p} = {v}");
+            }
+        }
+        for field in [
+            "drain_events_per_s",
+            "claim_delete_loop_rows_per_s",
+            "drain_share_of_claim_delete_loop",
+            "claim_delete_loop_alike_rows_per_s",
+            "drain_share_of_claim_delete_loop_alike",
+            "drain_mark_processed_events_per_s",
+            "drain_keyed_events_per_s",
+            "stdout_events_per_s",
+            "nats_events_per_s",
+            "nats_share_of_stdout",
+            "trickle_cpu_share",
+            "write_tps_trigger",
+            "write_tps_no_trigger",
+            "write_tps_notify_every_commit",
+            "write_trigger_share_of_no_trigger",
+        ] {
+            assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+        }
+        assert_eq!(report["claim_delete_loop_clients"], 4);
+        assert_eq!(report["claim_delete_loop_batch"], 100);
+        assert_held_figures(&report);
+        assert_receiver_figures(&report);
+        assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
+    }
 }

@@ -1,7 +1,8 @@
 //! Payloads arrive as written: events published through SQL, the Rust API and sqlx, with the
 //! numbers a double cannot hold exactly, reach stdout, HTTP (raw and both CloudEvents modes),
 //! NATS and RabbitMQ with the payload's bytes equal to PostgreSQL's own text of the stored
-//! `jsonb`, and nothing is dead-lettered.
+//! `jsonb`, and nothing is dead-lettered. One test per kind of destination: stdout and HTTP need
+//! nothing but PostgreSQL, NATS and RabbitMQ are in `needs_nats` and `needs_rabbitmq`.
 
 use std::collections::HashMap;
 
@@ -129,7 +130,7 @@ fn assert_same(sink: &str, got: &HashMap<i64, String>, stored: &HashMap<i64, Str
 }
 
 #[tokio::test]
-async fn payloads_reach_every_sink_as_postgres_stored_them() {
+async fn payloads_reach_stdout_and_http_as_postgres_stored_them() {
     let db = TestDb::new().await;
     let stored = publish_everything(&db).await;
 
@@ -179,33 +180,49 @@ async fn payloads_reach_every_sink_as_postgres_stored_them() {
         };
         assert_same(&format!("HTTP {format}"), &got, &stored);
     }
+}
 
-    // NATS JetStream
-    redeliver(&db).await;
-    let js = nats().await;
-    let prefix = unique("fidelity");
-    let stream = stream_for(&js, &prefix).await;
-    let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
-    all_processed(&db, stored.len()).await;
-    terminate_with_output(child).await;
-    let mut bodies = Vec::new();
-    for seq in 1..=stored.len() as u64 {
-        bodies.push(stream.get_raw_message(seq).await.unwrap().payload.to_vec());
-    }
-    assert_same("NATS", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
-    js.delete_stream(&prefix).await.unwrap();
+/// NATS JetStream: the test kit starts nats-server (or uses `NATS_URL`).
+mod needs_nats {
+    use super::*;
 
-    // RabbitMQ
-    redeliver(&db).await;
-    let exchange = format!("fidelity-{:016x}", rand::random::<u64>());
-    let (_connection, mut consumer) = crate::amqp::bound_queue(&exchange).await;
-    let amqp_url = crate::amqp::amqp_url();
-    let child = spawn_run(&db.url, &["--sink", &amqp_url, "--exchange", &exchange]);
-    let mut bodies = Vec::new();
-    while bodies.len() < stored.len() {
-        bodies.push(crate::amqp::next(&mut consumer).await.data);
+    #[tokio::test]
+    async fn payloads_reach_nats_as_postgres_stored_them() {
+        let db = TestDb::new().await;
+        let stored = publish_everything(&db).await;
+        let js = nats().await;
+        let prefix = unique("fidelity");
+        let stream = stream_for(&js, &prefix).await;
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix]);
+        all_processed(&db, stored.len()).await;
+        terminate_with_output(child).await;
+        let mut bodies = Vec::new();
+        for seq in 1..=stored.len() as u64 {
+            bodies.push(stream.get_raw_message(seq).await.unwrap().payload.to_vec());
+        }
+        assert_same("NATS", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
+        js.delete_stream(&prefix).await.unwrap();
     }
-    all_processed(&db, stored.len()).await;
-    terminate_with_output(child).await;
-    assert_same("RabbitMQ", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
+}
+
+/// RabbitMQ: `AMQP_URL` or the machine's broker.
+mod needs_rabbitmq {
+    use super::*;
+
+    #[tokio::test]
+    async fn payloads_reach_rabbitmq_as_postgres_stored_them() {
+        let db = TestDb::new().await;
+        let stored = publish_everything(&db).await;
+        let exchange = format!("fidelity-{:016x}", rand::random::<u64>());
+        let (_connection, mut consumer) = crate::amqp::bound_queue(&exchange).await;
+        let amqp_url = crate::amqp::amqp_url();
+        let child = spawn_run(&db.url, &["--sink", &amqp_url, "--exchange", &exchange]);
+        let mut bodies = Vec::new();
+        while bodies.len() < stored.len() {
+            bodies.push(crate::amqp::next(&mut consumer).await.data);
+        }
+        all_processed(&db, stored.len()).await;
+        terminate_with_output(child).await;
+        assert_same("RabbitMQ", &envelopes(bodies.iter().map(Vec::as_slice)), &stored);
+    }
 }

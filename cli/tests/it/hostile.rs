@@ -10,8 +10,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::binary::{cli, publish, serve, spawn_run, stderr, stdout, terminate_with_output};
 use crate::harness::TestDb;
-use crate::http::{free_port, http, spawn_console};
-use crate::relay_support::{PATIENCE, eventually};
+use crate::http::{http, spawn_console};
+use crate::relay_support::{PATIENCE, eventually, free_port};
 
 /// What a receiver puts in its error body to take over a terminal: clear the screen, set the
 /// window title (OSC ... BEL), ring, and reverse the text that follows (U+202E).

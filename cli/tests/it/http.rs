@@ -13,12 +13,8 @@ use tokio::process::{Child, Command};
 
 use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate, terminate_with_output};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
-
-/// A port nothing listens on right now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
+use crate::relay_support::{PATIENCE, eventually, free_port, until};
+use pg_outbox_relay_testkit::browser::{Chromedriver, chromium};
 
 pub fn http() -> reqwest::Client {
     // (reqwest is built without a crypto provider of its own; the library uses ring)
@@ -30,22 +26,6 @@ pub fn http() -> reqwest::Client {
 async fn get(url: &str) -> Option<(u16, String)> {
     let response = http().get(url).send().await.ok()?;
     Some((response.status().as_u16(), response.text().await.ok()?))
-}
-
-/// Polls `check` until it gives a value; fails the test after [`PATIENCE`].
-async fn until<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "timed out after {PATIENCE:?} waiting for: {what}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
 }
 
 /// Waits until `url` answers with `status`; returns the body.
@@ -72,19 +52,10 @@ for family in text_string_to_metric_families(sys.stdin.read()):
     out[family.name] = [family.type, {key(s): s.value for s in family.samples}]
 print(json.dumps(out))
 "#;
-    let mut child = std::process::Command::new("python3")
-        .args(["-c", SCRIPT])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 is needed to parse the metrics");
-    use std::io::Write;
-    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let output = child.wait_with_output().unwrap();
+    let output = crate::tools::python(SCRIPT, &[], text.as_bytes(), &[crate::tools::PROMETHEUS_CLIENT]);
     assert!(
         output.status.success(),
-        "the OpenMetrics parser refused the text (is prometheus-client installed? pip install prometheus-client): {}\n{text}",
+        "the OpenMetrics parser refused the text: {}\n{text}",
         String::from_utf8_lossy(&output.stderr)
     );
     let parsed: HashMap<String, (String, HashMap<String, f64>)> = serde_json::from_slice(&output.stdout).unwrap();
@@ -94,85 +65,6 @@ print(json.dumps(out))
 /// One sample's value in the raw text (for polling before the parser is run).
 fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
-
-#[tokio::test]
-async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
-    let db = TestDb::new().await;
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let relay = spawn_run(&db.url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
-    until_status(&format!("{base}/readyz"), 200).await;
-    let (status, before) = get(&format!("{base}/metrics")).await.unwrap();
-    assert_eq!(status, 200);
-    // The relay's families carry the destination: `default` for a single --sink.
-    let delivered = r#"outbox_relay_events_delivered_total{destination="default"}"#;
-    assert_eq!(sample(&before, delivered), Some(0.0), "{before}");
-
-    for n in 0..3 {
-        publish(&db, "order.placed", json!({"n": n})).await;
-    }
-    let url = format!("{base}/metrics");
-    let text = until("the delivered counter reaches 3", || async {
-        let (_, text) = get(&url).await?;
-        (sample(&text, delivered) == Some(3.0)).then_some(text)
-    })
-    .await;
-    let families = parse_openmetrics(&text);
-    let expected = [
-        ("outbox_relay_events_delivered", "counter"),
-        ("outbox_relay_events_retried", "counter"),
-        ("outbox_relay_events_dead_lettered", "counter"),
-        ("outbox_relay_delivery_latency_seconds", "histogram"),
-        ("outbox_relay_pending_events", "gauge"),
-        ("outbox_relay_oldest_pending_age_seconds", "gauge"),
-        ("outbox_relay_dead_letters", "gauge"),
-        ("outbox_relay_breaker_open", "gauge"),
-        ("outbox_relay_notification_queue_usage_ratio", "gauge"),
-        ("outbox_relay_claims", "counter"),
-        ("outbox_relay_claim_duration_seconds", "histogram"),
-        ("outbox_relay_oldest_transaction_age_seconds", "gauge"),
-        ("outbox_relay_xmin_horizon_age_transactions", "gauge"),
-        ("outbox_relay_outbox_dead_tuples", "gauge"),
-        ("outbox_relay_database_up", "gauge"),
-        ("outbox_relay_listening", "gauge"),
-        ("outbox_relay_paused", "gauge"),
-        ("outbox_relay_unrouted_dead_letters", "gauge"),
-        ("outbox_relay_destination_new_events", "gauge"),
-        ("outbox_relay_destination_parked_events", "gauge"),
-        ("outbox_relay_destination_dead_letters", "gauge"),
-        ("outbox_relay_destination_relays", "gauge"),
-    ];
-    for (name, kind) in expected {
-        let (found, _) = families.get(name).unwrap_or_else(|| panic!("no family {name} in\n{text}"));
-        assert_eq!(found, kind, "{name}");
-    }
-    let value = |family: &str, sample: &str| {
-        *families[family].1.get(sample).unwrap_or_else(|| panic!("no sample {sample} of {family} in\n{text}"))
-    };
-    // A family of the relay, or of a destination: its series for the destination `default`.
-    let of_default = |family: &str, sample: &str| value(family, &format!("{sample}{{destination=\"default\"}}"));
-    assert_eq!(of_default("outbox_relay_events_delivered", "outbox_relay_events_delivered_total"), 3.0);
-    assert_eq!(of_default("outbox_relay_events_retried", "outbox_relay_events_retried_total"), 0.0);
-    assert_eq!(of_default("outbox_relay_delivery_latency_seconds", "outbox_relay_delivery_latency_seconds_count"), 3.0);
-    assert!(of_default("outbox_relay_claims", "outbox_relay_claims_total") >= 1.0);
-    assert_eq!(value("outbox_relay_database_up", "outbox_relay_database_up"), 1.0);
-    assert_eq!(of_default("outbox_relay_listening", "outbox_relay_listening"), 1.0);
-    assert_eq!(value("outbox_relay_pending_events", "outbox_relay_pending_events"), 0.0);
-    assert_eq!(value("outbox_relay_unrouted_dead_letters", "outbox_relay_unrouted_dead_letters"), 0.0);
-    assert_eq!(of_default("outbox_relay_destination_new_events", "outbox_relay_destination_new_events"), 0.0);
-    assert_eq!(of_default("outbox_relay_destination_parked_events", "outbox_relay_destination_parked_events"), 0.0);
-    assert_eq!(of_default("outbox_relay_destination_dead_letters", "outbox_relay_destination_dead_letters"), 0.0);
-    assert_eq!(of_default("outbox_relay_destination_relays", "outbox_relay_destination_relays"), 1.0);
-    // Nothing of the relay's without its destination: every series of its families is labelled.
-    for (family, _) in expected.iter().filter(|(name, _)| {
-        name.starts_with("outbox_relay_events_") || ["outbox_relay_claims", "outbox_relay_listening"].contains(name)
-    }) {
-        let unlabelled: Vec<&String> = families[*family].1.keys().filter(|k| !k.contains("destination=")).collect();
-        assert!(unlabelled.is_empty(), "{family}: {unlabelled:?}");
-    }
-    assert_eq!(until_status(&format!("{base}/healthz"), 200).await, r#"{"status":"ok"}"#);
-    assert_eq!(terminate(relay).await, Some(0));
 }
 
 #[tokio::test]
@@ -486,22 +378,17 @@ async fn receiver() -> (String, Arc<AtomicBool>, tokio::sync::mpsc::UnboundedRec
     (format!("http://{addr}/hook"), accept, rx)
 }
 
-/// Debian's chromedriver and Chromium, headless; `.ci/run` installs them.
+/// Debian's chromedriver and Chromium, headless (the test kit's `browser`; `.ci/run` installs
+/// them).
 struct Browser {
-    driver: std::process::Child,
     client: fantoccini::Client,
+    _driver: Chromedriver,
     _profile: tempfile::TempDir,
 }
 
 impl Browser {
     async fn start() -> Browser {
-        let port = free_port();
-        let driver = std::process::Command::new("chromedriver")
-            .arg(format!("--port={port}"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("chromedriver is needed for the console's browser test (apt-get install chromium chromium-driver)");
+        let driver = Chromedriver::start();
         let profile = tempfile::tempdir().unwrap();
         let mut chrome = serde_json::Map::new();
         chrome.insert(
@@ -519,87 +406,177 @@ impl Browser {
                 format!("--user-data-dir={}", profile.path().display()),
             ]),
         );
-        if std::path::Path::new("/usr/bin/chromium").exists() {
-            chrome.insert("binary".into(), json!("/usr/bin/chromium"));
-        }
+        chrome.insert("binary".into(), json!(chromium()));
         let mut capabilities = serde_json::Map::new();
         capabilities.insert("goog:chromeOptions".into(), Value::Object(chrome));
         let client = until("chromedriver starts a headless Chromium", || async {
             let connector = hyper_util::client::legacy::connect::HttpConnector::new();
             fantoccini::ClientBuilder::new(connector)
                 .capabilities(capabilities.clone())
-                .connect(&format!("http://127.0.0.1:{port}"))
+                .connect(&driver.url())
                 .await
                 .ok()
         })
         .await;
-        Browser { driver, client, _profile: profile }
+        Browser { client, _driver: driver, _profile: profile }
     }
 }
 
-impl Drop for Browser {
-    fn drop(&mut self) {
-        let _ = self.driver.kill();
-        let _ = self.driver.wait();
+/// The metrics read by the Prometheus project's Python client (`tools::python` names what is
+/// missing).
+mod needs_python {
+    use super::*;
+
+    #[tokio::test]
+    async fn metrics_parse_with_the_documented_families_and_move_with_deliveries() {
+        let db = TestDb::new().await;
+        let port = free_port();
+        let base = format!("http://127.0.0.1:{port}");
+        let relay = spawn_run(&db.url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
+        until_status(&format!("{base}/readyz"), 200).await;
+        let (status, before) = get(&format!("{base}/metrics")).await.unwrap();
+        assert_eq!(status, 200);
+        // The relay's families carry the destination: `default` for a single --sink.
+        let delivered = r#"outbox_relay_events_delivered_total{destination="default"}"#;
+        assert_eq!(sample(&before, delivered), Some(0.0), "{before}");
+
+        for n in 0..3 {
+            publish(&db, "order.placed", json!({"n": n})).await;
+        }
+        let url = format!("{base}/metrics");
+        let text = until("the delivered counter reaches 3", || async {
+            let (_, text) = get(&url).await?;
+            (sample(&text, delivered) == Some(3.0)).then_some(text)
+        })
+        .await;
+        let families = parse_openmetrics(&text);
+        let expected = [
+            ("outbox_relay_events_delivered", "counter"),
+            ("outbox_relay_events_retried", "counter"),
+            ("outbox_relay_events_dead_lettered", "counter"),
+            ("outbox_relay_delivery_latency_seconds", "histogram"),
+            ("outbox_relay_pending_events", "gauge"),
+            ("outbox_relay_oldest_pending_age_seconds", "gauge"),
+            ("outbox_relay_dead_letters", "gauge"),
+            ("outbox_relay_breaker_open", "gauge"),
+            ("outbox_relay_notification_queue_usage_ratio", "gauge"),
+            ("outbox_relay_claims", "counter"),
+            ("outbox_relay_claim_duration_seconds", "histogram"),
+            ("outbox_relay_oldest_transaction_age_seconds", "gauge"),
+            ("outbox_relay_xmin_horizon_age_transactions", "gauge"),
+            ("outbox_relay_outbox_dead_tuples", "gauge"),
+            ("outbox_relay_database_up", "gauge"),
+            ("outbox_relay_listening", "gauge"),
+            ("outbox_relay_paused", "gauge"),
+            ("outbox_relay_unrouted_dead_letters", "gauge"),
+            ("outbox_relay_destination_new_events", "gauge"),
+            ("outbox_relay_destination_parked_events", "gauge"),
+            ("outbox_relay_destination_dead_letters", "gauge"),
+            ("outbox_relay_destination_relays", "gauge"),
+        ];
+        for (name, kind) in expected {
+            let (found, _) = families.get(name).unwrap_or_else(|| panic!("no family {name} in\n{text}"));
+            assert_eq!(found, kind, "{name}");
+        }
+        let value = |family: &str, sample: &str| {
+            *families[family].1.get(sample).unwrap_or_else(|| panic!("no sample {sample} of {family} in\n{text}"))
+        };
+        // A family of the relay, or of a destination: its series for the destination `default`.
+        let of_default = |family: &str, sample: &str| value(family, &format!("{sample}{{destination=\"default\"}}"));
+        assert_eq!(of_default("outbox_relay_events_delivered", "outbox_relay_events_delivered_total"), 3.0);
+        assert_eq!(of_default("outbox_relay_events_retried", "outbox_relay_events_retried_total"), 0.0);
+        assert_eq!(
+            of_default("outbox_relay_delivery_latency_seconds", "outbox_relay_delivery_latency_seconds_count"),
+            3.0
+        );
+        assert!(of_default("outbox_relay_claims", "outbox_relay_claims_total") >= 1.0);
+        assert_eq!(value("outbox_relay_database_up", "outbox_relay_database_up"), 1.0);
+        assert_eq!(of_default("outbox_relay_listening", "outbox_relay_listening"), 1.0);
+        assert_eq!(value("outbox_relay_pending_events", "outbox_relay_pending_events"), 0.0);
+        assert_eq!(value("outbox_relay_unrouted_dead_letters", "outbox_relay_unrouted_dead_letters"), 0.0);
+        assert_eq!(of_default("outbox_relay_destination_new_events", "outbox_relay_destination_new_events"), 0.0);
+        assert_eq!(of_default("outbox_relay_destination_parked_events", "outbox_relay_destination_parked_events"), 0.0);
+        assert_eq!(of_default("outbox_relay_destination_dead_letters", "outbox_relay_destination_dead_letters"), 0.0);
+        assert_eq!(of_default("outbox_relay_destination_relays", "outbox_relay_destination_relays"), 1.0);
+        // Nothing of the relay's without its destination: every series of its families is labelled.
+        for (family, _) in expected.iter().filter(|(name, _)| {
+            name.starts_with("outbox_relay_events_") || ["outbox_relay_claims", "outbox_relay_listening"].contains(name)
+        }) {
+            let unlabelled: Vec<&String> = families[*family].1.keys().filter(|k| !k.contains("destination=")).collect();
+            assert!(unlabelled.is_empty(), "{family}: {unlabelled:?}");
+        }
+        assert_eq!(until_status(&format!("{base}/healthz"), 200).await, r#"{"status":"ok"}"#);
+        assert_eq!(terminate(relay).await, Some(0));
     }
 }
 
-#[tokio::test]
-async fn in_a_browser_a_dead_letter_is_shown_and_a_click_on_retry_delivers_it() {
-    let db = TestDb::new().await;
-    let (hook, accept, mut received) = receiver().await;
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let relay = spawn_run(&db.url, &["--sink", &hook, "--http", &format!("127.0.0.1:{port}")]);
-    until_status(&format!("{base}/readyz"), 200).await;
-    let id = publish(&db, "invoice.issue", json!({"invoice": "F-7"})).await;
-    eventually("the refused event is in the dead letters", || async {
-        db.client()
-            .await
-            .query_one("select count(*) from outbox_relay.dead_letters where id = $1", &[&id])
+/// The console driven in a headless Chromium through chromedriver (the test kit's `browser`).
+mod needs_browser {
+    use super::*;
+
+    #[tokio::test]
+    async fn in_a_browser_a_dead_letter_is_shown_and_a_click_on_retry_delivers_it() {
+        let db = TestDb::new().await;
+        let (hook, accept, mut received) = receiver().await;
+        let port = free_port();
+        let base = format!("http://127.0.0.1:{port}");
+        let relay = spawn_run(&db.url, &["--sink", &hook, "--http", &format!("127.0.0.1:{port}")]);
+        until_status(&format!("{base}/readyz"), 200).await;
+        let id = publish(&db, "invoice.issue", json!({"invoice": "F-7"})).await;
+        eventually("the refused event is in the dead letters", || async {
+            db.client()
+                .await
+                .query_one("select count(*) from outbox_relay.dead_letters where id = $1", &[&id])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 1
+        })
+        .await;
+        accept.store(true, Ordering::SeqCst);
+
+        let browser = Browser::start().await;
+        let page = &browser.client;
+        page.goto(&format!("{base}/")).await.unwrap();
+        // The relay's concurrency limit, as the page's script refreshes it: "N (M in flight)".
+        let limit = page.find(fantoccini::Locator::Id("limit")).await.unwrap().text().await.unwrap();
+        let (n, in_flight) = limit.split_once(" (").unwrap_or_else(|| panic!("{limit:?}"));
+        assert!(n.parse::<u32>().is_ok_and(|n| n >= 1) && in_flight.ends_with(" in flight)"), "{limit:?}");
+        let row = page.find(fantoccini::Locator::Css(&format!("#dead-{id}"))).await.expect("the dead letter's row");
+        let text = row.text().await.unwrap();
+        assert!(text.contains("invoice.issue") && text.contains("422"), "{text}");
+        // The payload, on demand.
+        row.find(fantoccini::Locator::Css("summary")).await.unwrap().click().await.unwrap();
+        until("the payload shows", || async {
+            let shown = row.find(fantoccini::Locator::Css("pre")).await.ok()?.text().await.ok()?;
+            shown.contains("F-7").then_some(())
+        })
+        .await;
+
+        row.find(fantoccini::Locator::Css("form[action='/actions/retry'] button"))
             .await
             .unwrap()
-            .get::<_, i64>(0)
-            == 1
-    })
-    .await;
-    accept.store(true, Ordering::SeqCst);
+            .click()
+            .await
+            .unwrap();
+        let delivered =
+            tokio::time::timeout(PATIENCE, received.recv()).await.expect("delivered after the retry").unwrap();
+        assert_eq!(delivered["id"], json!(id), "{delivered}");
+        let done = page.find(fantoccini::Locator::Css(".done")).await.expect("the console says what it did");
+        assert_eq!(done.text().await.unwrap(), format!("retried dead letter {id}"));
+        // Looked up: the outbox row, passed (kept, marked processed), and nothing else once the
+        // delivery is recorded: no copy waiting for the destination, no dead letter.
+        let found = until("the delivery recorded", || async {
+            page.goto(&format!("{base}/?lookup={id}")).await.ok()?;
+            let found = page.find(fantoccini::Locator::Id("lookup-result")).await.ok()?.text().await.ok()?;
+            let waiting = ["pending", "delayed", "in flight", "dead"].iter().any(|state| found.contains(state));
+            (!waiting).then_some(found)
+        })
+        .await;
+        assert!(found.contains("processed"), "{found}");
 
-    let browser = Browser::start().await;
-    let page = &browser.client;
-    page.goto(&format!("{base}/")).await.unwrap();
-    // The relay's concurrency limit, as the page's script refreshes it: "N (M in flight)".
-    let limit = page.find(fantoccini::Locator::Id("limit")).await.unwrap().text().await.unwrap();
-    let (n, in_flight) = limit.split_once(" (").unwrap_or_else(|| panic!("{limit:?}"));
-    assert!(n.parse::<u32>().is_ok_and(|n| n >= 1) && in_flight.ends_with(" in flight)"), "{limit:?}");
-    let row = page.find(fantoccini::Locator::Css(&format!("#dead-{id}"))).await.expect("the dead letter's row");
-    let text = row.text().await.unwrap();
-    assert!(text.contains("invoice.issue") && text.contains("422"), "{text}");
-    // The payload, on demand.
-    row.find(fantoccini::Locator::Css("summary")).await.unwrap().click().await.unwrap();
-    until("the payload shows", || async {
-        let shown = row.find(fantoccini::Locator::Css("pre")).await.ok()?.text().await.ok()?;
-        shown.contains("F-7").then_some(())
-    })
-    .await;
-
-    row.find(fantoccini::Locator::Css("form[action='/actions/retry'] button")).await.unwrap().click().await.unwrap();
-    let delivered = tokio::time::timeout(PATIENCE, received.recv()).await.expect("delivered after the retry").unwrap();
-    assert_eq!(delivered["id"], json!(id), "{delivered}");
-    let done = page.find(fantoccini::Locator::Css(".done")).await.expect("the console says what it did");
-    assert_eq!(done.text().await.unwrap(), format!("retried dead letter {id}"));
-    // Looked up: the outbox row, passed (kept, marked processed), and nothing else once the
-    // delivery is recorded: no copy waiting for the destination, no dead letter.
-    let found = until("the delivery recorded", || async {
-        page.goto(&format!("{base}/?lookup={id}")).await.ok()?;
-        let found = page.find(fantoccini::Locator::Id("lookup-result")).await.ok()?.text().await.ok()?;
-        let waiting = ["pending", "delayed", "in flight", "dead"].iter().any(|state| found.contains(state));
-        (!waiting).then_some(found)
-    })
-    .await;
-    assert!(found.contains("processed"), "{found}");
-
-    browser.client.clone().close().await.unwrap();
-    drop(browser);
-    assert_eq!(terminate(relay).await, Some(0));
+        browser.client.clone().close().await.unwrap();
+        drop(browser);
+        assert_eq!(terminate(relay).await, Some(0));
+    }
 }

@@ -14,11 +14,7 @@ use tokio_postgres::Client;
 
 use crate::binary::BIN;
 use pg_outbox_relay_testkit::harness::TestDb;
-use pg_outbox_relay_testkit::support::{PATIENCE, eventually, eventually_within};
-
-async fn count(client: &Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
+use pg_outbox_relay_testkit::support::{PATIENCE, count, eventually, eventually_within};
 
 /// The events not yet recorded delivered (nor dead-lettered): outbox rows the destination has
 /// not passed, and copies parked for it (a retry, a lease).

@@ -1,7 +1,7 @@
 //! The `outbox-relay` command, spawned for real against a real PostgreSQL (the test kit's
 //! harness: `DATABASE_URL` or a throwaway cluster, a database per test).
 
-use pg_outbox_relay_testkit::{harness, support as relay_support};
+use pg_outbox_relay_testkit::{factory, harness, nats, rabbitmq, support as relay_support, tools};
 
 mod amqp;
 mod binary;

@@ -11,11 +11,7 @@ use tokio::process::Command;
 
 use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
-
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.client().await.query_one(sql, &[]).await.unwrap().get(0)
-}
+use crate::relay_support::{PATIENCE, count, eventually};
 
 /// With stdout on a device that refuses every write, no event may count as delivered, however
 /// the workers' batches interleave.
@@ -53,14 +49,14 @@ async fn stdout_on_a_full_disk_marks_nothing_delivered() {
     // (a failed delivery waits for its retry as a copy parked for the destination)
     let failed = "select count(*) from outbox_relay.parked
                    where destination = 'default' and attempts >= 1 and last_error is not null";
-    eventually("every event attempted once", || async { count(&db, failed).await == 300 }).await;
+    eventually("every event attempted once", || async { count(&db.client().await, failed).await == 300 }).await;
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     tokio::time::timeout(PATIENCE, child.wait()).await.unwrap().unwrap();
     // None delivered: every event still waits for the destination, none was dead-lettered.
-    assert_eq!(count(&db, failed).await, 300);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.parked").await, 300);
-    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 0);
+    assert_eq!(count(&db.client().await, failed).await, 300);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.parked").await, 300);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.dead_letters").await, 0);
     let error: String =
         db.client().await.query_one("select last_error from outbox_relay.parked limit 1", &[]).await.unwrap().get(0);
     assert!(error.contains("writing to stdout failed"), "{error}");
@@ -125,7 +121,7 @@ async fn purge_needs_all_or_older_than() {
     let bare = cli(&db.url, &["dead-letters", "purge"]).await;
     assert_eq!(bare.status.code(), Some(2), "{}", stderr(&bare));
     assert!(stderr(&bare).contains("--all") || stderr(&bare).contains("--older-than"), "{}", stderr(&bare));
-    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 2);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.dead_letters").await, 2);
     let both = cli(&db.url, &["dead-letters", "purge", "--all", "--older-than", "1d"]).await;
     assert_eq!(both.status.code(), Some(2));
     let old = cli(&db.url, &["dead-letters", "purge", "--older-than", "1d"]).await;
@@ -170,8 +166,11 @@ async fn a_failing_sink_is_logged_and_status_shows_why_events_wait() {
     assert!(warnings[0].contains("POST http://127.0.0.1:1/hooks failed"), "{}", warnings[0]);
     assert!(warnings[0].contains("retry_in="), "{}", warnings[0]);
     eventually("more than 40 failed attempts", || async {
-        count(&db, "select coalesce(sum(attempts), 0)::int8 from outbox_relay.parked where destination = 'default'")
-            .await
+        count(
+            &db.client().await,
+            "select coalesce(sum(attempts), 0)::int8 from outbox_relay.parked where destination = 'default'",
+        )
+        .await
             > 40
     })
     .await;
@@ -365,7 +364,7 @@ async fn status_shows_the_concurrency_limit_and_the_deliveries_in_flight() {
 
     open.send_replace(true);
     eventually("every event delivered", || async { crate::cli::settled(&db, 10).await }).await;
-    assert_eq!(count(&db, "select count(*) from outbox_relay.dead_letters").await, 0);
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.dead_letters").await, 0);
     eventually("nothing in flight", || async { relay().await["deliveries_in_flight"] == json!(0) }).await;
     let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
     assert_eq!(terminate_collecting(child, &mut log, &mut Vec::new()).await, Some(0));

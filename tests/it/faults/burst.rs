@@ -10,8 +10,9 @@ use pg_outbox_relay::{DeliveryError, Event, Handler, RelayConfig};
 use tokio::sync::Semaphore;
 use tokio_postgres::Client;
 
-use super::{LONG_PATIENCE, count};
+use super::LONG_PATIENCE;
 use crate::harness::TestDb;
+use crate::relay_support::count;
 use crate::relay_support::{self as support, PATIENCE, config, eventually, eventually_within, listener_ready};
 
 /// A handler that holds every delivery until the gate opens: the workers are busy for as long as

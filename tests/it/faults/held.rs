@@ -9,9 +9,8 @@ use pg_outbox_relay::{Event, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 
-use super::count;
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, eventually};
+use crate::relay_support::{self as support, config, count, eventually};
 
 /// The claim's session ends mid-delivery: the server rolls the claim back, so its events are
 /// claimable at once (the lease is an hour) and are delivered again; the first delivery's

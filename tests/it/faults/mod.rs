@@ -33,10 +33,6 @@ pub(super) async fn connect(url: &str) -> Client {
     client
 }
 
-pub(super) async fn count(client: &Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
-
 // The orders write path shared by the writer tests: order, audit entry, receipt and event in one
 // `execute`, with the idempotency key kept on the order too, so that every row can be traced to
 // its key.

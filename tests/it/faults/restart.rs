@@ -7,9 +7,9 @@ use std::time::Duration;
 use pg_outbox_relay::{Outbox, RelayConfig};
 use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres, StopMode};
 
-use super::{LONG_PATIENCE, assert_no_orphans, connect, count, place, rows_by_key};
+use super::{LONG_PATIENCE, assert_no_orphans, connect, place, rows_by_key};
 use crate::orders::{ORDERS_TABLE, TestError};
-use crate::relay_support::{self as support, PATIENCE, config, eventually_within, recorder};
+use crate::relay_support::{self as support, PATIENCE, config, count, eventually_within, recorder};
 
 /// What one `execute` call of the writer returned.
 #[derive(Debug, Clone)]

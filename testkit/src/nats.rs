@@ -1,0 +1,143 @@
+//! A NATS server with JetStream for the tests of the NATS sink: the one `NATS_URL` names when it
+//! is set; otherwise a private `nats-server -js` that this process starts once, on a free port of
+//! 127.0.0.1 with its store in a temporary directory, as the harness does with PostgreSQL.
+//!
+//! The private server outlives no test process: a small detached watchdog (`/bin/sh`, like the
+//! throwaway cluster's) stops it and removes its directory once the process is gone (a value in
+//! a `static` is never dropped). Without `NATS_URL` and without `nats-server`, a test fails with
+//! a message that says what to install.
+
+use std::os::unix::process::CommandExt as _;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::support::free_port;
+use crate::tools::{answers, find_program};
+
+/// How to get `nats-server`, for the messages.
+const INSTALL: &str = "Debian: apt install nats-server; or set NATS_URL to a server with JetStream";
+
+/// How long a starting server may take to accept connections.
+const START_PATIENCE: Duration = Duration::from_secs(20);
+
+/// The server every NATS test of this process uses.
+pub struct Nats {
+    url: String,
+    /// The private server and its directory; `None` with `NATS_URL`.
+    _private: Option<Private>,
+}
+
+struct Private {
+    _server: Child,
+    _watchdog: Child,
+    _dir: PathBuf,
+}
+
+static NATS: OnceLock<Nats> = OnceLock::new();
+
+/// The URL of the NATS server, started on first use; fails the test when there is none.
+pub fn url() -> String {
+    NATS.get_or_init(Nats::find_or_start).url.clone()
+}
+
+impl Nats {
+    fn find_or_start() -> Nats {
+        match std::env::var("NATS_URL") {
+            Ok(url) if !url.is_empty() => {
+                if let Err(e) = answers(&url, 4222) {
+                    panic!(
+                        "no NATS server answers at NATS_URL={url} ({e}); unset NATS_URL to let the tests start nats-server ({INSTALL})"
+                    )
+                }
+                Nats { url, _private: None }
+            }
+            _ => {
+                let Some(binary) = find_program("nats-server") else {
+                    panic!(
+                        "this test needs NATS with JetStream: nats-server is not on PATH and NATS_URL is not set ({INSTALL})"
+                    )
+                };
+                let (url, private) = start(&binary).unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
+                Nats { url, _private: Some(private) }
+            }
+        }
+    }
+}
+
+/// Starts `nats-server -js` on a free port (another one if that got taken meanwhile).
+fn start(binary: &std::path::Path) -> Result<(String, Private), String> {
+    let dir = std::env::temp_dir().join(format!("outbox-relay-nats-{}-{:08x}", std::process::id(), rand_suffix()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let mut last_error = String::new();
+    for _ in 0..3 {
+        let port = free_port();
+        let log = std::fs::File::create(dir.join("log")).map_err(|e| format!("creating its log: {e}"))?;
+        let mut server = Command::new(binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(dir.join("store"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("spawning {}: {e}", binary.display()))?;
+        let url = format!("nats://127.0.0.1:{port}");
+        let deadline = Instant::now() + START_PATIENCE;
+        loop {
+            if answers(&url, 4222).is_ok() {
+                let watchdog = spawn_watchdog(server.id(), &dir)?;
+                return Ok((url, Private { _server: server, _watchdog: watchdog, _dir: dir }));
+            }
+            if let Ok(Some(status)) = server.try_wait() {
+                last_error = format!("nats-server exited ({status}): {}", log_tail(&dir));
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = server.kill();
+                let _ = server.wait();
+                last_error =
+                    format!("nats-server did not accept connections within {START_PATIENCE:?}: {}", log_tail(&dir));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Err(last_error)
+}
+
+/// The detached watchdog that stops the server and removes its directory once this process is
+/// gone.
+fn spawn_watchdog(server: u32, dir: &std::path::Path) -> Result<Child, String> {
+    let script = format!(
+        "trap '' HUP INT\n\
+         while kill -0 {owner} 2>/dev/null; do sleep 1; done\n\
+         kill {server} 2>/dev/null\n\
+         for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 {server} 2>/dev/null || break; sleep 0.5; done\n\
+         kill -9 {server} 2>/dev/null\n\
+         rm -rf '{dir}'\n",
+        owner = std::process::id(),
+        dir = dir.display(),
+    );
+    Command::new("/bin/sh")
+        .args(["-c", &script])
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        // Its own process group: a Ctrl-C aimed at the tests must not kill the cleanup too.
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("spawning the nats-server watchdog (/bin/sh): {e}"))
+}
+
+fn log_tail(dir: &std::path::Path) -> String {
+    let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
+    log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+fn rand_suffix() -> u32 {
+    use std::hash::{BuildHasher as _, RandomState};
+    RandomState::new().hash_one(std::time::SystemTime::now()) as u32
+}
