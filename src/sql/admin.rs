@@ -68,22 +68,22 @@ pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
 
 /// The most common errors of pending events, with how many events have each, for `status`.
 const EVENT_ERRORS_TOP: &str = "\
-select last_error, count(*) from outbox_relay.parked
+select last_error as error, count(*) as events from outbox_relay.parked
  where last_error is not null
  group by last_error order by count(*) desc, last_error limit $1";
 
 /// The `limit` most common errors of pending events.
 pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<ErrorCount>> {
     let rows = all(db, EVENT_ERRORS_TOP, &[&limit], "reading the errors of pending events").await?;
-    Ok(rows.iter().map(|r| ErrorCount { error: r.get(0), events: r.get(1) }).collect())
+    Ok(rows.iter().map(|r| ErrorCount { error: r.get("error"), events: r.get("events") }).collect())
 }
 
 /// The relays connected to this database: their listener connections, and whether each is
 /// marked waiting for a notification.
 const RELAYS_CONNECTED: &str = "\
-select a.pid, coalesce(host(a.client_addr), 'local'), a.backend_start, coalesce(r.waiting, false),
-       coalesce(r.breaker, 'closed') = 'open', r.breaker_since, r.delivery_limit, r.deliveries_in_flight,
-       r.destination
+select a.pid as listener_pid, coalesce(host(a.client_addr), 'local') as client, a.backend_start as connected_at,
+       coalesce(r.waiting, false) as waiting, coalesce(r.breaker, 'closed') = 'open' as breaker_open,
+       r.breaker_since, r.delivery_limit, r.deliveries_in_flight, r.destination
   from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
  where a.datname = current_database() and a.application_name = 'outbox-relay listener'
  order by a.backend_start";
@@ -94,15 +94,15 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
     Ok(rows
         .iter()
         .map(|r| ConnectedRelay {
-            listener_pid: r.get(0),
-            client: r.get(1),
-            connected_at: r.get(2),
-            waiting: r.get(3),
-            breaker_open: r.get(4),
-            breaker_since: r.get(5),
-            delivery_limit: r.get(6),
-            deliveries_in_flight: r.get(7),
-            destination: r.get(8),
+            listener_pid: r.get("listener_pid"),
+            client: r.get("client"),
+            connected_at: r.get("connected_at"),
+            waiting: r.get("waiting"),
+            breaker_open: r.get("breaker_open"),
+            breaker_since: r.get("breaker_since"),
+            delivery_limit: r.get("delivery_limit"),
+            deliveries_in_flight: r.get("deliveries_in_flight"),
+            destination: r.get("destination"),
         })
         .collect())
 }
@@ -117,15 +117,15 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
     Ok(rows
         .iter()
         .map(|r| DeadLetter {
-            id: r.get(0),
-            topic: r.get(1),
-            key: r.get(2),
-            payload: r.get(3),
-            created_at: r.get(4),
-            attempts: r.get(5),
-            last_error: r.get(6),
-            failed_at: r.get(7),
-            destination: r.get(8),
+            id: r.get("id"),
+            topic: r.get("topic"),
+            key: r.get("key"),
+            payload: r.get("payload"),
+            created_at: r.get("created_at"),
+            attempts: r.get("attempts"),
+            last_error: r.get("last_error"),
+            failed_at: r.get("failed_at"),
+            destination: r.get("destination"),
         })
         .collect())
 }
@@ -240,13 +240,13 @@ pub(crate) async fn pauses(db: &impl Db) -> Result<Vec<Pause>> {
     Ok(rows
         .iter()
         .map(|r| {
-            let topic: String = r.get(0);
-            let destination: String = r.get(3);
+            let topic: String = r.get("topic");
+            let destination: String = r.get("destination");
             Pause {
                 topic: (!topic.is_empty()).then_some(topic),
                 destination: (!destination.is_empty()).then_some(destination),
-                paused_at: r.get(1),
-                paused_by: r.get(2),
+                paused_at: r.get("paused_at"),
+                paused_by: r.get("paused_by"),
             }
         })
         .collect())
@@ -257,23 +257,25 @@ pub(crate) async fn pauses(db: &impl Db) -> Result<Vec<Pause>> {
 /// of pg_read_all_stats; for others they count as absent.
 const HEALTH: &str = "\
 select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000)::int8
-          from pg_stat_activity where xact_start is not null and pid <> pg_backend_pid()),
+          from pg_stat_activity where xact_start is not null and pid <> pg_backend_pid()) as oldest_transaction_age_ms,
        greatest((select max(age(backend_xmin)) from pg_stat_activity where pid <> pg_backend_pid()),
                 (select max(age(xmin)) from pg_replication_slots),
-                (select max(age(transaction)) from pg_prepared_xacts))::int8,
-       (select coalesce(n_dead_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass),
-       (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass),
-       pg_notification_queue_usage()";
+                (select max(age(transaction)) from pg_prepared_xacts))::int8 as xmin_horizon_age,
+       (select coalesce(n_dead_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
+         as outbox_dead_tuples,
+       (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
+         as outbox_live_tuples,
+       pg_notification_queue_usage() as notification_queue_usage";
 
 /// The database's health as the outbox feels it.
 pub(crate) async fn health(db: &impl Db) -> Result<Health> {
     let row = one(db, HEALTH, &[], "reading the database's health").await?;
     Ok(Health {
-        oldest_transaction_age: crate::timestamp::millis(row.get(0)),
-        xmin_horizon_age: row.get(1),
-        outbox_dead_tuples: row.get::<_, Option<i64>>(2).unwrap_or(0),
-        outbox_live_tuples: row.get::<_, Option<i64>>(3).unwrap_or(0),
-        notification_queue_usage: row.get(4),
+        oldest_transaction_age: crate::timestamp::millis(row.get("oldest_transaction_age_ms")),
+        xmin_horizon_age: row.get("xmin_horizon_age"),
+        outbox_dead_tuples: row.get::<_, Option<i64>>("outbox_dead_tuples").unwrap_or(0),
+        outbox_live_tuples: row.get::<_, Option<i64>>("outbox_live_tuples").unwrap_or(0),
+        notification_queue_usage: row.get("notification_queue_usage"),
     })
 }
 
@@ -282,8 +284,9 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
 const EVENT_LOOKUP: &str = "\
 select * from (
   (select id, topic, key, payload, created_at, attempts, null::text as last_error,
-          case when processed_at is not null then 'processed' else 'new' end,
-          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end,
+          case when processed_at is not null then 'processed' else 'new' end as state,
+          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
+            as since,
           null::text as destination
      from outbox_relay.outbox where id = $1 or key = $2
     order by coalesce(id = $1, false) desc, id desc limit $3)
@@ -306,21 +309,21 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
     let rows = all(db, EVENT_LOOKUP, &[&id, &key, &limit], "looking events up").await?;
     rows.iter()
         .map(|r| {
-            let state: &str = r.get(7);
+            let state: &str = r.get("state");
             let state = EventState::from_sql(state).ok_or_else(|| {
                 Error::new(ErrorKind::Database, format!("looking up an event: unknown state {state:?}"))
             })?;
             Ok(FoundEvent {
-                id: r.get(0),
-                topic: r.get(1),
-                key: r.get(2),
-                payload: r.get(3),
-                created_at: r.get(4),
-                attempts: r.get(5),
-                last_error: r.get(6),
+                id: r.get("id"),
+                topic: r.get("topic"),
+                key: r.get("key"),
+                payload: r.get("payload"),
+                created_at: r.get("created_at"),
+                attempts: r.get("attempts"),
+                last_error: r.get("last_error"),
                 state,
-                since: r.get(8),
-                destination: r.get(9),
+                since: r.get("since"),
+                destination: r.get("destination"),
             })
         })
         .collect()

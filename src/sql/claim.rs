@@ -40,13 +40,13 @@ fn claimed_row(row: &tokio_postgres::Row, id: i64, parked: bool) -> ClaimedRow {
     ClaimedRow {
         parked,
         id,
-        uuid: row.get(7),
-        topic: row.get(1),
-        key: row.get(2),
-        payload: row.try_get::<_, Payload>(3).map_err(|e| crate::error::chain(&e)),
-        created_at: row.get(4),
-        attempts: row.get(5),
-        age: row.get::<_, Option<i64>>(6).map(|us| Duration::from_micros(us.max(0) as u64)),
+        uuid: row.get("uuid"),
+        topic: row.get("topic"),
+        key: row.get("key"),
+        payload: row.try_get::<_, Payload>("payload").map_err(|e| crate::error::chain(&e)),
+        created_at: row.get("created_at"),
+        attempts: row.get("attempt"),
+        age: row.get::<_, Option<i64>>("age_us").map(|us| Duration::from_micros(us.max(0) as u64)),
     }
 }
 
@@ -156,16 +156,18 @@ async fn claim_new(
         let mut fresh = Vec::with_capacity(rows.len());
         let (mut moved, mut overtaken) = (false, false);
         for row in &rows {
-            let Some(id) = row.get::<_, Option<i64>>(0) else {
-                claimed.next_due =
-                    row.get::<_, Option<i64>>(9).filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64));
-                claimed.held_new = row.get::<_, Option<bool>>(10).unwrap_or(false);
-                moved = row.get::<_, Option<bool>>(11).unwrap_or(false);
-                claimed.more = row.get::<_, Option<bool>>(12).unwrap_or(false);
-                overtaken = row.get::<_, Option<bool>>(13).unwrap_or(false);
+            let Some(id) = row.get::<_, Option<i64>>("id") else {
+                claimed.next_due = row
+                    .get::<_, Option<i64>>("next_due_us")
+                    .filter(|us| *us > 0)
+                    .map(|us| Duration::from_micros(us as u64));
+                claimed.held_new = row.get::<_, Option<bool>>("held").unwrap_or(false);
+                moved = row.get::<_, Option<bool>>("moved").unwrap_or(false);
+                claimed.more = row.get::<_, Option<bool>>("more").unwrap_or(false);
+                overtaken = row.get::<_, Option<bool>>("overtaken").unwrap_or(false);
                 continue;
             };
-            fresh.push((claimed_row(row, id, false), row.get::<_, Option<bool>>(8).unwrap_or(false)));
+            fresh.push((claimed_row(row, id, false), row.get::<_, Option<bool>>("ready").unwrap_or(false)));
         }
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
@@ -220,8 +222,8 @@ async fn claim_parked(
     let rows = all(db, CLAIM_PARKED, &params, "claiming parked events").await?;
     let before = claimed.rows.len();
     for row in &rows {
-        let Some(id) = row.get::<_, Option<i64>>(0) else {
-            claimed.walked_to = Some(row.get(8));
+        let Some(id) = row.get::<_, Option<i64>>("id") else {
+            claimed.walked_to = Some(row.get("walked_to"));
             continue;
         };
         let row = claimed_row(row, id, true);

@@ -94,7 +94,7 @@ pub(crate) async fn register_destinations(
     let mut found = Vec::with_capacity(all.len());
     for to in all {
         let row = all_rows(&tx, DESTINATION_GET, &[&to.name], "registering a destination").await?;
-        found.push(row.first().map(|row| (row.get::<_, String>(1), row.get::<_, i32>(3))));
+        found.push(row.first().map(|row| (row.get::<_, String>("pattern"), row.get::<_, i32>("lock_id"))));
     }
     let changes = all.iter().zip(&found).any(|(to, found)| found.as_ref().is_none_or(|(was, _)| was != to.pattern));
     if changes {
@@ -203,12 +203,13 @@ marked as (
      where not $3 and id in (select id from gone) and id not in (select id from unrouted)
     returning 1
 )
-select (select count(*) from gone), (select count(*) from unrouted), (select count(*) from seen),
+select (select count(*) from gone) as finished, (select count(*) from unrouted) as unrouted,
+       (select count(*) from seen) as read,
        case when (select top from horizon) is not null then least(
            (select s.xid from seen s where not s.passed and s.processed_at is null order by s.xid limit 1),
            case when (select count(*) from seen) >= $2 then (select s.xid from seen s order by s.xid desc limit 1)
                 else (select top from horizon) end,
-           (select running from horizon)) end::text";
+           (select running from horizon)) end::text as next";
 
 /// What one sweep did.
 pub(crate) struct Swept {
@@ -224,7 +225,12 @@ pub(crate) struct Swept {
 /// `from` on ("0" at the start).
 pub(crate) async fn sweep_outbox(db: &impl Db, from: &str, batch: i64, delete: bool) -> Result<Swept> {
     let row = one(db, OUTBOX_SWEEP, &[&from, &batch, &delete], "finishing events every destination passed").await?;
-    Ok(Swept { finished: row.get(0), unrouted: row.get(1), read: row.get(2), next: row.get(3) })
+    Ok(Swept {
+        finished: row.get("finished"),
+        unrouted: row.get("unrouted"),
+        read: row.get("read"),
+        next: row.get("next"),
+    })
 }
 
 /// The dead letters of a destination that is dropped: what waited for it is kept, saying why.

@@ -59,5 +59,5 @@ pub(crate) async fn applied_migrations(
     client: &impl tokio_postgres::GenericClient,
 ) -> std::result::Result<Vec<AppliedMigration>, tokio_postgres::Error> {
     let rows = client.query(MIGRATION_LIST, &[]).await?;
-    Ok(rows.iter().map(|r| AppliedMigration { version: r.get(0), checksum: r.get(2) }).collect())
+    Ok(rows.iter().map(|r| AppliedMigration { version: r.get("version"), checksum: r.get("checksum") }).collect())
 }

@@ -30,7 +30,7 @@ pub(crate) struct Receipt {
 /// The receipt of `key`, if there is one.
 pub(crate) async fn get_receipt(db: &impl Db, key: &str) -> Result<Option<Receipt>> {
     let rows = all(db, IDEMPOTENCY_GET, &[&key], "reading the idempotency receipt").await?;
-    Ok(rows.first().map(|r| Receipt { fingerprint: r.get(0), response: r.get(1) }))
+    Ok(rows.first().map(|r| Receipt { fingerprint: r.get("fingerprint"), response: r.get("response") }))
 }
 
 /// Fills in the response of the receipt this transaction claimed (migration 0003's function, so

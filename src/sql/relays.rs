@@ -121,8 +121,9 @@ pub(crate) async fn count_still_open(db: &impl Db, open: &[String]) -> Result<i6
 
 /// Which of the given `(table, privilege)` pairs the current role lacks, and the role's name.
 const PRIVILEGES_MISSING: &str = "\
-select coalesce(array_agg(p.privilege || ' on ' || p.tab) filter (where not has_table_privilege(p.tab, p.privilege)), '{}'),
-       current_user::text
+select coalesce(array_agg(p.privilege || ' on ' || p.tab) filter (where not has_table_privilege(p.tab, p.privilege)), '{}')
+         as missing,
+       current_user::text as role
   from unnest($1::text[], $2::text[]) as p(tab, privilege)";
 
 /// The privileges of `needed` (`(table, privilege)`) the current role lacks, as `PRIVILEGE on
@@ -130,7 +131,7 @@ select coalesce(array_agg(p.privilege || ' on ' || p.tab) filter (where not has_
 pub(crate) async fn missing_privileges(db: &impl Db, needed: &[(&str, &str)]) -> Result<(Vec<String>, String)> {
     let (tables, privileges): (Vec<&str>, Vec<&str>) = needed.iter().copied().unzip();
     let row = one(db, PRIVILEGES_MISSING, &[&tables, &privileges], "checking the role's privileges").await?;
-    Ok((row.get(0), row.get(1)))
+    Ok((row.get("missing"), row.get("role")))
 }
 
 const CURRENT_ROLE: &str = "select current_user::text";
