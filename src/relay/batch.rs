@@ -9,10 +9,10 @@ use super::claim::{Batch, Claim, Claims};
 use super::deliver::Delivery;
 use super::handler::Handler;
 use super::held::NewLock;
-use super::idle::Idle;
 use super::lease::Leases;
 use super::outcome::{Judge, Outcome};
 use super::record::Recorder;
+use super::row::RelayRow;
 use super::timer::Timer;
 use crate::error::Result;
 
@@ -26,7 +26,7 @@ pub(crate) struct Batches<H> {
     /// Told when parked events may be due once a batch is done.
     pub(crate) timer: Arc<Timer>,
     /// Whether the relay is marked waiting (writers notify it).
-    pub(crate) row: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
 }
 
 impl<H: Handler> Batches<H> {

@@ -19,9 +19,9 @@ use tokio::time::Instant;
 
 use super::RelayPool;
 use super::breaker::Breaker;
+use super::busy::Rate;
 use super::config::{Completion, RelayConfig};
 use super::held::{Held, NewLock, SharedNewLock};
-use super::idle::Rate;
 use super::lease::Leases;
 use super::metrics::RelayMetrics;
 use super::outcome::{Outcome, Outcomes};

@@ -13,8 +13,8 @@ use super::config::{Completion, RelayConfig};
 use super::handler::{Handler, Slots};
 use super::metrics::{MetricsSnapshot, RelayMetrics};
 use super::{
-    RelayPool, STOP_BOUND, batch, breaker, claim, deliver, drain, idle, lease, listener, outcome, pauses, record,
-    report, timer, worker,
+    RelayPool, STOP_BOUND, batch, breaker, claim, deliver, drain, lease, listener, outcome, pauses, record, report,
+    row, timer, worker,
 };
 use crate::outbox::Outbox;
 use crate::sql;
@@ -53,7 +53,7 @@ struct Shared {
     timer: Arc<timer::Timer>,
     reporter: Arc<report::Reporter>,
     /// The relay's row: its waiting mark, the breaker's state and the concurrency limit.
-    idle: Arc<idle::Idle>,
+    row: Arc<row::RelayRow>,
     pauses: Arc<pauses::Pauses>,
     /// Cuts the deliveries in hand off (shutdown past its grace).
     abort: CancellationToken,
@@ -74,7 +74,7 @@ impl<H: Handler> Engine<H> {
             work,
             timer,
             reporter: Arc::default(),
-            idle: Arc::new(idle::Idle::new(self.pool.clone(), rand::random_range(1..i64::MAX), self.to.name.clone())),
+            row: Arc::new(row::RelayRow::new(self.pool.clone(), rand::random_range(1..i64::MAX), self.to.name.clone())),
             pauses: Arc::default(),
             abort: CancellationToken::new(),
         };
@@ -86,7 +86,7 @@ impl<H: Handler> Engine<H> {
         for n in 0..config.workers {
             let worker = worker::Worker {
                 batches: batches.clone(),
-                idle: shared.idle.clone(),
+                row: shared.row.clone(),
                 work: shared.work.clone(),
                 linger: config.linger,
             };
@@ -104,7 +104,7 @@ impl<H: Handler> Engine<H> {
             drain(&mut services).await;
         }
         // Writers need not notify a relay that is gone.
-        if tokio::time::timeout(STOP_BOUND, shared.idle.remove()).await.is_err() {
+        if tokio::time::timeout(STOP_BOUND, shared.row.remove()).await.is_err() {
             tracing::warn!(
                 "could not remove this relay's waiting mark; the janitor removes it once its listener is gone"
             );
@@ -126,13 +126,13 @@ impl<H: Handler> Engine<H> {
             metrics: metrics.clone(),
             pauses_changed: pauses_changed.clone(),
             timer: shared.timer.clone(),
-            idle: shared.idle.clone(),
+            row: shared.row.clone(),
         };
         services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));
         let poll =
             timer::Poll { timer: shared.timer.clone(), interval: config.poll_interval, work: shared.work.clone() };
         services.spawn(poll.run(stop.clone()).instrument(tracing::debug_span!("timer")));
-        let race = idle::RaceClosure { idle: shared.idle.clone(), work: shared.work.clone() };
+        let race = row::RaceClosure { row: shared.row.clone(), work: shared.work.clone() };
         services.spawn(race.run(stop.clone()).instrument(tracing::debug_span!("race_closure")));
         let pauses = pauses::Watcher {
             pauses: shared.pauses.clone(),
@@ -144,7 +144,7 @@ impl<H: Handler> Engine<H> {
             timer: shared.timer.clone(),
         };
         services.spawn(pauses.run(stop.clone()).instrument(tracing::info_span!("pauses")));
-        let limit = idle::LimitPublisher { idle: shared.idle.clone(), metrics: metrics.clone() };
+        let limit = row::LimitPublisher { row: shared.row.clone(), metrics: metrics.clone() };
         services.spawn(limit.run(stop.clone()).instrument(tracing::debug_span!("limit_publisher")));
         let reports = report::Reports { reporter: shared.reporter.clone(), metrics: metrics.clone() };
         services.spawn(reports.run(stop.clone()).instrument(tracing::info_span!("reporter")));
@@ -181,11 +181,11 @@ impl<H: Handler> Engine<H> {
                 reporter: shared.reporter.clone(),
                 timer: shared.timer.clone(),
                 metrics: metrics.clone(),
-                row: shared.idle.clone(),
+                row: shared.row.clone(),
             },
             recorder: record::Recorder { pool: pool.clone(), to: name, delete, metrics: metrics.clone() },
             timer: shared.timer.clone(),
-            row: shared.idle.clone(),
+            row: shared.row.clone(),
             claims: claim::Claims {
                 pool,
                 to,
@@ -193,7 +193,7 @@ impl<H: Handler> Engine<H> {
                 metrics,
                 timer: shared.timer.clone(),
                 breaker,
-                rate: shared.idle.rate.clone(),
+                rate: shared.row.rate.clone(),
                 turns: claim::Turns::default(),
                 pauses: shared.pauses.clone(),
                 new_lock: Arc::default(),

@@ -13,8 +13,8 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::retry_delay;
-use super::idle::Idle;
 use super::metrics::RelayMetrics;
+use super::row::RelayRow;
 use super::timer::Timer;
 use crate::connect::{DatabaseUrl, connect_error};
 use crate::error::{Error, ErrorKind, Result};
@@ -43,7 +43,7 @@ pub(crate) struct Listener {
     /// Told when parked events may be due (a dead letter retried, a reconnect).
     pub(crate) timer: Arc<Timer>,
     /// Told the listener's backend pid while it listens (the waiting mark carries it).
-    pub(crate) idle: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
 }
 
 impl Listener {
@@ -104,7 +104,7 @@ impl Listener {
             lost = &mut forwarder => return Err(lost),
             pid = sql::listen(&client) => pid?,
         };
-        self.idle.listener_changed(pid).await;
+        self.row.listener_changed(pid).await;
         self.metrics.set_listening(true);
         if *connected_before {
             self.metrics.reconnected();
@@ -140,7 +140,7 @@ impl Listener {
             stalled = heartbeat => Err(stalled),
             _ = stop.cancelled() => Ok(()),
         };
-        self.idle.listener_gone();
+        self.row.listener_gone();
         self.metrics.set_listening(false);
         result
     }

@@ -12,11 +12,12 @@
 //! - the **timer** (`timer.rs`) wakes the workers every `poll_interval` (the fallback for lost
 //!   hints) and at the earliest retry or delayed event it knows of;
 //! - the **workers** (`worker.rs`) drain the queue batch by batch and, when it runs dry at a
-//!   high rate, linger before they mark the relay waiting (`idle.rs`); each batch is claimed
-//!   (new events by transaction snapshots under a lock one transaction holds at a time, parked
-//!   ones with `FOR UPDATE SKIP LOCKED`: migration 0008), delivered while the claim's transaction
-//!   holds it (or under a lease, past `hold`) and its outcomes recorded (`claim.rs`, `held.rs`);
-//! - the **race closure** (`idle.rs`) waits for the transactions open at each waiting mark;
+//!   high rate (`busy.rs`), linger before they mark the relay waiting in its row (`row.rs`);
+//!   each batch (`batch.rs`) is claimed (`claim.rs`: new events by transaction snapshots under a
+//!   lock one transaction holds at a time, parked ones with `FOR UPDATE SKIP LOCKED`: migration
+//!   0008), delivered (`deliver.rs`) while the claim's transaction holds it (`held.rs`) or under
+//!   a lease past `hold` (`lease.rs`), judged (`outcome.rs`) and recorded (`record.rs`);
+//! - the **race closure** (`row.rs`) waits for the transactions open at each waiting mark;
 //! - the **janitor** (`janitor.rs`) deletes old processed events, old claim positions and
 //!   idempotency receipts in small batches, and the **reporter** (`report.rs`) logs failures and summaries.
 //!
@@ -35,13 +36,13 @@
 mod backoff;
 mod batch;
 mod breaker;
+mod busy;
 mod claim;
 pub(crate) mod config;
 mod deliver;
 mod engine;
 mod handler;
 mod held;
-mod idle;
 mod janitor;
 mod lease;
 mod limit;
@@ -53,6 +54,7 @@ mod rate;
 mod record;
 mod report;
 mod route;
+mod row;
 mod sweeper;
 mod timer;
 mod worker;

@@ -11,9 +11,9 @@ use super::backoff::retry_delay;
 use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::RelayConfig;
 use super::handler::DeliveryError;
-use super::idle::Idle;
 use super::metrics::RelayMetrics;
 use super::report::Reporter;
+use super::row::RelayRow;
 use super::timer::Timer;
 use crate::event::Event;
 
@@ -92,7 +92,7 @@ pub(crate) struct Judge {
     pub(crate) timer: Arc<Timer>,
     pub(crate) metrics: Arc<RelayMetrics>,
     /// Where the breaker's state is published: the relay's row.
-    pub(crate) row: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
 }
 
 impl Judge {

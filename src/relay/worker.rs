@@ -1,6 +1,6 @@
 //! A delivery worker's state machine: wait for work, drain the queue batch by batch, and when it
 //! runs dry at a high rate linger (claiming every millisecond for a while) before marking the
-//! relay waiting for NOTIFY (see `idle.rs` for why). While the outage breaker is open it claims nothing and waits
+//! relay waiting for NOTIFY (see `row.rs` for why). While the outage breaker is open it claims nothing and waits
 //! for its turn to probe (see `breaker.rs`).
 
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use super::backoff::retry_delay;
 use super::batch::Batches;
 use super::breaker::Turn;
 use super::claim::Claim;
-use super::idle::{Idle, LINGER_POLL};
+use super::row::{LINGER_POLL, RelayRow};
 use crate::error::Result;
 
 /// How many of its claimed batches a worker has in delivery at most (it claims the next while
@@ -30,7 +30,7 @@ const ERROR_PAUSE_MAX: Duration = Duration::from_secs(5);
 /// One worker and what it needs.
 pub(crate) struct Worker<H> {
     pub(crate) batches: Arc<Batches<H>>,
-    pub(crate) idle: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
     /// "There may be events": wakes one waiting worker (or stores one wake-up).
     pub(crate) work: Arc<Notify>,
     /// Stop claiming; finish what is in hand.
@@ -75,9 +75,9 @@ impl<H: Handler> Worker<H> {
             // and then marks it waiting for NOTIFY. Workers queue for that turn rather than skip
             // it: a worker that unmarked the relay while another was lingering must see to it
             // that someone lingers and marks again, or writers would stop notifying an idle relay.
-            if !self.idle.is_marked() && !self.batches.breaker().is_open() {
-                let _turn = self.idle.lingering.lock().await;
-                if !self.idle.is_marked() {
+            if !self.row.is_marked() && !self.batches.breaker().is_open() {
+                let _turn = self.row.lingering.lock().await;
+                if !self.row.is_marked() {
                     self.linger_then_wait(&stop).await;
                 }
             }
@@ -131,10 +131,10 @@ impl<H: Handler> Worker<H> {
             let more = batch.more;
             let took_all = !full && !more;
             delivering.push(self.batches.deliver_and_record(batch));
-            if self.idle.is_marked() && self.idle.rate.is_busy() {
+            if self.row.is_marked() && self.row.rate.is_busy() {
                 // Busy: writers need not notify until this relay is idle again. (The batch is
                 // delivered meanwhile.)
-                let unmark = self.idle.set(false);
+                let unmark = self.row.set(false);
                 tokio::pin!(unmark);
                 let unmarked = loop {
                     tokio::select! {
@@ -151,7 +151,7 @@ impl<H: Handler> Worker<H> {
                 // are this batch's until it is done) while this one claims again.
                 self.work.notify_one();
             }
-            if took_all && self.idle.is_marked() {
+            if took_all && self.row.is_marked() {
                 // A parked key's next event, or a new one that a claim turned away by this
                 // batch's lock found, is claimable once the batch is done.
                 let mut unblocked = false;
@@ -186,7 +186,7 @@ impl<H: Handler> Worker<H> {
     /// and only the poll can help.
     async fn linger_then_wait(&self, stop: &CancellationToken) {
         let mut quiet_since = Instant::now();
-        while quiet_since.elapsed() < self.linger && self.idle.rate.is_busy() {
+        while quiet_since.elapsed() < self.linger && self.row.rate.is_busy() {
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = self.work.notified() => {}
@@ -207,10 +207,10 @@ impl<H: Handler> Worker<H> {
                 }
             }
         }
-        if stop.is_cancelled() || !self.idle.listening() {
+        if stop.is_cancelled() || !self.row.listening() {
             return; // no listener to hear a NOTIFY: the fallback poll and the reconnect catch-up cover it
         }
-        if let Err(e) = self.idle.go_waiting().await {
+        if let Err(e) = self.row.go_waiting().await {
             tracing::warn!(error = %e, "marking the relay waiting failed; the fallback poll covers it");
         }
     }

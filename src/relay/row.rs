@@ -1,11 +1,13 @@
-//! Going idle: linger, then mark the relay waiting so that writers start notifying it.
+//! The relay's row in `outbox_relay.relays`: its waiting mark, its listener, its breaker's state
+//! and its concurrency limit; and going idle: linger, then mark the relay waiting so that writers
+//! start notifying it.
 //!
 //! Writers notify only when some relay is marked waiting (migration 0002): NOTIFY makes every
 //! commit take a global lock, which costs throughput under many concurrent writers. That cost
 //! only shows at high commit rates (it is within noise at 1 and 4 writers), so the relay decides
-//! by the rate at which it claims events ([`Rate`]):
+//! by the rate at which it claims events (`busy.rs`):
 //!
-//! - Below [`BUSY_RATE`] it stays marked waiting while it works: every commit notifies it, which
+//! - Below `BUSY_RATE` it stays marked waiting while it works: every commit notifies it, which
 //!   costs nothing measurable at that rate, and it claims only when notified. A quiet service
 //!   pays a few statements per event and nothing in between.
 //! - At or above it, the relay marks itself busy when it finds work, so writers stop notifying.
@@ -35,17 +37,13 @@ use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::RelayPool;
+use super::busy::Rate;
 use super::metrics::RelayMetrics;
 use crate::error::Result;
 use crate::sql;
 
 /// How often a lingering worker claims.
 pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
-/// The claim rate (events per second) from which the relay stops writers from notifying it and
-/// lingers instead; see the module documentation.
-pub(crate) const BUSY_RATE: f64 = 500.0;
-/// The window over which [`Rate`] counts claimed events.
-const RATE_WINDOW: Duration = Duration::from_millis(200);
 /// How often the concurrency limit is published for `status` (when it changed).
 const DELIVERIES_PUBLISH_EVERY: Duration = Duration::from_secs(1);
 /// The longest pause between two checks of whether the transactions open at the mark ended.
@@ -54,7 +52,7 @@ const CLOSE_POLL_MAX: Duration = Duration::from_millis(250);
 /// The relay's waiting mark, as last written to `outbox_relay.relays`, and what it needs to
 /// write it.
 #[derive(Debug)]
-pub(crate) struct Idle {
+pub(crate) struct RelayRow {
     pool: RelayPool,
     /// This relay's row in `outbox_relay.relays`.
     relay_id: i64,
@@ -74,9 +72,9 @@ pub(crate) struct Idle {
     pub(crate) rate: Arc<Rate>,
 }
 
-impl Idle {
+impl RelayRow {
     pub(crate) fn new(pool: RelayPool, relay_id: i64, destination: String) -> Self {
-        Idle {
+        RelayRow {
             pool,
             relay_id,
             destination,
@@ -175,14 +173,14 @@ impl Idle {
 /// listener is down: `status` finds a relay by its listener, and the janitor removes a row whose
 /// listener is gone.
 pub(crate) struct LimitPublisher {
-    pub(crate) idle: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
     pub(crate) metrics: Arc<RelayMetrics>,
 }
 
 impl LimitPublisher {
     /// Runs until `stop`.
     pub(crate) async fn run(self, stop: CancellationToken) {
-        let LimitPublisher { idle, metrics } = self;
+        let LimitPublisher { row, metrics } = self;
         let mut published = None;
         loop {
             tokio::select! {
@@ -190,13 +188,13 @@ impl LimitPublisher {
                 _ = tokio::time::sleep(DELIVERIES_PUBLISH_EVERY) => {}
             }
             let (limit, in_flight) = metrics.deliveries_now();
-            let pid = idle.listener_pid.load(Ordering::Acquire);
+            let pid = row.listener_pid.load(Ordering::Acquire);
             let (Ok(limit @ 1..), Ok(in_flight)) = (i32::try_from(limit), i32::try_from(in_flight)) else { continue };
             let now = Some((pid, limit, in_flight));
             if pid == 0 || published == now {
                 continue;
             }
-            match idle.publish_deliveries(pid, limit, in_flight).await {
+            match row.publish_deliveries(pid, limit, in_flight).await {
                 Ok(()) => published = now,
                 Err(e) => {
                     tracing::debug!(error = %e, "could not publish the concurrency limit; trying again in a second")
@@ -206,59 +204,19 @@ impl LimitPublisher {
     }
 }
 
-/// The rate at which the relay claims events, over the last [`RATE_WINDOW`] or two.
-#[derive(Debug)]
-pub(crate) struct Rate {
-    /// Start of the current window, its count so far, and the rate of the window before it.
-    window: std::sync::Mutex<(tokio::time::Instant, u64, f64)>,
-}
-
-impl Default for Rate {
-    fn default() -> Self {
-        Rate { window: std::sync::Mutex::new((tokio::time::Instant::now(), 0, 0.0)) }
-    }
-}
-
-impl Rate {
-    /// Counts `events` just claimed.
-    pub(crate) fn claimed(&self, events: usize) {
-        let mut window = self.window.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        Self::roll(&mut window);
-        window.1 += events as u64;
-    }
-
-    /// True when the recent rate is at least [`BUSY_RATE`].
-    pub(crate) fn is_busy(&self) -> bool {
-        let mut window = self.window.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        Self::roll(&mut window);
-        let (start, count, previous) = *window;
-        let current = count as f64 / start.elapsed().max(RATE_WINDOW / 4).as_secs_f64();
-        previous.max(current) >= BUSY_RATE
-    }
-
-    fn roll(window: &mut (tokio::time::Instant, u64, f64)) {
-        let elapsed = window.0.elapsed();
-        if elapsed >= RATE_WINDOW {
-            // A window with nothing in it (or several) leaves no rate behind.
-            let previous = if elapsed < 2 * RATE_WINDOW { window.1 as f64 / elapsed.as_secs_f64() } else { 0.0 };
-            *window = (tokio::time::Instant::now(), 0, previous);
-        }
-    }
-}
-
 /// The task that waits, for each mark, until every transaction open right after it has ended,
 /// then wakes a worker for one more claim: what such a transaction committed may have notified
 /// nobody.
 pub(crate) struct RaceClosure {
-    pub(crate) idle: Arc<Idle>,
+    pub(crate) row: Arc<RelayRow>,
     pub(crate) work: Arc<Notify>,
 }
 
 impl RaceClosure {
     /// Runs until `stop`.
     pub(crate) async fn run(self, stop: CancellationToken) {
-        let RaceClosure { idle, work } = self;
-        let mut marks = idle.open_at_mark.subscribe();
+        let RaceClosure { row, work } = self;
+        let mut marks = row.open_at_mark.subscribe();
         loop {
             tokio::select! {
                 _ = stop.cancelled() => return,
@@ -268,7 +226,7 @@ impl RaceClosure {
                 let open = marks.borrow_and_update().clone();
                 let mut pause = LINGER_POLL;
                 while !open.is_empty() {
-                    let still_open = async { sql::count_still_open(&*idle.pool.client().await?, &open).await };
+                    let still_open = async { sql::count_still_open(&*row.pool.client().await?, &open).await };
                     match still_open.await {
                         Ok(0) => break,
                         Ok(_) => {}
@@ -289,25 +247,5 @@ impl RaceClosure {
             }
             work.notify_one();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test(start_paused = true)]
-    async fn the_rate_follows_the_claims_and_fades() {
-        let rate = Rate::default();
-        assert!(!rate.is_busy());
-        rate.claimed(10);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert!(!rate.is_busy(), "10 events in 100 ms is 100 a second");
-        rate.claimed(200);
-        assert!(rate.is_busy(), "210 in 100 ms");
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        assert!(rate.is_busy(), "the last window still counts");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(!rate.is_busy(), "quiet windows leave no rate");
     }
 }
