@@ -107,6 +107,7 @@
 //! - `http`: the HTTP sink (`sink::HttpSink`), Standard Webhooks signatures and CloudEvents.
 //! - `nats`: the NATS JetStream sink (`sink::NatsSink`).
 //! - `amqp`: the RabbitMQ sink (`sink::AmqpSink`).
+//! - `kafka`: the Kafka sink (`sink::KafkaSink`), on rdkafka (librdkafka built from its sources).
 //! - `sqlx`: `publish`, `publish_all`, `audit` and the inbox on a sqlx 0.8 connection
 //!   (`pg_outbox_relay::sqlx`).
 //! - `prometheus`: the metrics in the OpenMetrics text format (`prometheus::Exporter`).

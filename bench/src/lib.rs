@@ -88,6 +88,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod brokers;
 mod drain;
 mod held;
 mod latency;
@@ -100,6 +101,7 @@ mod write;
 
 pub use pg_outbox_relay::Percentiles;
 
+pub use self::brokers::{AmqpDrain, KafkaBench};
 pub use self::drain::{
     ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_to_each, drain_with,
 };

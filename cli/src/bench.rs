@@ -2,6 +2,8 @@
 //! throughput on a real server (the measuring code is the crate `pg-outbox-relay-bench`, shared with
 //! `cargo bench`, whose criterion suite goes further).
 
+mod sinks;
+
 use std::time::Duration;
 
 use pg_outbox_relay::{Completion, RelayConfig};
@@ -83,6 +85,23 @@ pub(crate) struct BenchArgs {
     /// NATS server for the JetStream drain (skipped, with a note, when none answers).
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222", value_name = "URL")]
     nats_url: String,
+    /// RabbitMQ broker for the AMQP drain (skipped, with a note, when none answers); the bench
+    /// declares an exchange and a queue `outbox_bench` there, and deletes the queue at the end.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        value_name = "URL"
+    )]
+    amqp_url: String,
+    /// Kafka cluster for the Kafka drain and a plain producer's rate (skipped, with a note, when
+    /// none answers); the bench makes topics `outbox-bench-*` there and deletes them.
+    #[arg(long, env = "KAFKA_URL", default_value = "kafka://127.0.0.1:9092", value_name = "URL")]
+    kafka_url: String,
+    /// Run only the delivery stage (stdout, two destinations, NATS, RabbitMQ, Kafka).
+    #[arg(long, conflicts_with_all = ["held_only", "receivers_only"])]
+    sinks_only: bool,
 }
 
 impl BenchArgs {
@@ -141,12 +160,7 @@ struct Report {
     mark_drain: f64,
     keyed_drain: f64,
     receivers: ReceiversReport,
-    stdout_throughput: f64,
-    /// The same events, every one to each of two such destinations (events per second drained,
-    /// each delivered twice).
-    stdout_two_destinations: f64,
-    /// The JetStream drain, or why it was skipped.
-    nats_throughput: Result<f64, String>,
+    sinks: sinks::SinksReport,
     trickle: TrickleReport,
     trickle_latency: Percentiles,
     /// Medians of the rounds.
@@ -170,6 +184,10 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     } else if args.receivers_only {
         let stage = async |outbox: &pg_outbox_relay::Outbox| Ok(bench::receivers(outbox, args.receiver_stage()).await?);
         measure_only(&args, &server, receivers_step(&args), stage, receivers_json, print_receivers).await
+    } else if args.sinks_only {
+        let stage = async |outbox: &pg_outbox_relay::Outbox| sinks::stage(&args, outbox).await;
+        measure_only(&args, &server, sinks::step(&args), stage, sinks::SinksReport::json, sinks::SinksReport::print)
+            .await
     } else {
         measure(&args, &server).await.map(|report| {
             if args.json {
@@ -286,6 +304,8 @@ fn database(args: &BenchArgs) -> &'static str {
         "cli_held"
     } else if args.receivers_only {
         "cli_receivers"
+    } else if args.sinks_only {
+        "cli_sinks"
     } else {
         DATABASE
     }
@@ -342,28 +362,8 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
 
     progress(receivers_step(args));
     let receivers = bench::receivers(&outbox, args.receiver_stage()).await?;
-    // Alternately, so that the machine's drift hits both alike; the medians are compared.
-    let sinks = DrainSetup::defaults(args.events);
-    progress(format!(
-        "{} events to the stdout sink's work (to /dev/null), to two such destinations (every event to each) and to NATS JetStream at {}, alternately, {ROUNDS} rounds",
-        sinks.events, args.nats_url
-    ));
-    let nats = bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await?;
-    if let Err(why) = &nats {
-        eprintln!("  NATS skipped: {why}");
-    }
-    let (mut stdout_rates, mut two_rates, mut nats_rates) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        stdout_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, bench::DevNullLines).await?));
-        let two = bench::drain_to_each(&outbox, sinks, &["stdout-a", "stdout-b"], bench::DevNullLines).await?;
-        two_rates.push(rate(sinks.events, two));
-        if let Ok(sink) = &nats {
-            nats_rates.push(rate(sinks.events, bench::drain_to(&outbox, sinks, sink.clone()).await?));
-        }
-    }
-    let stdout_throughput = median(&mut stdout_rates);
-    let stdout_two_destinations = median(&mut two_rates);
-    let nats_throughput = nats.map(|_| median(&mut nats_rates));
+    progress(sinks::step(args));
+    let sinks = sinks::stage(args, &outbox).await?;
 
     progress(format!(
         "a trickle: {TRICKLE_RATE} events/s for {} to an `outbox-relay run --sink stdout` process (default settings)",
@@ -409,9 +409,7 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         mark_drain,
         keyed_drain,
         receivers,
-        stdout_throughput,
-        stdout_two_destinations,
-        nats_throughput,
+        sinks,
         trickle,
         trickle_latency,
         tps_trigger,
@@ -463,11 +461,6 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "drain_mark_processed_events_per_s": rounded(r.mark_drain, 1),
         "drain_keyed_events_per_s": rounded(r.keyed_drain, 1),
         "drain_keys": KEYS,
-        "stdout_events_per_s": rounded(r.stdout_throughput, 1),
-        "stdout_two_destinations_events_per_s": rounded(r.stdout_two_destinations, 1),
-        "stdout_two_destinations_share_of_one": rounded(r.stdout_two_destinations / r.stdout_throughput, 3),
-        "nats_events_per_s": r.nats_throughput.as_ref().ok().map(|v| rounded(*v, 1)),
-        "nats_share_of_stdout": r.nats_throughput.as_ref().ok().map(|v| rounded(v / r.stdout_throughput, 3)),
         "trickle_events_per_s": TRICKLE_RATE,
         "trickle_seconds": rounded(r.trickle.elapsed.as_secs_f64(), 3),
         "trickle_events": r.trickle.events,
@@ -500,6 +493,7 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         server_json(r.embedded, &r.info),
         held_json(args, &r.held),
         receivers_json(&r.receivers),
+        r.sinks.json(),
     ])
 }
 
@@ -655,27 +649,7 @@ fn print_table(args: &BenchArgs, r: &Report) {
     println!();
     print_receivers(&r.receivers);
     println!();
-    println!("delivery, default settings (workers, batch, concurrency):");
-    println!(
-        "  {:<44}{:>12} events/s (median of {ROUNDS})",
-        "to the stdout sink's work (/dev/null)",
-        grouped(r.stdout_throughput)
-    );
-    println!(
-        "  {:<44}{:>12} events/s (median of {ROUNDS}; {:.0} % of one; each event delivered twice)",
-        "to two such destinations, every event to each",
-        grouped(r.stdout_two_destinations),
-        r.stdout_two_destinations / r.stdout_throughput * 100.0
-    );
-    match &r.nats_throughput {
-        Ok(nats) => println!(
-            "  {:<44}{:>12} events/s (median of {ROUNDS}; {:.0} % of stdout)",
-            "to NATS JetStream",
-            grouped(*nats),
-            nats / r.stdout_throughput * 100.0
-        ),
-        Err(why) => println!("  {:<44}{:>12} ({why})", "to NATS JetStream", "skipped"),
-    }
+    r.sinks.print();
     println!();
     let t = &r.trickle;
     println!(

@@ -1,8 +1,8 @@
 //! The body of each command.
 
-use pg_outbox_relay::sink::{HttpFormat, Secret};
+use pg_outbox_relay::sink::{EventFormat, Secret};
 
-use crate::sinks::SinkOptions;
+use crate::sinks::{KafkaOptions, SinkOptions, kafka_properties};
 use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
 use crate::{
@@ -184,13 +184,22 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         create_stream: args.create_stream,
         exchange: args.exchange,
         signing_secrets: args.signing_secrets,
-        http_format: match args.format {
-            FormatArg::Raw => HttpFormat::Raw,
-            FormatArg::Cloudevents => HttpFormat::CloudEventsBinary,
-            FormatArg::CloudeventsStructured => HttpFormat::CloudEventsStructured,
+        format: match args.format {
+            FormatArg::Raw => EventFormat::Raw,
+            FormatArg::Cloudevents => EventFormat::CloudEventsBinary,
+            FormatArg::CloudeventsStructured => EventFormat::CloudEventsStructured,
         },
         cloudevents_source: args.cloudevents_source,
         headers,
+        kafka: KafkaOptions {
+            topic: args.kafka_topic,
+            tls: args.kafka_tls,
+            ca_file: args.kafka_ca_file,
+            sasl_mechanism: args.kafka_sasl_mechanism,
+            username: args.kafka_username,
+            password: args.kafka_password,
+            properties: kafka_properties(&args.kafka_properties)?,
+        },
     };
     let mut destinations = Vec::new();
     if let Some(sink) = args.sink {

@@ -158,8 +158,9 @@ enum DeadLetterCommand {
 /// What `run` delivers to, and how.
 #[derive(Debug, Args)]
 pub(crate) struct RunArgs {
-    /// Where every event goes: stdout, http://host[:port]/path, https://..., nats://host:port, or
-    /// amqp://user:pass@host:5672/vhost (RabbitMQ). One destination, named `default`.
+    /// Where every event goes: stdout, http://host[:port]/path, https://..., nats://host:port,
+    /// amqp://user:pass@host:5672/vhost (RabbitMQ) or kafka://host:port[,host:port]. One
+    /// destination, named `default`.
     #[arg(long, value_name = "SINK", required_unless_present_any = ["route", "config"], conflicts_with_all = ["route", "config"])]
     sink: Option<String>,
     /// A destination: the events whose topic PATTERN matches go to SINK (repeatable; each event
@@ -170,8 +171,9 @@ pub(crate) struct RunArgs {
     route: Vec<String>,
     /// A TOML file of destinations ([[destination]] with name, pattern, sink, and optionally
     /// format, signing_secrets, headers, timeout, rate_limit, concurrency, fixed_concurrency,
-    /// subject_prefix, create_stream, exchange, cloudevents_source); the flags give what it leaves
-    /// out. Combines with --route.
+    /// subject_prefix, create_stream, exchange, cloudevents_source, kafka_topic, kafka_tls,
+    /// kafka_ca_file, kafka_username, kafka_password, kafka_sasl_mechanism, kafka_properties);
+    /// the flags give what it leaves out. Combines with --route.
     #[arg(long, value_name = "FILE")]
     config: Option<std::path::PathBuf>,
     /// Concurrent claimers (each claims its own batches; new events one claim at a time).
@@ -256,17 +258,43 @@ pub(crate) struct RunArgs {
     /// comma-separated, in the environment variable) to rotate: every secret signs. Never shown.
     #[arg(long = "signing-secret", env = "OUTBOX_RELAY_SIGNING_SECRETS", hide_env_values = true, value_delimiter = ',', value_name = "SECRET", value_parser = secret)]
     signing_secrets: Vec<Secret>,
-    /// HTTP sink: the event's JSON (raw), a CloudEvent in binary mode (cloudevents) or in
-    /// structured mode (cloudevents-structured).
+    /// HTTP and Kafka sink: the event's JSON (raw), a CloudEvent in binary mode (cloudevents)
+    /// or in structured mode (cloudevents-structured).
     #[arg(long, value_enum, default_value_t = FormatArg::Raw)]
     format: FormatArg,
-    /// HTTP sink: the CloudEvents source attribute (default urn:outbox-relay).
+    /// HTTP and Kafka sink: the CloudEvents source attribute (default urn:outbox-relay).
     #[arg(long, value_name = "URI")]
     cloudevents_source: Option<String>,
     /// HTTP sink: a header sent with every request, 'Name: value' (repeatable). Its value is
     /// never shown.
     #[arg(long = "header", value_name = "NAME: VALUE", value_parser = secret)]
     headers: Vec<Secret>,
+    /// Kafka sink: the topic of an event, {topic} standing for the event's topic (e.g.
+    /// outbox.{topic}; without {topic} every event goes to one topic).
+    #[arg(long, value_name = "TEMPLATE", default_value = pg_outbox_relay::sink::DEFAULT_KAFKA_TOPIC)]
+    kafka_topic: String,
+    /// Kafka sink: TLS to the brokers, verified against the system's roots.
+    #[arg(long)]
+    kafka_tls: bool,
+    /// Kafka sink: verify the brokers against the certificates of this PEM file (implies
+    /// --kafka-tls).
+    #[arg(long, value_name = "FILE")]
+    kafka_ca_file: Option<std::path::PathBuf>,
+    /// Kafka sink: the SASL user; the password comes from OUTBOX_RELAY_KAFKA_PASSWORD.
+    #[arg(long, env = "OUTBOX_RELAY_KAFKA_USERNAME", value_name = "USER")]
+    kafka_username: Option<String>,
+    /// Kafka sink: the SASL password. Set it in the environment: a flag's value is visible to
+    /// every user of the machine. Never shown.
+    #[arg(long, env = "OUTBOX_RELAY_KAFKA_PASSWORD", hide_env_values = true, value_name = "PASSWORD", value_parser = secret)]
+    kafka_password: Option<Secret>,
+    /// Kafka sink: the SASL mechanism (plain, scram-sha-256, scram-sha-512; scram-sha-512 when
+    /// not given).
+    #[arg(long, value_name = "MECHANISM", value_parser = sasl_mechanism)]
+    kafka_sasl_mechanism: Option<pg_outbox_relay::sink::SaslMechanism>,
+    /// Kafka sink: a librdkafka producer property, NAME=VALUE (repeatable; e.g.
+    /// compression.type=lz4). Its value is never shown.
+    #[arg(long = "kafka-property", value_name = "NAME=VALUE", value_parser = secret)]
+    kafka_properties: Vec<Secret>,
     /// Apply pending migrations before starting.
     #[arg(long)]
     migrate: bool,
@@ -294,6 +322,10 @@ enum FormatArg {
 /// A flag's value kept as a secret: clap never shows it in an error.
 fn secret(text: &str) -> Result<Secret, String> {
     Ok(Secret::new(text))
+}
+
+fn sasl_mechanism(text: &str) -> Result<pg_outbox_relay::sink::SaslMechanism, String> {
+    text.parse().map_err(|e: pg_outbox_relay::Error| e.to_string())
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]

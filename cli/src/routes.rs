@@ -23,11 +23,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use pg_outbox_relay::sink::{HttpFormat, Secret, Sink};
+use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
 use pg_outbox_relay::{DEFAULT_DESTINATION, Route};
 use serde::Deserialize;
 
-use crate::sinks::SinkOptions;
+use crate::sinks::{KafkaOptions, SinkOptions};
 use crate::{CliError, UsageError};
 
 /// One destination as the command line or the file gives it, before its sink is connected.
@@ -171,6 +171,13 @@ struct FileDestination {
     create_stream: Option<String>,
     exchange: Option<String>,
     cloudevents_source: Option<String>,
+    kafka_topic: Option<String>,
+    kafka_tls: Option<bool>,
+    kafka_ca_file: Option<std::path::PathBuf>,
+    kafka_username: Option<String>,
+    kafka_password: Option<String>,
+    kafka_sasl_mechanism: Option<String>,
+    kafka_properties: Option<BTreeMap<String, String>>,
 }
 
 /// One secret or a list of them (so that a single one given as a string is no type error that
@@ -211,8 +218,9 @@ pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Desti
 impl FileDestination {
     fn resolve(self, defaults: &SinkOptions) -> Result<Destination, String> {
         let mut options = defaults.clone();
+        self.kafka_settings(&mut options.kafka)?;
         if let Some(format) = &self.format {
-            options.http_format = format.parse::<HttpFormat>().map_err(|e| format!("format: {e}"))?;
+            options.format = format.parse::<EventFormat>().map_err(|e| format!("format: {e}"))?;
         }
         if let Some(secrets) = self.signing_secrets {
             options.signing_secrets = match secrets {
@@ -254,6 +262,35 @@ impl FileDestination {
             fixed_concurrency: self.fixed_concurrency,
             rate_limit,
         })
+    }
+}
+
+impl FileDestination {
+    /// The Kafka sink's settings the destination gives.
+    fn kafka_settings(&self, kafka: &mut KafkaOptions) -> Result<(), String> {
+        if let Some(topic) = &self.kafka_topic {
+            kafka.topic.clone_from(topic);
+        }
+        if let Some(tls) = self.kafka_tls {
+            kafka.tls = tls;
+        }
+        if self.kafka_ca_file.is_some() {
+            kafka.ca_file.clone_from(&self.kafka_ca_file);
+        }
+        if self.kafka_username.is_some() {
+            kafka.username.clone_from(&self.kafka_username);
+        }
+        if let Some(password) = &self.kafka_password {
+            kafka.password = Some(Secret::new(password.clone()));
+        }
+        if let Some(mechanism) = &self.kafka_sasl_mechanism {
+            kafka.sasl_mechanism = Some(mechanism.parse().map_err(|e| format!("kafka_sasl_mechanism: {e}"))?);
+        }
+        if let Some(properties) = &self.kafka_properties {
+            kafka.properties =
+                properties.iter().map(|(name, value)| (name.clone(), Secret::new(value.clone()))).collect();
+        }
+        Ok(())
     }
 }
 
@@ -345,7 +382,7 @@ sink = "stdout"
         let read = read_file(&path, &defaults).unwrap();
         assert_eq!(read.len(), 2);
         assert_eq!(read[0].options.timeout, Duration::from_secs(5));
-        assert_eq!(read[0].options.http_format, HttpFormat::CloudEventsBinary);
+        assert_eq!(read[0].options.format, EventFormat::CloudEventsBinary);
         assert_eq!(read[0].options.signing_secrets.len(), 1);
         assert_eq!(read[0].concurrency, Some(8));
         assert_eq!(read[0].rate_limit, Some(20.0));

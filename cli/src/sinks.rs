@@ -1,11 +1,12 @@
 //! The sink a spec names, built with the command's sink flags (or a destination's settings in
 //! `--config`): each flag applies to one kind of sink, and one given for another is refused.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use pg_outbox_relay::sink::{
-    AmqpSink, DEFAULT_EXCHANGE, DEFAULT_HTTP_TIMEOUT, DEFAULT_SUBJECT_PREFIX, HttpFormat, HttpSink, NatsSink, Secret,
-    SigningSecret, Sink, StdoutSink,
+    AmqpSink, DEFAULT_EXCHANGE, DEFAULT_HTTP_TIMEOUT, DEFAULT_KAFKA_TOPIC, DEFAULT_SUBJECT_PREFIX, EventFormat,
+    HttpSink, KafkaSink, NatsSink, SaslMechanism, Secret, SigningSecret, Sink, StdoutSink,
 };
 
 use crate::{CliError, UsageError};
@@ -23,12 +24,47 @@ pub(crate) struct SinkOptions {
     pub(crate) exchange: String,
     /// HTTP: Standard Webhooks signing secrets (`whsec_…`); every one signs each request.
     pub(crate) signing_secrets: Vec<Secret>,
-    /// HTTP: how an event goes into its request.
-    pub(crate) http_format: HttpFormat,
-    /// HTTP: the CloudEvents `source`.
+    /// HTTP and Kafka: how an event goes into its request or message.
+    pub(crate) format: EventFormat,
+    /// HTTP and Kafka: the CloudEvents `source`.
     pub(crate) cloudevents_source: Option<String>,
     /// HTTP: fixed headers sent with every request, as `(name, value)`.
     pub(crate) headers: Vec<(String, Secret)>,
+    /// Kafka: the settings of the Kafka sink.
+    pub(crate) kafka: KafkaOptions,
+}
+
+/// The Kafka sink's settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KafkaOptions {
+    /// The topic template (`{topic}` the event's topic).
+    pub(crate) topic: String,
+    /// TLS to the brokers.
+    pub(crate) tls: bool,
+    /// The CA certificates the brokers are verified against (implies TLS).
+    pub(crate) ca_file: Option<PathBuf>,
+    /// The SASL mechanism; SCRAM-SHA-512 when a user is given without one.
+    pub(crate) sasl_mechanism: Option<SaslMechanism>,
+    /// The SASL user.
+    pub(crate) username: Option<String>,
+    /// The SASL password.
+    pub(crate) password: Option<Secret>,
+    /// librdkafka properties, as `(name, value)`.
+    pub(crate) properties: Vec<(String, Secret)>,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        KafkaOptions {
+            topic: DEFAULT_KAFKA_TOPIC.into(),
+            tls: false,
+            ca_file: None,
+            sasl_mechanism: None,
+            username: None,
+            password: None,
+            properties: Vec::new(),
+        }
+    }
 }
 
 impl Default for SinkOptions {
@@ -39,9 +75,10 @@ impl Default for SinkOptions {
             create_stream: None,
             exchange: DEFAULT_EXCHANGE.into(),
             signing_secrets: Vec::new(),
-            http_format: HttpFormat::Raw,
+            format: EventFormat::Raw,
             cloudevents_source: None,
             headers: Vec::new(),
+            kafka: KafkaOptions::default(),
         }
     }
 }
@@ -51,14 +88,25 @@ impl SinkOptions {
     fn check_for(&self, spec: &str) -> Result<(), UsageError> {
         let refuse = |why: &str| Err(UsageError(why.to_string()));
         let http = spec.starts_with("http://") || spec.starts_with("https://");
-        let http_options = !self.signing_secrets.is_empty()
-            || self.http_format != HttpFormat::Raw
-            || self.cloudevents_source.is_some()
-            || !self.headers.is_empty();
-        if !http && http_options {
-            return refuse("signing secrets, --format, --cloudevents-source and --header apply to the HTTP sink only");
+        let kafka = spec.starts_with("kafka://");
+        if !http && (!self.signing_secrets.is_empty() || !self.headers.is_empty()) {
+            return refuse("signing secrets and --header apply to the HTTP sink only");
         }
-        if self.cloudevents_source.is_some() && self.http_format == HttpFormat::Raw {
+        if !http && !kafka && (self.format != EventFormat::Raw || self.cloudevents_source.is_some()) {
+            return refuse("--format and --cloudevents-source apply to the HTTP and the Kafka sink only");
+        }
+        if !kafka && self.kafka != KafkaOptions::default() {
+            return refuse("--kafka-* settings apply to the Kafka sink (kafka://) only");
+        }
+        if kafka && self.kafka.username.is_some() != self.kafka.password.is_some() {
+            return refuse("a Kafka login needs both --kafka-username and the password (OUTBOX_RELAY_KAFKA_PASSWORD)");
+        }
+        if kafka && self.kafka.sasl_mechanism.is_some() && self.kafka.username.is_none() {
+            return refuse(
+                "--kafka-sasl-mechanism needs --kafka-username and the password (OUTBOX_RELAY_KAFKA_PASSWORD)",
+            );
+        }
+        if self.cloudevents_source.is_some() && self.format == EventFormat::Raw {
             return refuse("--cloudevents-source applies to --format cloudevents or cloudevents-structured");
         }
         let amqp = spec.starts_with("amqp://") || spec.starts_with("amqps://");
@@ -94,13 +142,16 @@ pub(crate) async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink, C
         let builder = AmqpSink::builder(spec).timeout(options.timeout).exchange(&options.exchange);
         return Ok(Sink::Amqp(builder.connect().await?));
     }
+    if spec.starts_with("kafka://") {
+        return Ok(Sink::Kafka(kafka_sink(spec, options).connect().await?));
+    }
     // Refused there, with the spec shown redacted.
     Ok(Sink::connect(spec).await?)
 }
 
 /// The HTTP sink `options` describe.
 fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink, CliError> {
-    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.http_format);
+    let mut builder = HttpSink::builder(spec).timeout(options.timeout).format(options.format);
     if let Some(source) = &options.cloudevents_source {
         builder = builder.cloudevents_source(source.clone());
     }
@@ -118,4 +169,39 @@ fn http_sink(spec: &str, options: &SinkOptions) -> Result<HttpSink, CliError> {
         builder = builder.header(name.clone(), value.expose());
     }
     Ok(builder.build()?)
+}
+
+/// The Kafka sink `options` describe, ready to connect.
+fn kafka_sink(spec: &str, options: &SinkOptions) -> pg_outbox_relay::sink::KafkaSinkBuilder {
+    let kafka = &options.kafka;
+    let mut builder = KafkaSink::builder(spec)
+        .timeout(options.timeout)
+        .format(options.format)
+        .topic(kafka.topic.clone())
+        .tls(kafka.tls);
+    if let Some(source) = &options.cloudevents_source {
+        builder = builder.cloudevents_source(source.clone());
+    }
+    if let Some(path) = &kafka.ca_file {
+        builder = builder.ca_file(path.clone());
+    }
+    if let (Some(username), Some(password)) = (&kafka.username, &kafka.password) {
+        let mechanism = kafka.sasl_mechanism.unwrap_or(SaslMechanism::ScramSha512);
+        builder = builder.sasl(mechanism, username.clone(), password.clone());
+    }
+    for (name, value) in &kafka.properties {
+        builder = builder.property(name.clone(), value.expose());
+    }
+    builder
+}
+
+/// `--kafka-property NAME=VALUE` flags as `(name, value)`; an error never shows a value.
+pub(crate) fn kafka_properties(given: &[Secret]) -> Result<Vec<(String, Secret)>, UsageError> {
+    given
+        .iter()
+        .map(|property| match property.expose().split_once('=') {
+            Some((name, value)) if !name.trim().is_empty() => Ok((name.trim().to_string(), Secret::new(value))),
+            _ => Err(UsageError("a --kafka-property must look like NAME=VALUE (one had no name or no '=')".into())),
+        })
+        .collect()
 }

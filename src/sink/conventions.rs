@@ -1,16 +1,14 @@
 //! What receivers' libraries expect of a webhook: Standard Webhooks 1.0 signatures and the
-//! CloudEvents 1.0 HTTP binding (binary and structured content modes).
+//! CloudEvents 1.0 HTTP binding (its headers; the attributes are in `cloudevents`).
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD as BASE64;
 use hmac::{KeyInit, Mac};
 
-use super::HttpFormat;
+use super::EventFormat;
+use super::cloudevents::{self, Parts};
 use crate::error::{Error, Result};
 use crate::event::Event;
-
-/// The CloudEvents `source` of events when none is given.
-pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "urn:outbox-relay";
 
 /// A Standard Webhooks signing secret: `whsec_` and the base64 of the key (at least 16 bytes).
 /// Its `Debug` shows nothing of it.
@@ -68,71 +66,20 @@ pub(crate) fn signatures(secrets: &[SigningSecret], id: &str, timestamp: u64, bo
 pub(crate) struct RequestParts {
     pub(crate) body: Vec<u8>,
     pub(crate) content_type: &'static str,
-    /// The CloudEvents attributes of binary mode.
-    pub(crate) headers: Vec<(&'static str, String)>,
+    /// The CloudEvents attributes of binary mode, as `ce-*` headers.
+    pub(crate) headers: Vec<(String, String)>,
 }
 
-/// The body, its content type and (binary mode) the CloudEvents headers for `format`.
+/// The body, its content type and (binary mode) the CloudEvents headers for `format`, their
+/// values percent-encoded as the HTTP binding says.
 pub(crate) fn request_parts(
     event: &Event,
-    format: HttpFormat,
+    format: EventFormat,
     source: &str,
 ) -> std::result::Result<RequestParts, serde_json::Error> {
-    let parts = |body, content_type, headers| RequestParts { body, content_type, headers };
-    match format {
-        HttpFormat::Raw => Ok(parts(serde_json::to_vec(event)?, "application/json", Vec::new())),
-        HttpFormat::CloudEventsBinary => {
-            let mut headers = vec![
-                ("ce-specversion", "1.0".to_string()),
-                ("ce-id", event.uuid.to_string()),
-                ("ce-source", percent_encode(source)),
-                ("ce-type", percent_encode(&event.topic)),
-                ("ce-time", crate::timestamp::rfc3339_micros(event.created_at)),
-            ];
-            if let Some(key) = &event.key {
-                headers.push(("ce-partitionkey", percent_encode(key)));
-            }
-            Ok(parts(event.payload.get().as_bytes().to_vec(), "application/json", headers))
-        }
-        HttpFormat::CloudEventsStructured => {
-            let time = crate::timestamp::rfc3339_micros(event.created_at);
-            let object = Structured {
-                specversion: "1.0",
-                id: event.uuid.to_string(),
-                source,
-                r#type: &event.topic,
-                time,
-                datacontenttype: "application/json",
-                data: &event.payload,
-                partitionkey: event.key.as_deref(),
-            };
-            Ok(parts(serde_json::to_vec(&object)?, "application/cloudevents+json; charset=utf-8", Vec::new()))
-        }
-    }
-}
-
-/// A CloudEvent in the structured mode's JSON, its `data` the payload's text as stored.
-#[derive(serde::Serialize)]
-struct Structured<'a> {
-    specversion: &'static str,
-    id: String,
-    source: &'a str,
-    r#type: &'a str,
-    time: String,
-    datacontenttype: &'static str,
-    data: &'a crate::Payload,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    partitionkey: Option<&'a str>,
-}
-
-/// Checks a CloudEvents source: a URI-reference, so non-empty and without spaces or controls.
-pub(crate) fn check_source(source: &str) -> Result<()> {
-    if source.is_empty() || source.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(Error::config(format!(
-            "the CloudEvents source {source:?} is no URI-reference (e.g. urn:shop:orders or https://shop.example/orders)"
-        )));
-    }
-    Ok(())
+    let Parts { body, content_type, attributes } = cloudevents::parts(event, format, source)?;
+    let headers = attributes.into_iter().map(|(name, value)| (format!("ce-{name}"), percent_encode(&value))).collect();
+    Ok(RequestParts { body, content_type, headers })
 }
 
 /// Percent-encodes what the CloudEvents HTTP binding does not allow in a header value: all but

@@ -6,11 +6,10 @@ use std::time::{Duration, SystemTime};
 use reqwest::StatusCode;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 
-use super::conventions::{
-    DEFAULT_CLOUDEVENTS_SOURCE, RequestParts, SigningSecret, check_source, request_parts, signatures,
-};
+use super::cloudevents::{DEFAULT_CLOUDEVENTS_SOURCE, check_source};
+use super::conventions::{RequestParts, SigningSecret, request_parts, signatures};
 use super::url::redact as redact_url;
-use super::{HttpFormat, Secret};
+use super::{EventFormat, Secret};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler};
@@ -47,7 +46,7 @@ pub struct HttpSink {
     url: reqwest::Url,
     /// `url` as it may be shown.
     pub(super) shown: String,
-    format: HttpFormat,
+    format: EventFormat,
     source: String,
     secrets: Arc<[SigningSecret]>,
     /// Fixed headers; their values are not shown (`Debug` of a sensitive value hides it).
@@ -60,7 +59,7 @@ pub struct HttpSink {
 pub struct HttpSinkBuilder {
     url: String,
     timeout: Duration,
-    format: HttpFormat,
+    format: EventFormat,
     source: String,
     secrets: Vec<SigningSecret>,
     headers: Vec<(String, Secret)>,
@@ -94,8 +93,8 @@ impl HttpSinkBuilder {
         self
     }
 
-    /// How the event goes into the request (default [`HttpFormat::Raw`]).
-    pub fn format(mut self, format: HttpFormat) -> Self {
+    /// How the event goes into the request (default [`EventFormat::Raw`]).
+    pub fn format(mut self, format: EventFormat) -> Self {
         self.format = format;
         self
     }
@@ -184,7 +183,7 @@ impl HttpSink {
         HttpSinkBuilder {
             url: url.to_string(),
             timeout: super::DEFAULT_HTTP_TIMEOUT,
-            format: HttpFormat::Raw,
+            format: EventFormat::Raw,
             source: DEFAULT_CLOUDEVENTS_SOURCE.to_string(),
             secrets: Vec::new(),
             headers: Vec::new(),

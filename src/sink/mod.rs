@@ -1,20 +1,24 @@
 //! Ready-made destinations for the relay: standard output, and behind cargo features an HTTP
-//! endpoint (`http`), NATS JetStream (`nats`) and RabbitMQ (`amqp`).
+//! endpoint (`http`), NATS JetStream (`nats`), RabbitMQ (`amqp`) and Kafka (`kafka`).
 //!
 //! Every sink sends the same JSON object per event, the [`Event`] serialized:
 //! `{"id", "uuid", "topic", "key", "payload", "created_at", "attempts"}`. Both ids are stable
 //! across redeliveries; the `uuid` is also unique across databases and restores, and receivers
 //! drop duplicates by it (the HTTP sink sends it as `Outbox-Event-Uuid` and, signed,
 //! `webhook-id`; CloudEvents as `id`; the NATS sink as `Nats-Msg-Id`, which JetStream
-//! deduplicates on; the AMQP sink as `message_id`). The `id` is the event's order in its
-//! database (`Outbox-Event-Id`).
+//! deduplicates on; the AMQP sink as `message_id`; the Kafka sink as the header
+//! `outbox-event-uuid`). The `id` is the event's order in its database (`Outbox-Event-Id`).
 
 #[cfg(feature = "amqp")]
 mod amqp;
+#[cfg(any(feature = "http", feature = "kafka"))]
+mod cloudevents;
 #[cfg(feature = "http")]
 mod conventions;
 #[cfg(feature = "http")]
 mod http;
+#[cfg(feature = "kafka")]
+mod kafka;
 #[cfg(feature = "nats")]
 mod nats;
 mod stdout;
@@ -25,10 +29,14 @@ use std::time::Duration;
 
 #[cfg(feature = "amqp")]
 pub use self::amqp::{AmqpSink, AmqpSinkBuilder};
+#[cfg(any(feature = "http", feature = "kafka"))]
+pub use self::cloudevents::DEFAULT_CLOUDEVENTS_SOURCE;
 #[cfg(feature = "http")]
-pub use self::conventions::{DEFAULT_CLOUDEVENTS_SOURCE, SigningSecret};
+pub use self::conventions::SigningSecret;
 #[cfg(feature = "http")]
 pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_UUID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
+#[cfg(feature = "kafka")]
+pub use self::kafka::{KAFKA_UUID_HEADER, KafkaSasl, KafkaSink, KafkaSinkBuilder, SaslMechanism};
 #[cfg(feature = "nats")]
 pub use self::nats::{NatsSink, NatsSinkBuilder};
 pub use self::stdout::StdoutSink;
@@ -44,10 +52,12 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(3600);
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox";
 /// The exchange the RabbitMQ sink publishes to when none is given.
 pub const DEFAULT_EXCHANGE: &str = "outbox";
+/// The Kafka topic an event goes to when no template is given: its own topic.
+pub const DEFAULT_KAFKA_TOPIC: &str = "{topic}";
 
-/// How the HTTP sink puts an event into its request.
+/// How the HTTP and the Kafka sink put an event into a request or a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HttpFormat {
+pub enum EventFormat {
     /// The event's JSON object (`{"id", "uuid", "topic", "key", "payload", "created_at", "attempts"}`),
     /// `Content-Type: application/json`.
     #[default]
@@ -61,14 +71,14 @@ pub enum HttpFormat {
     CloudEventsStructured,
 }
 
-impl std::str::FromStr for HttpFormat {
+impl std::str::FromStr for EventFormat {
     type Err = Error;
 
     fn from_str(text: &str) -> Result<Self> {
         match text {
-            "raw" => Ok(HttpFormat::Raw),
-            "cloudevents" | "cloudevents-binary" => Ok(HttpFormat::CloudEventsBinary),
-            "cloudevents-structured" => Ok(HttpFormat::CloudEventsStructured),
+            "raw" => Ok(EventFormat::Raw),
+            "cloudevents" | "cloudevents-binary" => Ok(EventFormat::CloudEventsBinary),
+            "cloudevents-structured" => Ok(EventFormat::CloudEventsStructured),
             other => Err(Error::config(format!(
                 "unknown HTTP format {other:?}: expected raw, cloudevents or cloudevents-structured"
             ))),
@@ -98,8 +108,9 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// A destination chosen by a spec string: `stdout`, `http://...`, `https://...` or
-/// `nats://host:port`, as far as this build has the sink (cargo features `http`, `nats`).
+/// A destination chosen by a spec string: `stdout`, `http://...`, `https://...`,
+/// `nats://host:port`, `amqp://...` or `kafka://host:port[,host:port]`, as far as this build
+/// has the sink (cargo features `http`, `nats`, `amqp`, `kafka`).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Sink {
@@ -114,11 +125,14 @@ pub enum Sink {
     /// A RabbitMQ publish per event, confirmed.
     #[cfg(feature = "amqp")]
     Amqp(AmqpSink),
+    /// A Kafka message per event, acknowledged by every in-sync replica.
+    #[cfg(feature = "kafka")]
+    Kafka(KafkaSink),
 }
 
 impl Sink {
     /// Builds the sink a spec names, with each sink's defaults (its builder sets the rest:
-    /// `HttpSink::builder`, `NatsSink::builder`, `AmqpSink::builder`); connects where the
+    /// `HttpSink::builder`, `NatsSink::builder`, `AmqpSink::builder`, `KafkaSink::builder`); connects where the
     /// sink needs a connection, so an unreachable destination is reported here, not at the first
     /// event.
     pub async fn connect(spec: &str) -> Result<Sink> {
@@ -130,22 +144,28 @@ impl Sink {
             #[cfg(feature = "http")]
             return Ok(Sink::Http(HttpSink::new(spec, DEFAULT_HTTP_TIMEOUT)?));
             #[cfg(not(feature = "http"))]
-            return Err(Error::config("this build has no HTTP sink: enable outbox-relay's `http` feature"));
+            return Err(Error::config("this build has no HTTP sink: enable pg-outbox-relay's `http` feature"));
         }
         if spec.starts_with("nats://") {
             #[cfg(feature = "nats")]
             return Ok(Sink::Nats(NatsSink::connect(spec).await?));
             #[cfg(not(feature = "nats"))]
-            return Err(Error::config("this build has no NATS sink: enable outbox-relay's `nats` feature"));
+            return Err(Error::config("this build has no NATS sink: enable pg-outbox-relay's `nats` feature"));
         }
         if spec.starts_with("amqp://") || spec.starts_with("amqps://") {
             #[cfg(feature = "amqp")]
             return Ok(Sink::Amqp(AmqpSink::connect(spec).await?));
             #[cfg(not(feature = "amqp"))]
-            return Err(Error::config("this build has no RabbitMQ sink: enable outbox-relay's `amqp` feature"));
+            return Err(Error::config("this build has no RabbitMQ sink: enable pg-outbox-relay's `amqp` feature"));
+        }
+        if spec.starts_with("kafka://") {
+            #[cfg(feature = "kafka")]
+            return Ok(Sink::Kafka(KafkaSink::connect(spec).await?));
+            #[cfg(not(feature = "kafka"))]
+            return Err(Error::config("this build has no Kafka sink: enable pg-outbox-relay's `kafka` feature"));
         }
         Err(Error::config(format!(
-            "unknown sink {}: expected stdout, http://host[:port]/path, https://..., nats://host:port or amqp://user:pass@host:5672/vhost",
+            "unknown sink {}: expected stdout, http://host[:port]/path, https://..., nats://host:port, amqp://user:pass@host:5672/vhost or kafka://host:port[,host:port]",
             describe_spec(spec)
         )))
     }
@@ -160,6 +180,8 @@ impl Sink {
             Sink::Nats(s) => s.shown.clone(),
             #[cfg(feature = "amqp")]
             Sink::Amqp(s) => s.shown.clone(),
+            #[cfg(feature = "kafka")]
+            Sink::Kafka(s) => s.shown.clone(),
         }
     }
 }
@@ -174,6 +196,8 @@ impl Handler for Sink {
             Sink::Nats(s) => s.handle(event).await,
             #[cfg(feature = "amqp")]
             Sink::Amqp(s) => s.handle(event).await,
+            #[cfg(feature = "kafka")]
+            Sink::Kafka(s) => s.handle(event).await,
         }
     }
 
@@ -186,6 +210,8 @@ impl Handler for Sink {
             Sink::Nats(s) => s.handle_batch(events, slots).await,
             #[cfg(feature = "amqp")]
             Sink::Amqp(s) => s.handle_batch(events, slots).await,
+            #[cfg(feature = "kafka")]
+            Sink::Kafka(s) => s.handle_batch(events, slots).await,
         }
     }
 }
@@ -205,7 +231,7 @@ fn describe_spec(spec: &str) -> String {
 }
 
 /// Checks a sink timeout: more than zero, at most [`MAX_TIMEOUT`].
-#[cfg(any(feature = "http", feature = "nats", feature = "amqp"))]
+#[cfg(any(feature = "http", feature = "nats", feature = "amqp", feature = "kafka"))]
 fn check_timeout(timeout: Duration) -> Result<()> {
     crate::relay::config::check_range(timeout, Duration::from_millis(1), MAX_TIMEOUT)
         .map_err(|why| Error::config(format!("the sink timeout {why}")))
@@ -222,9 +248,9 @@ mod tests {
 
     #[test]
     fn formats_parse() {
-        assert_eq!("raw".parse::<HttpFormat>().unwrap(), HttpFormat::Raw);
-        assert_eq!("cloudevents".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsBinary);
-        assert_eq!("cloudevents-structured".parse::<HttpFormat>().unwrap(), HttpFormat::CloudEventsStructured);
-        assert!("xml".parse::<HttpFormat>().is_err());
+        assert_eq!("raw".parse::<EventFormat>().unwrap(), EventFormat::Raw);
+        assert_eq!("cloudevents".parse::<EventFormat>().unwrap(), EventFormat::CloudEventsBinary);
+        assert_eq!("cloudevents-structured".parse::<EventFormat>().unwrap(), EventFormat::CloudEventsStructured);
+        assert!("xml".parse::<EventFormat>().is_err());
     }
 }

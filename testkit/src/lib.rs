@@ -9,9 +9,10 @@
 //! - [`factory`]: outbox rows written by hand ([`factory::OutboxRow`]);
 //! - what some tests need besides PostgreSQL, each found or started the way the harness does
 //!   PostgreSQL, or else the test fails naming what to install: [`nats`] (`NATS_URL` or a private
-//!   `nats-server -js`), [`rabbitmq`] (`AMQP_URL` or the machine's broker), [`browser`]
+//!   `nats-server -js`), [`rabbitmq`] (`AMQP_URL` or the machine's broker), [`kafka`] (a
+//!   private tansu broker per test), [`browser`]
 //!   (chromedriver and Chromium) and [`tools`] (openssl, python3 and its packages).
-//!   The tests that need them live in modules named `needs_nats`, `needs_rabbitmq`,
+//!   The tests that need them live in modules named `needs_nats`, `needs_rabbitmq`, `needs_kafka`,
 //!   `needs_browser`, `needs_python` and `needs_openssl`, so that
 //!   `cargo test -- --skip ::needs_` runs the PostgreSQL-only part.
 //!
@@ -24,6 +25,7 @@
 pub mod browser;
 pub mod factory;
 pub mod harness;
+pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
 pub mod support;

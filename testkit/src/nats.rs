@@ -7,14 +7,13 @@
 //! a `static` is never dropped). Without `NATS_URL` and without `nats-server`, a test fails with
 //! a message that says what to install.
 
-use std::os::unix::process::CommandExt as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::support::free_port;
-use crate::tools::{answers, find_program};
+use crate::tools::{answers, find_program, log_tail, private_dir, spawn_watchdog};
 
 /// How to get `nats-server`, for the messages.
 const INSTALL: &str = "Debian: apt install nats-server; or set NATS_URL to a server with JetStream";
@@ -68,8 +67,7 @@ impl Nats {
 
 /// Starts `nats-server -js` on a free port (another one if that got taken meanwhile).
 fn start(binary: &std::path::Path) -> Result<(String, Private), String> {
-    let dir = std::env::temp_dir().join(format!("outbox-relay-nats-{}-{:08x}", std::process::id(), rand_suffix()));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let dir = private_dir("nats")?;
     let mut last_error = String::new();
     for _ in 0..3 {
         let port = free_port();
@@ -86,7 +84,9 @@ fn start(binary: &std::path::Path) -> Result<(String, Private), String> {
         let deadline = Instant::now() + START_PATIENCE;
         loop {
             if answers(&url, 4222).is_ok() {
-                let watchdog = spawn_watchdog(server.id(), &dir)?;
+                std::fs::write(dir.join("pid"), server.id().to_string())
+                    .map_err(|e| format!("writing its pid: {e}"))?;
+                let watchdog = spawn_watchdog("nats-server", &dir)?;
                 return Ok((url, Private { _server: server, _watchdog: watchdog, _dir: dir }));
             }
             if let Ok(Some(status)) = server.try_wait() {
@@ -105,39 +105,4 @@ fn start(binary: &std::path::Path) -> Result<(String, Private), String> {
     }
     let _ = std::fs::remove_dir_all(&dir);
     Err(last_error)
-}
-
-/// The detached watchdog that stops the server and removes its directory once this process is
-/// gone.
-fn spawn_watchdog(server: u32, dir: &std::path::Path) -> Result<Child, String> {
-    let script = format!(
-        "trap '' HUP INT\n\
-         while kill -0 {owner} 2>/dev/null; do sleep 1; done\n\
-         kill {server} 2>/dev/null\n\
-         for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 {server} 2>/dev/null || break; sleep 0.5; done\n\
-         kill -9 {server} 2>/dev/null\n\
-         rm -rf '{dir}'\n",
-        owner = std::process::id(),
-        dir = dir.display(),
-    );
-    Command::new("/bin/sh")
-        .args(["-c", &script])
-        .current_dir("/")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        // Its own process group: a Ctrl-C aimed at the tests must not kill the cleanup too.
-        .process_group(0)
-        .spawn()
-        .map_err(|e| format!("spawning the nats-server watchdog (/bin/sh): {e}"))
-}
-
-fn log_tail(dir: &std::path::Path) -> String {
-    let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
-    log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
-}
-
-fn rand_suffix() -> u32 {
-    use std::hash::{BuildHasher as _, RandomState};
-    RandomState::new().hash_one(std::time::SystemTime::now()) as u32
 }

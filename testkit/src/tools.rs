@@ -97,3 +97,50 @@ pub fn answers(url: &str, default_port: u16) -> Result<(), String> {
     }
     Err(error)
 }
+
+/// A new directory of this process for a private server (`kind`: `nats`, `kafka`) under the
+/// temporary directory.
+pub fn private_dir(kind: &str) -> Result<PathBuf, String> {
+    use std::hash::{BuildHasher as _, RandomState};
+    let suffix = RandomState::new().hash_one(std::time::SystemTime::now()) as u32;
+    let dir = std::env::temp_dir().join(format!("outbox-relay-{kind}-{}-{suffix:08x}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    Ok(dir)
+}
+
+/// The detached watchdog of a private server: once this process is gone, it stops the process
+/// whose id the file `pid` of `dir` holds (read then, so a restarted server is the one stopped)
+/// and removes `dir`. A value in a `static` is never dropped, and a killed test process drops
+/// nothing.
+pub fn spawn_watchdog(what: &str, dir: &std::path::Path) -> Result<std::process::Child, String> {
+    use std::os::unix::process::CommandExt as _;
+    let script = format!(
+        "trap '' HUP INT\n\
+         while kill -0 {owner} 2>/dev/null; do sleep 1; done\n\
+         server=$(cat '{dir}/pid' 2>/dev/null)\n\
+         if [ -n \"$server\" ]; then\n\
+           kill $server 2>/dev/null\n\
+           for _ in 1 2 3 4 5 6 7 8 9 10; do kill -0 $server 2>/dev/null || break; sleep 0.5; done\n\
+           kill -9 $server 2>/dev/null\n\
+         fi\n\
+         rm -rf '{dir}'\n",
+        owner = std::process::id(),
+        dir = dir.display(),
+    );
+    Command::new("/bin/sh")
+        .args(["-c", &script])
+        .current_dir("/")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        // Its own process group: a Ctrl-C aimed at the tests must not kill the cleanup too.
+        .process_group(0)
+        .spawn()
+        .map_err(|e| format!("spawning the {what} watchdog (/bin/sh): {e}"))
+}
+
+/// The last lines of the file `log` of `dir`.
+pub fn log_tail(dir: &std::path::Path) -> String {
+    let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
+    log.lines().rev().take(5).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+}

@@ -10,7 +10,7 @@ use axum::body::Bytes;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
-use pg_outbox_relay::sink::{HttpFormat, HttpSink, SigningSecret};
+use pg_outbox_relay::sink::{EventFormat, HttpSink, SigningSecret};
 use std::time::Duration;
 
 use pg_outbox_relay::{ErrorKind, NewEvent, RelayConfig};
@@ -216,7 +216,7 @@ mod needs_python {
         let db = TestDb::new().await;
         let key = "clé 7 \"quoted\" 100%";
         let payload = json!({"order": 7, "note": "ção ✓"});
-        for format in [HttpFormat::CloudEventsBinary, HttpFormat::CloudEventsStructured] {
+        for format in [EventFormat::CloudEventsBinary, EventFormat::CloudEventsStructured] {
             let (url, seen) = receiver().await;
             let sink = HttpSink::builder(&url).format(format).cloudevents_source("urn:shop:orders").build().unwrap();
             let relay = support::start(&db.outbox, config(), sink);
@@ -255,7 +255,7 @@ mod needs_python {
             assert_eq!(other["data"], json!([1, 2]));
             let content_type = &requests[0].headers["content-type"];
             match format {
-                HttpFormat::CloudEventsBinary => {
+                EventFormat::CloudEventsBinary => {
                     assert_eq!(content_type, "application/json");
                     assert!(requests.iter().all(|r| r.headers.contains_key("ce-id")));
                 }

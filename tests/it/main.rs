@@ -10,6 +10,7 @@ mod faults;
 mod http_conventions;
 mod http_sink;
 mod inbox;
+mod kafka;
 mod limits;
 mod migrations;
 mod orders;

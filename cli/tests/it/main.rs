@@ -9,6 +9,7 @@ mod cli;
 mod fidelity;
 mod hostile;
 mod http;
+mod kafka;
 mod killed;
 mod operator;
 mod routes;

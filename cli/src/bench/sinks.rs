@@ -1,0 +1,143 @@
+//! The delivery stage: the relay's drain, with default settings, to the stdout sink's work, to
+//! two such destinations, and to the brokers that answer (NATS JetStream, RabbitMQ, Kafka), with
+//! a plain Kafka producer's rate on the same broker as the Kafka drain's reference.
+
+use std::sync::Arc;
+
+use pg_outbox_relay::Outbox;
+use pg_outbox_relay_bench::{self as bench, AmqpDrain, DrainSetup, KafkaBench};
+use serde_json::json;
+
+use super::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
+
+/// The delivery stage's figures: medians of [`ROUNDS`], in events per second.
+pub(super) struct SinksReport {
+    pub(super) events: usize,
+    pub(super) stdout: f64,
+    /// Every event to each of two stdout destinations (each delivered twice).
+    pub(super) stdout_two: f64,
+    /// Each broker's drain, or why it was skipped.
+    pub(super) nats: Result<f64, String>,
+    pub(super) amqp: Result<f64, String>,
+    pub(super) kafka: Result<KafkaFigures, String>,
+}
+
+/// The Kafka drain beside a plain producer on the same broker.
+pub(super) struct KafkaFigures {
+    pub(super) drain: f64,
+    pub(super) producer: f64,
+}
+
+pub(super) fn step(args: &BenchArgs) -> String {
+    format!(
+        "{} events to the stdout sink's work (to /dev/null), to two such destinations (every event to each), to NATS JetStream at {}, RabbitMQ (--amqp-url) and Kafka at {} (and a plain producer there), alternately, {ROUNDS} rounds",
+        args.events, args.nats_url, args.kafka_url
+    )
+}
+
+/// Drains `args.events` events to each destination in turn, [`ROUNDS`] times.
+pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksReport, BenchError> {
+    let setup = DrainSetup::defaults(args.events);
+    let nats = bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await?;
+    let amqp = AmqpDrain::connect(&args.amqp_url, "outbox_bench").await?;
+    let kafka = KafkaBench::connect(&args.kafka_url).await?;
+    for (name, skipped) in
+        [("NATS", nats.as_ref().err()), ("RabbitMQ", amqp.as_ref().err()), ("Kafka", kafka.as_ref().err())]
+    {
+        if let Some(why) = skipped {
+            eprintln!("  {name} skipped: {why}");
+        }
+    }
+    let mut rates: [Vec<f64>; 6] = Default::default();
+    for round in 0..ROUNDS {
+        rates[0].push(rate(setup.events, bench::drain_to(outbox, setup, bench::DevNullLines).await?));
+        let two = bench::drain_to_each(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?;
+        rates[1].push(rate(setup.events, two));
+        if let Ok(sink) = &nats {
+            rates[2].push(rate(setup.events, bench::drain_to(outbox, setup, sink.clone()).await?));
+        }
+        if let Ok(amqp) = &amqp {
+            rates[3].push(rate(setup.events, bench::drain_to(outbox, setup, Arc::clone(&amqp.sink)).await?));
+            amqp.purge().await?;
+        }
+        if let Ok(kafka) = &kafka {
+            let topic = format!("outbox-bench-drain-{}-{round}", std::process::id());
+            kafka.create_topic(&topic).await?;
+            rates[4].push(rate(setup.events, bench::drain_to(outbox, setup, kafka.sink(&topic).await?).await?));
+            kafka.delete_topic(&topic).await?;
+            let topic = format!("outbox-bench-producer-{}-{round}", std::process::id());
+            kafka.create_topic(&topic).await?;
+            rates[5].push(kafka.producer_rate(&topic, setup.events).await?);
+            kafka.delete_topic(&topic).await?;
+        }
+    }
+    let [stdout, two, nats_rates, amqp_rates, kafka_rates, producer_rates] = &mut rates;
+    let report = SinksReport {
+        events: setup.events,
+        stdout: median(stdout),
+        stdout_two: median(two),
+        nats: nats.map(|_| median(nats_rates)),
+        amqp: match amqp {
+            Ok(amqp) => {
+                amqp.remove().await?;
+                Ok(median(amqp_rates))
+            }
+            Err(why) => Err(why),
+        },
+        kafka: kafka.map(|_| KafkaFigures { drain: median(kafka_rates), producer: median(producer_rates) }),
+    };
+    Ok(report)
+}
+
+impl SinksReport {
+    pub(super) fn json(&self) -> serde_json::Value {
+        let share = |rate: &Result<f64, String>| rate.as_ref().ok().map(|v| rounded(v / self.stdout, 3));
+        let figure = |rate: &Result<f64, String>| rate.as_ref().ok().map(|v| rounded(*v, 1));
+        let kafka = self.kafka.as_ref();
+        json!({
+            "sinks_events": self.events,
+            "stdout_events_per_s": rounded(self.stdout, 1),
+            "stdout_two_destinations_events_per_s": rounded(self.stdout_two, 1),
+            "stdout_two_destinations_share_of_one": rounded(self.stdout_two / self.stdout, 3),
+            "nats_events_per_s": figure(&self.nats),
+            "nats_share_of_stdout": share(&self.nats),
+            "amqp_events_per_s": figure(&self.amqp),
+            "amqp_share_of_stdout": share(&self.amqp),
+            "kafka_events_per_s": kafka.ok().map(|k| rounded(k.drain, 1)),
+            "kafka_producer_messages_per_s": kafka.ok().map(|k| rounded(k.producer, 1)),
+            "kafka_share_of_producer": kafka.ok().map(|k| rounded(k.drain / k.producer, 3)),
+            "skipped": {
+                "nats": self.nats.as_ref().err(),
+                "amqp": self.amqp.as_ref().err(),
+                "kafka": self.kafka.as_ref().err(),
+            },
+        })
+    }
+
+    pub(super) fn print(&self) {
+        println!("delivery, default settings (workers, batch, concurrency), {} events:", self.events);
+        let line = |what: &str, rate: f64, note: String| {
+            println!("  {what:<44}{:>12} events/s (median of {ROUNDS}{note})", grouped(rate));
+        };
+        line("to the stdout sink's work (/dev/null)", self.stdout, String::new());
+        let share = self.stdout_two / self.stdout * 100.0;
+        line(
+            "to two such destinations, every event to each",
+            self.stdout_two,
+            format!("; {share:.0} % of one; each event delivered twice"),
+        );
+        for (what, rate) in [("to NATS JetStream", &self.nats), ("to RabbitMQ", &self.amqp)] {
+            match rate {
+                Ok(rate) => line(what, *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0)),
+                Err(why) => println!("  {what:<44}{:>12} ({why})", "skipped"),
+            }
+        }
+        match &self.kafka {
+            Ok(k) => {
+                line("to Kafka", k.drain, format!("; {:.0} % of the plain producer", k.drain / k.producer * 100.0));
+                line("a plain producer on the same broker", k.producer, String::new());
+            }
+            Err(why) => println!("  {:<44}{:>12} ({why})", "to Kafka", "skipped"),
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! `run --sink kafka://…` against a private tansu broker (the test kit's `kafka`), read back by
+//! Python's confluent-kafka: the topic template, the CloudEvents Kafka binding, the login.
+
+mod needs_kafka {
+    use std::process::Stdio;
+
+    use pg_outbox_relay_testkit::kafka::Kafka;
+    use serde_json::{Value, json};
+
+    use crate::binary::{BIN, cli, spawn_run, stderr, terminate_with_output};
+    use crate::cli::settled;
+    use crate::harness::TestDb;
+    use crate::relay_support::{PATIENCE, eventually};
+
+    #[tokio::test]
+    async fn run_kafka_sends_cloudevents_to_the_templated_topic_keyed_by_the_event_key() {
+        let db = TestDb::new().await;
+        let kafka = Kafka::start();
+        kafka.create_topic("outbox.order.placed", 2);
+        let relay = spawn_run(
+            &db.url,
+            &[
+                "--sink",
+                &kafka.url(),
+                "--kafka-topic",
+                "outbox.{topic}",
+                "--format",
+                "cloudevents",
+                "--cloudevents-source",
+                "urn:shop:orders",
+            ],
+        );
+        let client = db.client().await;
+        for n in 1..=3 {
+            let payload = json!({"order": n, "note": "ünïcode ✓"});
+            client
+                .execute("select outbox_relay.publish('order.placed', $1, $2)", &[&payload, &format!("customer-{n}")])
+                .await
+                .unwrap();
+        }
+        eventually("three delivered", || async { settled(&db, 3).await }).await;
+        let output = terminate_with_output(relay).await;
+        assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+
+        let rows = client
+            .query("select uuid::text, key, payload, id from outbox_relay.outbox order by id", &[])
+            .await
+            .unwrap();
+        let messages = kafka.read("outbox.order.placed", 3, PATIENCE);
+        assert_eq!(messages.len(), 3);
+        for row in rows {
+            let uuid: String = row.get(0);
+            let message =
+                messages.iter().find(|m| m.headers.get("ce_id") == Some(&uuid)).expect("each event, by ce_id");
+            let key: String = row.get(1);
+            assert_eq!(message.key.as_deref(), Some(key.as_str()));
+            assert_eq!(Some(message.partition), message.java_partition);
+            let h = |name: &str| message.headers.get(name).map(String::as_str);
+            assert_eq!(h("ce_specversion"), Some("1.0"));
+            assert_eq!(h("ce_type"), Some("order.placed"));
+            assert_eq!(h("ce_source"), Some("urn:shop:orders"));
+            assert_eq!(h("ce_partitionkey"), Some(key.as_str()));
+            assert!(h("ce_time").is_some_and(|t| t.ends_with('Z')), "{message:?}");
+            assert_eq!(h("content-type"), Some("application/json"));
+            assert_eq!(h("outbox-event-uuid"), Some(uuid.as_str()));
+            assert_eq!(h("outbox-event-id"), Some(row.get::<_, i64>(3).to_string().as_str()));
+            let payload: Value = row.get(2);
+            assert_eq!(serde_json::from_str::<Value>(&message.value).unwrap(), payload, "the payload as the value");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_wrong_kafka_password_stops_the_start_without_showing_it() {
+        let db = TestDb::new().await;
+        let kafka = Kafka::start_with_login("relay", "good-Pa55-word", &[]);
+        let run = |password: &str| {
+            tokio::process::Command::new(BIN)
+                .args(["run", "--sink", &kafka.url(), "--kafka-username", "relay", "--timeout", "5s"])
+                .env("DATABASE_URL", &db.url)
+                .env("OUTBOX_RELAY_KAFKA_PASSWORD", password)
+                .env("RUST_LOG", "info")
+                .stdin(Stdio::null())
+                .output()
+        };
+        let output = tokio::time::timeout(PATIENCE, run("bad-Pa55-word")).await.expect("it stops").unwrap();
+        let text = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{text}");
+        assert!(text.contains("cannot connect to Kafka") && text.contains("refused the login"), "{text}");
+        assert!(!text.contains("bad-Pa55") && !text.contains("good-Pa55"), "{text}");
+
+        // A password without a user, and Kafka settings given to another sink, are refused.
+        let output = cli(&db.url, &["run", "--sink", &kafka.url(), "--kafka-password", "x"]).await;
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        let output = cli(&db.url, &["run", "--sink", "stdout", "--kafka-topic", "x.{topic}"]).await;
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(stderr(&output).contains("apply to the Kafka sink"), "{}", stderr(&output));
+        let output = cli(&db.url, &["run", "--sink", &kafka.url(), "--kafka-property", "sasl.password=hunter22"]).await;
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(!stderr(&output).contains("hunter22"), "{}", stderr(&output));
+    }
+}
