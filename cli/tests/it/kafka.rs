@@ -7,7 +7,7 @@ mod needs_kafka {
     use pg_outbox_relay_testkit::kafka::Kafka;
     use serde_json::{Value, json};
 
-    use crate::binary::{BIN, cli, spawn_run, stderr, terminate_with_output};
+    use crate::binary::{BIN, cli, spawn_run, stderr, stdout, terminate_with_output};
     use crate::cli::settled;
     use crate::harness::TestDb;
     use crate::relay_support::{PATIENCE, eventually};
@@ -97,5 +97,46 @@ mod needs_kafka {
         let output = cli(&db.url, &["run", "--sink", &kafka.url(), "--kafka-property", "sasl.password=hunter22"]).await;
         assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
         assert!(!stderr(&output).contains("hunter22"), "{}", stderr(&output));
+    }
+
+    /// `bench --sinks-only` drains to Kafka and measures a plain producer on the same broker; a
+    /// broker that does not answer is skipped with the reason.
+    #[tokio::test]
+    async fn bench_drains_to_kafka_beside_a_plain_producer() {
+        let server = crate::harness::server().url_for("postgres").to_connection_string();
+        let kafka = Kafka::start_in_memory();
+        let nobody = format!("127.0.0.1:{}", crate::relay_support::free_port());
+        let (kafka_url, nats_url, amqp_url) =
+            (kafka.url(), format!("nats://{nobody}"), format!("amqp://guest:guest@{nobody}/%2f"));
+        let args = [
+            "bench",
+            "--json",
+            "--sinks-only",
+            "--events",
+            "2000",
+            "--kafka-url",
+            &kafka_url,
+            "--nats-url",
+            &nats_url,
+            "--amqp-url",
+            &amqp_url,
+        ];
+        let output = cli(&server, &args).await;
+        let out = stdout(&output);
+        assert!(output.status.success(), "{out}\n{}", stderr(&output));
+        let report: Value = serde_json::from_str(out.trim()).unwrap();
+        for field in [
+            "stdout_events_per_s",
+            "stdout_two_destinations_events_per_s",
+            "kafka_events_per_s",
+            "kafka_producer_messages_per_s",
+            "kafka_share_of_producer",
+        ] {
+            assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+        }
+        assert!(report["nats_events_per_s"].is_null() && report["skipped"]["nats"].is_string(), "{report}");
+        assert!(report["amqp_events_per_s"].is_null() && report["skipped"]["amqp"].is_string(), "{report}");
+        assert!(!out.contains("guest:guest"), "no password in the report: {out}");
+        assert_eq!(report["sinks_events"], json!(2000));
     }
 }
