@@ -171,6 +171,21 @@ pub fn config() -> RelayConfig {
     }
 }
 
+/// [`config`] for an outage test: `max_attempts` 3 and backoffs that would spend them in well
+/// under a second, so that only the outage breaker keeps events out of the dead letters; probes
+/// every 200 ms to 1 s, a fallback poll every 200 ms.
+pub fn outage_config() -> RelayConfig {
+    RelayConfig {
+        max_attempts: 3,
+        backoff_base: Duration::from_millis(50),
+        backoff_max: Duration::from_millis(100),
+        breaker_probe_min: Duration::from_millis(200),
+        breaker_probe_max: Duration::from_secs(1),
+        poll_interval: Duration::from_millis(200),
+        ..config()
+    }
+}
+
 /// Polls `check` until it is true; for database state that no event announces. Fails the test
 /// after [`PATIENCE`].
 pub async fn eventually<F, Fut>(what: &str, check: F)

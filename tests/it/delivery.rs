@@ -379,15 +379,7 @@ async fn an_outage_of_the_destination_dead_letters_nothing() {
         .await
         .unwrap();
     let sink = HttpSink::new(&format!("http://{}/hook", receiver.addr), Duration::from_secs(2)).unwrap();
-    let relay_config = RelayConfig {
-        max_attempts: 3,
-        backoff_base: Duration::from_millis(50),
-        backoff_max: Duration::from_millis(100),
-        breaker_probe_min: Duration::from_millis(200),
-        breaker_probe_max: Duration::from_secs(1),
-        poll_interval: Duration::from_millis(200),
-        ..config()
-    };
+    let relay_config = support::outage_config();
     let relay = support::start(&db.outbox, relay_config, sink);
     eventually("the breaker open", || async { relay.snapshot().breaker_open }).await;
     eventually("the breaker shown in the relay's row", || async {

@@ -142,15 +142,7 @@ mod needs_kafka {
         };
         db.client().await.batch_execute(&insert(1, 100)).await.unwrap();
         let sink = KafkaSink::builder(&kafka.url()).timeout(Duration::from_secs(1)).connect().await.unwrap();
-        let relay_config = RelayConfig {
-            max_attempts: 3,
-            backoff_base: Duration::from_millis(50),
-            backoff_max: Duration::from_millis(100),
-            breaker_probe_min: Duration::from_millis(200),
-            breaker_probe_max: Duration::from_secs(1),
-            poll_interval: Duration::from_millis(200),
-            ..config()
-        };
+        let relay_config = support::outage_config();
         let relay = support::start(&db.outbox, relay_config, sink);
         eventually("the first 100 delivered", || async { all_delivered(&db, 100).await }).await;
         assert_eq!(kafka.read("order.placed", 100, PATIENCE).len(), 100);

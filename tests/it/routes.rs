@@ -38,15 +38,7 @@ async fn two_destinations_one_down_for_15s_the_other_flows_and_nothing_is_dead_l
     let erp = HttpReceiver::start().await;
     let mut mailer = HttpReceiver::start().await;
     mailer.go_away().await;
-    let cfg = RelayConfig {
-        max_attempts: 3,
-        backoff_base: Duration::from_millis(50),
-        backoff_max: Duration::from_millis(100),
-        breaker_probe_min: Duration::from_millis(200),
-        breaker_probe_max: Duration::from_secs(1),
-        poll_interval: Duration::from_millis(200),
-        ..config()
-    };
+    let cfg = support::outage_config();
     let timeout = Duration::from_secs(2);
     let routes = vec![
         Route::new("erp", "order.#", HttpSink::new(&erp.url(), timeout).unwrap()).unwrap(),
