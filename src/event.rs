@@ -7,6 +7,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::headers::Headers;
 use crate::payload::Payload;
 
 /// An event to add to the outbox.
@@ -25,6 +26,7 @@ pub struct NewEvent {
     pub(crate) payload: Body,
     pub(crate) key: Option<String>,
     pub(crate) delay: Duration,
+    pub(crate) headers: Headers,
 }
 
 impl NewEvent {
@@ -46,14 +48,20 @@ pub(crate) enum Body {
 impl NewEvent {
     /// An event on `topic` with a JSON payload, deliverable at once.
     pub fn new(topic: impl Into<String>, payload: Value) -> Self {
-        NewEvent { topic: topic.into(), payload: Body::Value(payload), key: None, delay: Duration::ZERO }
+        NewEvent {
+            topic: topic.into(),
+            payload: Body::Value(payload),
+            key: None,
+            delay: Duration::ZERO,
+            headers: Headers::new(),
+        }
     }
 
     /// An event whose payload is any serializable value, serialized straight to JSON text (a
     /// [`serde_json::value::RawValue`] inside it, e.g. an exact decimal, keeps its digits).
     pub fn from_serialize(topic: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
         let payload = Body::Json(Payload::serialized(payload)?);
-        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO })
+        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO, headers: Headers::new() })
     }
 
     /// An event whose payload is this JSON text, taken as it is: numbers keep every digit
@@ -61,7 +69,7 @@ impl NewEvent {
     /// when the text is not JSON.
     pub fn from_json(topic: impl Into<String>, json: impl Into<String>) -> Result<Self> {
         let payload = Body::Json(Payload::from_json(json)?);
-        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO })
+        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO, headers: Headers::new() })
     }
 
     /// Sets the partition key consumers may use to keep related events together.
@@ -76,14 +84,31 @@ impl NewEvent {
         self
     }
 
+    /// Adds a header (replacing one of the same name in any case): metadata that travels beside
+    /// the payload, e.g. a correlation id or a tenant, sent by every sink in its own way. The
+    /// rules ([`Headers`]) are checked when the event is published: 1 to 64 letters, digits,
+    /// `- _ .` for a name, printable ASCII for a value, no name the sinks set themselves.
+    /// `traceparent` and `tracestate` carry W3C trace context; with the `opentelemetry` feature
+    /// the current span's are added when the writer gives none.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.set(name.into(), value.into());
+        self
+    }
+
+    /// The headers given so far.
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+
     /// The topic.
     pub fn topic(&self) -> &str {
         &self.topic
     }
 
     /// Checks every field against the limits the database enforces too, and returns the
-    /// payload's JSON text to store.
-    pub(crate) fn validate(&self) -> Result<Cow<'_, Payload>> {
+    /// payload's JSON text and the headers' JSON object to store (with the current span's trace
+    /// context when the `opentelemetry` feature captures one).
+    pub(crate) fn validate(&self) -> Result<Checked<'_>> {
         validate_topic(&self.topic)?;
         if let Some(key) = &self.key {
             validate_key("event key", key)?;
@@ -97,13 +122,23 @@ impl NewEvent {
         if self.delay > Duration::from_secs(100 * 365 * 24 * 3600) {
             return Err(Error::invalid_input(format!("delay {:?} is longer than 100 years", self.delay)));
         }
-        Ok(payload)
+        let headers = crate::trace::with_current_context(&self.headers);
+        headers.validate().map_err(|e| Error::invalid_input(format!("a {:?} event: {e}", self.topic)))?;
+        Ok(Checked { payload, headers: headers.to_json() })
     }
 
     /// [`NewEvent::validate`] of each event, in order.
-    pub(crate) fn validate_all(events: &[NewEvent]) -> Result<Vec<Cow<'_, Payload>>> {
+    pub(crate) fn validate_all(events: &[NewEvent]) -> Result<Vec<Checked<'_>>> {
         events.iter().map(NewEvent::validate).collect()
     }
+}
+
+/// What a checked event stores besides its topic, key and delay.
+pub(crate) struct Checked<'a> {
+    /// The payload's JSON text.
+    pub(crate) payload: Cow<'a, Payload>,
+    /// The headers' JSON object; `None` for none.
+    pub(crate) headers: Option<String>,
 }
 
 /// An event as the relay hands it to a handler.
@@ -128,6 +163,10 @@ pub struct Event {
     pub created_at: SystemTime,
     /// Which delivery attempt this is, from 1.
     pub attempts: i32,
+    /// The headers the writer gave (and the trace context), sent by every sink in its own way;
+    /// left out of the event's JSON when there are none.
+    #[serde(skip_serializing_if = "Headers::is_empty")]
+    pub headers: Headers,
 }
 
 /// Checks a topic: 1 to 255 characters, letters, digits and `_ - : /` in words separated by

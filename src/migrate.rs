@@ -55,6 +55,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0011_global_event_ids_and_inbox.sql"),
     },
     Migration { version: 12, name: "destinations", sql: include_str!("../migrations/0012_destinations.sql") },
+    Migration { version: 13, name: "event_headers", sql: include_str!("../migrations/0013_event_headers.sql") },
 ];
 
 /// What a migration run did.

@@ -117,16 +117,16 @@ impl Outbox {
 
     /// Adds one event in a transaction of its own, and wakes a relay in this process.
     pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
-        let payload = event.validate()?;
-        let id = sql::insert_event(&*self.pooled().await?, event, &payload).await?;
+        let checked = event.validate()?;
+        let id = sql::insert_event(&*self.pooled().await?, event, &checked).await?;
         self.inner.wakeup.wake();
         Ok(id)
     }
 
     /// Adds many events in one statement and transaction, and wakes a relay in this process.
     pub async fn publish_all(&self, events: &[NewEvent]) -> Result<Vec<i64>> {
-        let payloads = NewEvent::validate_all(events)?;
-        let ids = sql::insert_events(&*self.pooled().await?, events, &payloads).await?;
+        let checked = NewEvent::validate_all(events)?;
+        let ids = sql::insert_events(&*self.pooled().await?, events, &checked).await?;
         self.inner.wakeup.wake();
         Ok(ids)
     }

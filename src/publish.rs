@@ -22,14 +22,14 @@ use crate::sql::{self, Unprepared};
 /// # Ok(()) }
 /// ```
 pub async fn publish<C: GenericClient + Sync>(client: &C, event: &NewEvent) -> Result<i64> {
-    let payload = event.validate()?;
-    sql::insert_event(&Unprepared(client), event, &payload).await
+    let checked = event.validate()?;
+    sql::insert_event(&Unprepared(client), event, &checked).await
 }
 
 /// Adds many events in one statement and returns their ids in the same order.
 pub async fn publish_all<C: GenericClient + Sync>(client: &C, events: &[NewEvent]) -> Result<Vec<i64>> {
-    let payloads = NewEvent::validate_all(events)?;
-    sql::insert_events(&Unprepared(client), events, &payloads).await
+    let checked = NewEvent::validate_all(events)?;
+    sql::insert_events(&Unprepared(client), events, &checked).await
 }
 
 /// Adds one audit entry inside the caller's transaction and returns its id.

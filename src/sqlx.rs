@@ -39,20 +39,25 @@ fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
 /// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed
 /// event takes its key's lock first, so writers of one key commit in id order.
 pub async fn publish(conn: &mut PgConnection, event: &NewEvent) -> Result<i64> {
-    let payload = event.validate()?;
+    let checked = event.validate()?;
     let delay = sql::micros(event.delay);
     let query = match &event.key {
         None => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT),
         Some(_) => ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_KEYED),
     };
-    let query = query.bind(&event.topic).bind(event.key.as_deref()).bind(payload.get()).bind(delay);
+    let query = query
+        .bind(&event.topic)
+        .bind(event.key.as_deref())
+        .bind(checked.payload.get())
+        .bind(delay)
+        .bind(checked.headers.as_deref());
     let query = if event.key.is_some() { query.bind(sql::KEY_LOCK_CLASS) } else { query };
     query.fetch_one(conn).await.map_err(failed("adding an event"))
 }
 
 /// Adds many events in one statement and returns their ids in the same order.
 pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result<Vec<i64>> {
-    let payloads = NewEvent::validate_all(events)?;
+    let checked = NewEvent::validate_all(events)?;
     if events.is_empty() {
         return Ok(Vec::new());
     }
@@ -67,13 +72,15 @@ pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result
     }
     let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&str> = payloads.iter().map(|p| p.get()).collect();
+    let payloads: Vec<&str> = checked.iter().map(|c| c.payload.get()).collect();
+    let headers: Vec<Option<&str>> = checked.iter().map(|c| c.headers.as_deref()).collect();
     let delays: Vec<i64> = events.iter().map(|e| sql::micros(e.delay)).collect();
     ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_MANY)
         .bind(&topics)
         .bind(&keys)
         .bind(&payloads)
         .bind(&delays)
+        .bind(&headers)
         .fetch_all(conn)
         .await
         .map_err(failed("adding events"))

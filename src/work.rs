@@ -194,14 +194,14 @@ impl<'c> Work<'c> {
 
     /// Adds an event that commits with this work.
     pub async fn publish(&self, event: &NewEvent) -> Result<i64> {
-        let payload = event.validate()?;
-        sql::insert_event(&self.tx, event, &payload).await
+        let checked = event.validate()?;
+        sql::insert_event(&self.tx, event, &checked).await
     }
 
     /// Adds many events in one statement; returns their ids in order.
     pub async fn publish_all(&self, events: &[NewEvent]) -> Result<Vec<i64>> {
-        let payloads = NewEvent::validate_all(events)?;
-        sql::insert_events(&self.tx, events, &payloads).await
+        let checked = NewEvent::validate_all(events)?;
+        sql::insert_events(&self.tx, events, &checked).await
     }
 
     /// Adds an audit entry that commits with this work, linked to the idempotency key.

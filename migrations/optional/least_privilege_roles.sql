@@ -41,7 +41,7 @@ grant usage on schema outbox_relay to outbox_writer, outbox_relayer, outbox_cons
 -- Writers. Table-wide grants of earlier versions are taken back first: a table-level INSERT
 -- would cover every column.
 revoke all on outbox_relay.outbox, outbox_relay.audit, outbox_relay.idempotency from outbox_writer;
-grant insert (topic, key, payload, available_at) on outbox_relay.outbox to outbox_writer;
+grant insert (topic, key, payload, available_at, headers) on outbox_relay.outbox to outbox_writer;
 grant insert (entity, entity_id, action, data, idempotency_key) on outbox_relay.audit to outbox_writer;
 -- `insert ... returning id` needs to read the id, and only the id.
 grant select (id) on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
@@ -51,7 +51,7 @@ grant insert (key, fingerprint), select (key, fingerprint, response) on outbox_r
 grant execute on function outbox_relay.store_response(text, jsonb) to outbox_writer;
 -- The outbox trigger runs as the writer and reads whether a relay is waiting.
 grant select on outbox_relay.relays to outbox_writer;
-grant execute on function outbox_relay.publish(text, jsonb, text) to outbox_writer;
+grant execute on function outbox_relay.publish(text, jsonb, text, jsonb) to outbox_writer;
 
 -- The relay: claim, complete, retry, bury; its waiting mark; the janitor; operators' commands
 -- (a dead-letter retry puts the event back under its own id: into its destination's parked

@@ -309,6 +309,7 @@ fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i
         let why = format!("the payload nests arrays and objects more than {} deep", crate::Payload::MAX_DEPTH);
         return Err((row.id, row.attempts, why));
     }
+    let headers = row.headers.map_err(|why| (row.id, row.attempts, why))?;
     let Some(age) = row.age else {
         return Err((
             row.id,
@@ -327,6 +328,7 @@ fn read_event(row: sql::ClaimedRow) -> std::result::Result<(Event, Duration), (i
         payload,
         created_at: row.created_at,
         attempts: row.attempts,
+        headers,
     };
     Ok((event, age))
 }

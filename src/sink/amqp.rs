@@ -198,6 +198,9 @@ impl AmqpSink {
         }
         headers.insert("outbox-attempt".into(), AMQPValue::LongLongInt(i64::from(event.attempts)));
         headers.insert("outbox-event-id".into(), AMQPValue::LongLongInt(event.id));
+        for (name, value) in &event.headers {
+            headers.insert(name.into(), AMQPValue::LongString(LongString::from(value.as_bytes())));
+        }
         let created = event.created_at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         BasicProperties::default()
             .with_message_id(event.uuid.to_string().into())

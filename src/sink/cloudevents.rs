@@ -10,22 +10,75 @@ use crate::event::Event;
 pub const DEFAULT_CLOUDEVENTS_SOURCE: &str = "urn:outbox-relay";
 
 /// What goes into one message for an event.
-pub(crate) struct Parts {
+pub(crate) struct Parts<'a> {
     pub(crate) body: Vec<u8>,
     pub(crate) content_type: &'static str,
-    /// Binary mode's attributes, by their CloudEvents names (`id`, `type`, ...) and unencoded;
-    /// empty in the other formats.
-    pub(crate) attributes: Vec<(&'static str, String)>,
+    /// Binary mode's attributes, by their CloudEvents names (`id`, `type`, ...) and unencoded,
+    /// the event's headers that are extensions among them; empty in the other formats.
+    pub(crate) attributes: Vec<(&'a str, String)>,
+    /// The event's headers that go as the transport's own headers, as given: all of them in
+    /// [`EventFormat::Raw`]; in CloudEvents those whose names are no extension's, and the trace
+    /// context, which receivers' instrumentation reads from the transport (W3C Trace Context).
+    pub(crate) headers: Vec<(&'a str, &'a str)>,
+}
+
+/// The context attributes of CloudEvents 1.0, which no header may stand for.
+const CONTEXT_ATTRIBUTES: [&str; 11] = [
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "time",
+    "subject",
+    "datacontenttype",
+    "dataschema",
+    "data",
+    "data_base64",
+    "partitionkey",
+];
+
+/// A header that travels as a CloudEvents extension attribute: its name is one (lower-case
+/// letters and digits, at most 20) and not a context attribute's.
+fn is_extension(name: &str) -> bool {
+    (1..=20).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        && !CONTEXT_ATTRIBUTES.contains(&name)
+}
+
+/// The trace context, which goes as the transport's headers in every format.
+fn is_trace_context(name: &str) -> bool {
+    name == crate::Headers::TRACEPARENT || name == crate::Headers::TRACESTATE
+}
+
+/// The event's headers split for `format`: (extension attributes, transport headers).
+fn split_headers(event: &Event, format: EventFormat) -> (Vec<(&str, &str)>, Vec<(&str, &str)>) {
+    if format == EventFormat::Raw {
+        return (Vec::new(), event.headers.iter().collect());
+    }
+    let extensions = event.headers.iter().filter(|(name, _)| is_extension(name)).collect();
+    let transport = event.headers.iter().filter(|(name, _)| !is_extension(name) || is_trace_context(name)).collect();
+    (extensions, transport)
 }
 
 /// The body, its content type and (binary mode) the CloudEvents attributes for `format`:
 /// `id` the event's uuid, `type` its topic, `source`, `time` its `created_at`, `partitionkey`
 /// its key.
-pub(crate) fn parts(event: &Event, format: EventFormat, source: &str) -> std::result::Result<Parts, serde_json::Error> {
+///
+/// The event's headers: in CloudEvents, those named as extensions (`tenant`, `traceparent`) are
+/// extension attributes; the rest, and the trace context again, go as transport headers.
+pub(crate) fn parts<'a>(
+    event: &'a Event,
+    format: EventFormat,
+    source: &str,
+) -> std::result::Result<Parts<'a>, serde_json::Error> {
+    let (extensions, headers) = split_headers(event, format);
     match format {
-        EventFormat::Raw => {
-            Ok(Parts { body: serde_json::to_vec(event)?, content_type: "application/json", attributes: Vec::new() })
-        }
+        EventFormat::Raw => Ok(Parts {
+            body: serde_json::to_vec(event)?,
+            content_type: "application/json",
+            attributes: Vec::new(),
+            headers,
+        }),
         EventFormat::CloudEventsBinary => {
             let mut attributes = vec![
                 ("specversion", "1.0".to_string()),
@@ -37,7 +90,13 @@ pub(crate) fn parts(event: &Event, format: EventFormat, source: &str) -> std::re
             if let Some(key) = &event.key {
                 attributes.push(("partitionkey", key.clone()));
             }
-            Ok(Parts { body: event.payload.get().as_bytes().to_vec(), content_type: "application/json", attributes })
+            attributes.extend(extensions.into_iter().map(|(name, value)| (name, value.to_string())));
+            Ok(Parts {
+                body: event.payload.get().as_bytes().to_vec(),
+                content_type: "application/json",
+                attributes,
+                headers,
+            })
         }
         EventFormat::CloudEventsStructured => {
             let object = Structured {
@@ -49,11 +108,13 @@ pub(crate) fn parts(event: &Event, format: EventFormat, source: &str) -> std::re
                 datacontenttype: "application/json",
                 data: &event.payload,
                 partitionkey: event.key.as_deref(),
+                extensions: extensions.into_iter().collect(),
             };
             Ok(Parts {
                 body: serde_json::to_vec(&object)?,
                 content_type: "application/cloudevents+json; charset=utf-8",
                 attributes: Vec::new(),
+                headers,
             })
         }
     }
@@ -71,6 +132,9 @@ struct Structured<'a> {
     data: &'a crate::Payload,
     #[serde(skip_serializing_if = "Option::is_none")]
     partitionkey: Option<&'a str>,
+    /// The event's headers that are extension attributes.
+    #[serde(flatten)]
+    extensions: std::collections::BTreeMap<&'a str, &'a str>,
 }
 
 /// Checks a CloudEvents source: a URI-reference, so non-empty and without spaces or controls.

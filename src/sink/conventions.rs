@@ -66,7 +66,8 @@ pub(crate) fn signatures(secrets: &[SigningSecret], id: &str, timestamp: u64, bo
 pub(crate) struct RequestParts {
     pub(crate) body: Vec<u8>,
     pub(crate) content_type: &'static str,
-    /// The CloudEvents attributes of binary mode, as `ce-*` headers.
+    /// The CloudEvents attributes of binary mode, as `ce-*` headers, and the event's headers
+    /// that go as HTTP headers.
     pub(crate) headers: Vec<(String, String)>,
 }
 
@@ -77,8 +78,12 @@ pub(crate) fn request_parts(
     format: EventFormat,
     source: &str,
 ) -> std::result::Result<RequestParts, serde_json::Error> {
-    let Parts { body, content_type, attributes } = cloudevents::parts(event, format, source)?;
-    let headers = attributes.into_iter().map(|(name, value)| (format!("ce-{name}"), percent_encode(&value))).collect();
+    let Parts { body, content_type, attributes, headers } = cloudevents::parts(event, format, source)?;
+    let headers = attributes
+        .into_iter()
+        .map(|(name, value)| (format!("ce-{name}"), percent_encode(&value)))
+        .chain(headers.into_iter().map(|(name, value)| (name.to_string(), value.to_string())))
+        .collect();
     Ok(RequestParts { body, content_type, headers })
 }
 

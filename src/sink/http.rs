@@ -204,8 +204,12 @@ impl Handler for HttpSink {
             .header(EVENT_UUID_HEADER, event.uuid.to_string())
             .header(TOPIC_HEADER, &event.topic)
             .header(ATTEMPT_HEADER, event.attempts.to_string());
+        // The CloudEvents attributes and the event's own headers; where the destination's fixed
+        // headers name the same one, the operator's value stands.
         for (name, value) in ce_headers {
-            request = request.header(name, value);
+            if !self.headers.contains_key(name.as_str()) {
+                request = request.header(name, value);
+            }
         }
         if !self.secrets.is_empty() {
             // A fresh timestamp per attempt: receivers refuse old ones (replays).

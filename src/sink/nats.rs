@@ -141,6 +141,9 @@ impl NatsSink {
         headers.insert("Nats-Msg-Id", event.uuid.to_string().as_str());
         headers.insert("Outbox-Event-Id", event.id.to_string().as_str());
         headers.insert("Outbox-Topic", event.topic.as_str());
+        for (name, value) in &event.headers {
+            headers.insert(name, value);
+        }
         let payload = event_json(event)?;
         match self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await {
             Ok(ack) => Ok((subject, ack)),

@@ -143,17 +143,17 @@ revived as (
      where $2 or (id in (select id from wanted)
                   and (select count(distinct id) from outbox_relay.dead_letters where id in (select id from wanted))
                       = (select count(*) from wanted))
-    returning destination, id, uuid, topic, key, payload, created_at
+    returning destination, id, uuid, topic, key, payload, headers, created_at
 ),
 parked as (
-    insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at)
-    select destination, id, uuid, topic, key, payload, created_at from revived where destination <> ''
+    insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, headers, created_at)
+    select destination, id, uuid, topic, key, payload, headers, created_at from revived where destination <> ''
     on conflict (destination, id) do nothing
     returning id
 ),
 unrouted as (
-    insert into outbox_relay.outbox (id, uuid, topic, key, payload, created_at)
-    select id, uuid, topic, key, payload, created_at from revived where destination = ''
+    insert into outbox_relay.outbox (id, uuid, topic, key, payload, headers, created_at)
+    select id, uuid, topic, key, payload, headers, created_at from revived where destination = ''
     on conflict (id) do nothing
     returning id
 )

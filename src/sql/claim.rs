@@ -28,6 +28,9 @@ pub(crate) struct ClaimedRow {
     /// The payload's text, or why it cannot be read (text that is not UTF-8 or not JSON: jsonb
     /// never gives such, but no row is trusted to stop a claim).
     pub(crate) payload: std::result::Result<Payload, String>,
+    /// The headers, or why they cannot be sent (a row written past the check constraint's
+    /// rules, e.g. before it was validated).
+    pub(crate) headers: std::result::Result<crate::Headers, String>,
     pub(crate) created_at: SystemTime,
     pub(crate) attempts: i32,
     /// Its age at the claim; `None` for a `created_at` outside 1970 to 9999.
@@ -44,6 +47,7 @@ fn claimed_row(row: &tokio_postgres::Row, id: i64, parked: bool) -> ClaimedRow {
         topic: row.get("topic"),
         key: row.get("key"),
         payload: row.try_get::<_, Payload>("payload").map_err(|e| crate::error::chain(&e)),
+        headers: crate::Headers::from_stored(row.get("headers")),
         created_at: row.get("created_at"),
         attempts: row.get("attempt"),
         age: row.get::<_, Option<i64>>("age_us").map(|us| Duration::from_micros(us.max(0) as u64)),

@@ -80,7 +80,7 @@ moved as (
 select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 2147483646) + 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
-       o.uuid,
+       o.uuid, o.headers,
        o.available_at <= clock_timestamp() and coalesce(o.topic <> all($3::text[]), true)
        and (o.key is null or (
             select b.id from outbox_relay.parked b
@@ -93,7 +93,7 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
-select null, null, null, null, null, null, null, null, null,
+select null, null, null, null, null, null, null, null, null, null,
        (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
          where e.destination = $4::text and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),

@@ -41,9 +41,9 @@ taken as (select id from keyed union all select id from unkeyed)
 select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 2147483646) + 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
-       o.uuid, null::text as walked_to
+       o.uuid, o.headers, null::text as walked_to
   from outbox_relay.parked o where o.destination = $6::text and o.id in (select id from taken)
 union all
-select null, null, null, null, null, null, null, null,
+select null, null, null, null, null, null, null, null, null,
        (select case when count(*) >= $4 then max(w.key) end from walk w)
 order by 1

@@ -177,14 +177,14 @@ seen as materialized (
      order by e.xid limit $2
 ),
 gone as materialized (
-    select e.id, e.uuid, e.topic, e.key, e.payload, e.created_at, e.attempts
+    select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, e.attempts
       from outbox_relay.outbox e
      where e.id in (select s.id from seen s where s.passed and s.processed_at is null)
        for update of e skip locked
 ),
 unrouted as materialized (
-    insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
-    select '', g.id, g.uuid, g.topic, g.key, g.payload, g.created_at, g.attempts,
+    insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+    select '', g.id, g.uuid, g.topic, g.key, g.payload, g.headers, g.created_at, g.attempts,
            'no destination''s pattern matches its topic (the destinations: '
            || (select string_agg(d.name || ' ' || d.pattern, ', ' order by d.name) from outbox_relay.destinations d)
            || ')'
@@ -237,10 +237,10 @@ pub(crate) async fn sweep_outbox(db: &impl Db, from: &str, batch: i64, delete: b
 const DESTINATION_DROP_PARKED: &str = "\
 with moved as (
     delete from outbox_relay.parked where destination = $1
-    returning id, uuid, topic, key, payload, created_at, attempts, last_error
+    returning id, uuid, topic, key, payload, headers, created_at, attempts, last_error
 )
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
-select $1, id, uuid, topic, key, payload, created_at, attempts,
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+select $1, id, uuid, topic, key, payload, headers, created_at, attempts,
        'the destination was dropped while the event waited for it' || coalesce(' (last error: ' || last_error || ')', '')
   from moved
 on conflict (destination, id) do nothing";

@@ -1,12 +1,10 @@
 //! Events: adding them (and their audit rows), and cleaning up the finished ones.
 
-use std::borrow::Cow;
 use std::time::Duration;
 
 use super::{Db, all, count, micros, one};
 use crate::error::Result;
-use crate::event::{AuditEntry, NewEvent};
-use crate::payload::Payload;
+use crate::event::{AuditEntry, Checked, NewEvent};
 
 /// The class of the advisory locks that serialize the writers of one key (`'outb'` in ASCII);
 /// see migration 0004.
@@ -15,29 +13,33 @@ pub(crate) const KEY_LOCK_CLASS: i32 = 0x6f75_7462;
 /// The payload `$3` comes as JSON text, which the server parses into `jsonb` (as it would the
 /// binary form: jsonb's wire format is its text).
 pub(crate) const EVENT_INSERT: &str = "\
-insert into outbox_relay.outbox (topic, key, payload, available_at)
-values ($1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond')
+insert into outbox_relay.outbox (topic, key, payload, available_at, headers)
+values ($1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond', $5::text::jsonb)
 returning id";
 
 /// A keyed event: the key's advisory lock is taken before the insert draws its id, so writers of
 /// one key serialize and its events commit in id order (the lock's function scan runs first;
 /// the id default is computed as each row is inserted).
 pub(crate) const EVENT_INSERT_KEYED: &str = "\
-insert into outbox_relay.outbox (topic, key, payload, available_at)
-select $1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond'
-  from pg_advisory_xact_lock($5, hashtext($2))
+insert into outbox_relay.outbox (topic, key, payload, available_at, headers)
+select $1, $2, $3::text::jsonb, now() + $4::int8 * interval '1 microsecond', $5::text::jsonb
+  from pg_advisory_xact_lock($6, hashtext($2))
 returning id";
 
-/// Adds one event (taking its key's lock first) with the payload its validation gave; returns
-/// its id.
-pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent, payload: &Payload) -> Result<i64> {
-    let payload = payload.get();
+/// Adds one event (taking its key's lock first) with the payload and headers its validation
+/// gave; returns its id.
+pub(crate) async fn insert_event(db: &impl Db, event: &NewEvent, checked: &Checked<'_>) -> Result<i64> {
+    let payload = checked.payload.get();
     let delay = micros(event.delay);
     let row = match &event.key {
-        None => one(db, EVENT_INSERT, &[&event.topic, &event.key, &payload, &delay], "adding an event").await?,
-        Some(_) => {
+        None => {
             let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
-                [&event.topic, &event.key, &payload, &delay, &KEY_LOCK_CLASS];
+                [&event.topic, &event.key, &payload, &delay, &checked.headers];
+            one(db, EVENT_INSERT, &params, "adding an event").await?
+        }
+        Some(_) => {
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                [&event.topic, &event.key, &payload, &delay, &checked.headers, &KEY_LOCK_CLASS];
             one(db, EVENT_INSERT_KEYED, &params, "adding an event").await?
         }
     };
@@ -53,31 +55,29 @@ select count(*) from (
 ) locked";
 
 pub(crate) const EVENT_INSERT_MANY: &str = "\
-insert into outbox_relay.outbox (topic, key, payload, available_at)
-select topic, key, payload::jsonb, now() + delay * interval '1 microsecond'
-  from unnest($1::text[], $2::text[], $3::text[], $4::int8[]) with ordinality as e(topic, key, payload, delay, n)
+insert into outbox_relay.outbox (topic, key, payload, available_at, headers)
+select topic, key, payload::jsonb, now() + delay * interval '1 microsecond', headers::jsonb
+  from unnest($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[])
+       with ordinality as e(topic, key, payload, delay, headers, n)
  order by n
 returning id";
 
-/// Adds many events in one statement, with the payloads their validation gave; returns their
-/// ids in input order.
-pub(crate) async fn insert_events(
-    db: &impl Db,
-    events: &[NewEvent],
-    payloads: &[Cow<'_, Payload>],
-) -> Result<Vec<i64>> {
+/// Adds many events in one statement, with the payloads and headers their validation gave;
+/// returns their ids in input order.
+pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent], checked: &[Checked<'_>]) -> Result<Vec<i64>> {
     if events.is_empty() {
         return Ok(Vec::new());
     }
     let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
     let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&str> = payloads.iter().map(|p| p.get()).collect();
+    let payloads: Vec<&str> = checked.iter().map(|c| c.payload.get()).collect();
+    let headers: Vec<Option<&str>> = checked.iter().map(|c| c.headers.as_deref()).collect();
     let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
     let keyed: Vec<&str> = keys.iter().flatten().copied().collect();
     if !keyed.is_empty() {
         all(db, KEYS_LOCK, &[&KEY_LOCK_CLASS, &keyed], "locking the events' keys").await?;
     }
-    let rows = all(db, EVENT_INSERT_MANY, &[&topics, &keys, &payloads, &delays], "adding events").await?;
+    let rows = all(db, EVENT_INSERT_MANY, &[&topics, &keys, &payloads, &delays, &headers], "adding events").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 

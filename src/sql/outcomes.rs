@@ -26,9 +26,9 @@ impl Copies {
 }
 
 const PARKED_COPY: &str = "\
-insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at, attempts,
+insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, headers, created_at, available_at, attempts,
                                  last_error, lease_token)
-select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at,
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at,
        greatest(o.available_at, now() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
   from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
   join outbox_relay.outbox o on o.id = f.id
@@ -43,8 +43,8 @@ pub(crate) async fn park_new_events(db: &impl Db, destination: &str, c: &Copies,
 }
 
 const DEAD_LETTER_NEW: &str = "\
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
-select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at, f.attempts, f.error
   from unnest($2::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
   join outbox_relay.outbox o on o.id = f.id
 on conflict (destination, id) do update
@@ -161,10 +161,10 @@ with failed as (
     delete from outbox_relay.parked o
      using unnest($2::int8[], $4::text[], $5::int4[]) as f(id, error, attempts)
      where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)
-    returning o.id, o.uuid, o.topic, o.key, o.payload, o.created_at, f.attempts, f.error
+    returning o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at, f.attempts, f.error
 )
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, created_at, attempts, last_error)
-select $1, id, uuid, topic, key, payload, created_at, attempts, error from failed
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+select $1, id, uuid, topic, key, payload, headers, created_at, attempts, error from failed
 on conflict (destination, id) do update
    set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
 

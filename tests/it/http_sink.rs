@@ -225,6 +225,7 @@ async fn failures_say_whether_they_are_refusals_overload_or_answers() {
         payload: Payload::from_json("{}").unwrap(),
         created_at: SystemTime::now(),
         attempts: 1,
+        headers: Default::default(),
     };
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let refused = HttpSink::new(&format!("http://{closed}/"), Duration::from_secs(5)).unwrap().handle(&event).await;

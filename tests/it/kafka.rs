@@ -189,8 +189,9 @@ mod needs_kafka {
         db.client()
             .await
             .batch_execute(
-                "insert into outbox_relay.outbox (topic, key, payload)
-                 select case when g % 2 = 0 then 'order.placed' else 'mail.sent' end, 'k' || (g % 6), '{}'
+                "insert into outbox_relay.outbox (topic, key, payload, headers)
+                 select case when g % 2 = 0 then 'order.placed' else 'mail.sent' end, 'k' || (g % 6), '{}',
+                        jsonb_build_object('x-n', g::text)
                    from generate_series(1, 100) g",
             )
             .await
@@ -218,6 +219,8 @@ mod needs_kafka {
         let mail = kafka.read("mail.sent", 50, PATIENCE);
         let sent: HashSet<String> = mail.iter().map(|m| header(m, "outbox-event-uuid").to_string()).collect();
         assert_eq!(sent, uuids(&db, "mail.sent").await);
+        let numbers: HashSet<String> = mail.iter().map(|m| header(m, "x-n").to_string()).collect();
+        assert_eq!(numbers, (1..=99).step_by(2).map(|n: i32| n.to_string()).collect(), "each event's own header");
         assert_in_order(&first_order_by_key(&mail));
         assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
     }

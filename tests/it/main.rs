@@ -7,6 +7,7 @@ use pg_outbox_relay_testkit::{factory, harness, support as relay_support, tools}
 mod bad_rows;
 mod delivery;
 mod faults;
+mod headers;
 mod http_conventions;
 mod http_sink;
 mod inbox;

@@ -31,10 +31,17 @@ mod needs_kafka {
             ],
         );
         let client = db.client().await;
+        // Headers written in SQL: an extension's name goes as ce_, others and the trace context
+        // as Kafka headers of their own (issue 25).
+        let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let headers = json!({"tenant": "acme", "X-Correlation-Id": "c-1", "traceparent": traceparent}).to_string();
         for n in 1..=3 {
             let payload = json!({"order": n, "note": "ünïcode ✓"});
             client
-                .execute("select outbox_relay.publish('order.placed', $1, $2)", &[&payload, &format!("customer-{n}")])
+                .execute(
+                    "select outbox_relay.publish('order.placed', $1, $2, $3::text::jsonb)",
+                    &[&payload, &format!("customer-{n}"), &headers],
+                )
                 .await
                 .unwrap();
         }
@@ -64,6 +71,9 @@ mod needs_kafka {
             assert_eq!(h("content-type"), Some("application/json"));
             assert_eq!(h("outbox-event-uuid"), Some(uuid.as_str()));
             assert_eq!(h("outbox-event-id"), Some(row.get::<_, i64>(3).to_string().as_str()));
+            assert_eq!((h("ce_tenant"), h("tenant")), (Some("acme"), None), "an extension");
+            assert_eq!((h("X-Correlation-Id"), h("ce_x-correlation-id")), (Some("c-1"), None), "no extension's name");
+            assert_eq!((h("traceparent"), h("ce_traceparent")), (Some(traceparent), Some(traceparent)), "both");
             let payload: Value = row.get(2);
             assert_eq!(serde_json::from_str::<Value>(&message.value).unwrap(), payload, "the payload as the value");
         }

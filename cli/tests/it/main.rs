@@ -7,6 +7,7 @@ mod amqp;
 mod binary;
 mod cli;
 mod fidelity;
+mod headers;
 mod hostile;
 mod http;
 mod kafka;

@@ -151,12 +151,13 @@ impl KafkaSink {
     /// Publishes one event and waits for its acknowledgement.
     async fn send(&self, producer: &FutureProducer<Context>, event: &Event) -> Result<(), DeliveryError> {
         let topic = self.topic.render(&event.topic)?;
-        let Parts { body, content_type, attributes } = cloudevents::parts(event, self.format, &self.source)
-            .map_err(|e| DeliveryError::permanent(format!("cannot serialize event {}: {e}", event.id)))?;
+        let Parts { body, content_type, attributes, headers: event_headers } =
+            cloudevents::parts(event, self.format, &self.source)
+                .map_err(|e| DeliveryError::permanent(format!("cannot serialize event {}: {e}", event.id)))?;
         let uuid = event.uuid.to_string();
         let id = event.id.to_string();
         let attempt = event.attempts.to_string();
-        let mut headers = OwnedHeaders::new_with_capacity(5 + attributes.len())
+        let mut headers = OwnedHeaders::new_with_capacity(5 + attributes.len() + event_headers.len())
             .insert(Header { key: "content-type", value: Some(content_type) })
             .insert(Header { key: KAFKA_UUID_HEADER, value: Some(&uuid) })
             .insert(Header { key: "outbox-event-id", value: Some(&id) })
@@ -164,6 +165,9 @@ impl KafkaSink {
             .insert(Header { key: "outbox-attempt", value: Some(&attempt) });
         for (name, value) in &attributes {
             headers = headers.insert(Header { key: &format!("ce_{name}"), value: Some(value) });
+        }
+        for (name, value) in event_headers {
+            headers = headers.insert(Header { key: name, value: Some(value) });
         }
         let created = event.created_at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let mut record = FutureRecord::to(&topic)
