@@ -22,6 +22,13 @@
 //!   sending `NOTIFY` (a relay waiting; what an always-notifying trigger costs). See
 //!   `bench::NotifyMode`.
 //!
+//! - `trace_context/{untraced,in_traced_span_given,in_traced_span_captured}`: one
+//!   `Outbox::publish` of a keyed event: outside any span; inside a request span that an
+//!   OpenTelemetry layer traces, the event carrying a `traceparent` the writer gave (so nothing is
+//!   captured: the subscriber's own cost); and the same with the context captured (a `create`
+//!   span of its own, recorded with the event). The last two differ by what capturing adds. The
+//!   tracer has no exporter, so no figure includes the shipping of spans.
+//!
 //! Nothing touches the database until a benchmark actually runs, so `-- --list` and filters
 //! (`cargo bench --bench relay -- latency/notify`) only set up what they select. The whole suite
 //! takes about eight minutes on a (busy) two-core machine, five of them in `throughput`.
@@ -65,6 +72,7 @@ fn main() {
     delivery(&mut criterion, &env);
     write_path(&mut criterion, &env);
     notify_cost(&mut criterion, &env);
+    trace_context(&mut criterion, &env);
 
     criterion.final_summary();
     env.close();
@@ -360,4 +368,35 @@ fn notify_cost(c: &mut Criterion, env: &Env) {
         let outbox = env.database("notify_cost");
         ok(env.block_on(bench::reset_notify(&outbox)), "restoring the trigger");
     }
+}
+
+fn trace_context(c: &mut Criterion, env: &Env) {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    let mut group = c.benchmark_group("trace_context");
+    group.sample_size(30).warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(5));
+    let event = pg_outbox_relay::NewEvent::new("bench.traced", serde_json::json!({"order": 1})).key("k");
+    let given = event.clone().header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+    group.bench_function("untraced", |b| {
+        let outbox = env.database("trace_context");
+        b.iter(|| env.block_on(outbox.publish(&event)).expect("publishing"));
+    });
+    // Each publish in a request span of its own, traced by an OpenTelemetry layer; the subscriber
+    // and the span are on this thread, where `block_on` runs the publish.
+    let traced = |b: &mut criterion::Bencher<'_>, event: &pg_outbox_relay::NewEvent| {
+        let outbox = env.database("trace_context");
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let subscriber =
+            tracing_subscriber::registry().with(tracing_opentelemetry::layer().with_tracer(provider.tracer("bench")));
+        let _subscriber = tracing::subscriber::set_default(subscriber);
+        b.iter(|| {
+            let span = tracing::info_span!("POST /orders");
+            let _entered = span.enter();
+            env.block_on(outbox.publish(event)).expect("publishing")
+        });
+    };
+    group.bench_function("in_traced_span_given", |b| traced(b, &given));
+    group.bench_function("in_traced_span_captured", |b| traced(b, &event));
+    group.finish();
 }

@@ -118,7 +118,7 @@ alter table outbox_relay.dead_letters validate constraint dead_letters_headers_v
 
 -- The SQL door takes headers too. The three-argument function is replaced by one with a fourth,
 -- defaulted argument (both would make a call with three arguments ambiguous); whoever could
--- execute the old one can execute the new one.
+-- execute the old one can execute the new one, and no one else.
 create function outbox_relay.publish(topic text, payload jsonb, key text default null, headers jsonb default null)
 returns bigint
 language plpgsql as $$
@@ -190,6 +190,13 @@ begin
     loop
         execute format('grant execute on function outbox_relay.publish(text, jsonb, text, jsonb) to %s', grantee);
     end loop;
+    -- A function is executable by PUBLIC until that is revoked: if it was, it is again.
+    if exists (select 1 from pg_proc p
+                where p.oid = 'outbox_relay.publish(text, jsonb, text)'::regprocedure and p.proacl is not null
+                  and not exists (select 1 from aclexplode(p.proacl) a
+                                   where a.grantee = 0 and a.privilege_type = 'EXECUTE')) then
+        revoke execute on function outbox_relay.publish(text, jsonb, text, jsonb) from public;
+    end if;
 end
 $$;
 

@@ -122,7 +122,7 @@ impl NewEvent {
         if self.delay > Duration::from_secs(100 * 365 * 24 * 3600) {
             return Err(Error::invalid_input(format!("delay {:?} is longer than 100 years", self.delay)));
         }
-        let headers = crate::trace::with_current_context(&self.headers);
+        let headers = crate::trace::with_current_context(&self.headers, &self.topic);
         headers.validate().map_err(|e| Error::invalid_input(format!("a {:?} event: {e}", self.topic)))?;
         Ok(Checked { payload, headers: headers.to_json() })
     }

@@ -111,6 +111,9 @@
 //! - `sqlx`: `publish`, `publish_all`, `audit` and the inbox on a sqlx 0.8 connection
 //!   (`pg_outbox_relay::sqlx`).
 //! - `prometheus`: the metrics in the OpenMetrics text format (`prometheus::Exporter`).
+//! - `opentelemetry`: a publish inside a span traced by `tracing-opentelemetry` records the
+//!   span's W3C trace context with the event ([`NewEvent::header`] `traceparent`), and the relay
+//!   sends each such event in a `send` span that continues it (docs/tracing.md).
 //!
 //! # Where to read more
 //!

@@ -8,6 +8,7 @@ mod demo;
 mod http;
 mod routes;
 mod sinks;
+mod telemetry;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -453,7 +454,17 @@ fn main() -> ExitCode {
         }
     };
     // The demo prints a report; its expected failures (a dead letter) need not be logged too.
-    init_tracing(if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) { "error" } else { "info" });
+    let _telemetry = match telemetry::init(if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) {
+        "error"
+    } else {
+        "info"
+    }) {
+        Ok(telemetry) => telemetry,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -475,21 +486,4 @@ fn main() -> ExitCode {
 fn one_line(text: &str) -> String {
     let spaced = text.split_whitespace().collect::<Vec<_>>().join(" ");
     pg_outbox_relay::printable(&spaced).into_owned()
-}
-
-/// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default (PostgreSQL's
-/// notices only from `warn`).
-fn init_tracing(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")))
-        // lapin logs every returned (unroutable) message whole, payload included, and at trace
-        // the login frame with the password: the sink reports what matters itself.
-        .add_directive("lapin=off".parse().expect("a valid directive"))
-        .add_directive("amq_protocol=off".parse().expect("a valid directive"));
-    use std::io::IsTerminal;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
 }

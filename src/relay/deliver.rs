@@ -13,6 +13,9 @@ use crate::event::Event;
 /// What handing events to the handler needs.
 pub(crate) struct Delivery<H> {
     pub(crate) handler: H,
+    /// The destination's name (the delivery spans say it).
+    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    pub(crate) to: String,
     /// The bound on deliveries in progress, shared by every batch.
     pub(crate) slots: Slots,
     /// Stop delivering now; release what is in hand (shutdown past its grace).
@@ -62,8 +65,22 @@ impl<H: Handler> Delivery<H> {
         }
     }
 
-    /// One call of the handler: one result per event, a panic failing them all.
+    /// One call of the handler: one result per event, a panic failing them all. With the
+    /// `opentelemetry` feature, each event that carries a trace context is sent in a span of its
+    /// own, whose context it carries to the receiver.
     async fn hand_over(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+        #[cfg(feature = "opentelemetry")]
+        {
+            let (sends, traced) = crate::trace::Sends::start(events, &self.to);
+            let results = self.call(traced.as_deref().unwrap_or(events)).await;
+            sends.finish(&results);
+            results
+        }
+        #[cfg(not(feature = "opentelemetry"))]
+        self.call(events).await
+    }
+
+    async fn call(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
         let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
         let mut results = match delivery.await {
             Ok(results) => results,

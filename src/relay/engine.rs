@@ -172,6 +172,7 @@ impl<H: Handler> Engine<H> {
             },
             delivery: deliver::Delivery {
                 handler,
+                to: name.clone(),
                 slots: Slots::for_relay(&config, metrics.clone()),
                 abort: shared.abort.clone(),
             },

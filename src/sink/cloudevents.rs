@@ -19,7 +19,7 @@ pub(crate) struct Parts<'a> {
     /// The event's headers that go as the transport's own headers, as given: all of them in
     /// [`EventFormat::Raw`]; in CloudEvents those whose names are no extension's, and the trace
     /// context, which receivers' instrumentation reads from the transport (W3C Trace Context).
-    pub(crate) headers: Vec<(&'a str, &'a str)>,
+    pub(crate) headers: Pairs<'a>,
 }
 
 /// The context attributes of CloudEvents 1.0, which no header may stand for.
@@ -50,8 +50,11 @@ fn is_trace_context(name: &str) -> bool {
     name == crate::Headers::TRACEPARENT || name == crate::Headers::TRACESTATE
 }
 
+/// Header names and values, borrowed from the event.
+type Pairs<'a> = Vec<(&'a str, &'a str)>;
+
 /// The event's headers split for `format`: (extension attributes, transport headers).
-fn split_headers(event: &Event, format: EventFormat) -> (Vec<(&str, &str)>, Vec<(&str, &str)>) {
+fn split_headers(event: &Event, format: EventFormat) -> (Pairs<'_>, Pairs<'_>) {
     if format == EventFormat::Raw {
         return (Vec::new(), event.headers.iter().collect());
     }

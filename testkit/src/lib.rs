@@ -27,6 +27,7 @@ pub mod factory;
 pub mod harness;
 pub mod kafka;
 pub mod nats;
+pub mod otlp;
 pub mod rabbitmq;
 pub mod support;
 pub mod tools;

@@ -49,6 +49,23 @@ pub const CLOUDEVENTS: PythonPackage =
 /// what it did (the caller checks the status). Fails the test, naming the package to install,
 /// when python3 or a package is missing.
 pub fn python(script: &str, args: &[&str], stdin: &[u8], needs: &[PythonPackage]) -> Output {
+    let python3 = probe_python(needs);
+    let mut child = Command::new(&python3)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 starts");
+    child.stdin.take().expect("its stdin").write_all(stdin).expect("writing to python3");
+    child.wait_with_output().expect("python3 finishes")
+}
+
+/// The path of python3, once every package of `needs` imports; fails the test, naming the
+/// package to install, when python3 or a package is missing.
+pub fn probe_python(needs: &[PythonPackage]) -> PathBuf {
     let python3 = program("python3", "Debian: apt install python3");
     for package in needs {
         let probe =
@@ -63,17 +80,7 @@ pub fn python(script: &str, args: &[&str], stdin: &[u8], needs: &[PythonPackage]
             );
         }
     }
-    let mut child = Command::new(&python3)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3 starts");
-    child.stdin.take().expect("its stdin").write_all(stdin).expect("writing to python3");
-    child.wait_with_output().expect("python3 finishes")
+    python3
 }
 
 /// Whether something accepts TCP connections at the host and port of `url`

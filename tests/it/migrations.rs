@@ -3,6 +3,7 @@
 use futures::future::join_all;
 
 use crate::harness::TestDb;
+use crate::relay_support::count;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn migrations_apply_once_even_when_run_concurrently() {
@@ -58,4 +59,73 @@ async fn the_library_lives_in_its_own_schema() {
     for name in ["outbox", "audit", "idempotency", "dead_letters", "inbox", "relays", "schema_migrations"] {
         assert!(tables.iter().any(|(_, t)| t == name), "missing {name}: {tables:?}");
     }
+}
+
+/// Migration 0013 replaces `outbox_relay.publish` with a four-argument function: whoever could
+/// execute the old one can execute the new one, and where EXECUTE was taken from PUBLIC, it
+/// stays taken. (Applied by hand over 0001 to 0012, as an installation of the previous version
+/// is.)
+#[tokio::test]
+async fn the_new_publish_function_keeps_the_old_ones_privileges() {
+    const BEFORE: [&str; 12] = [
+        include_str!("../../migrations/0001_create_outbox_tables.sql"),
+        include_str!("../../migrations/0002_notify_only_waiting_relays.sql"),
+        include_str!("../../migrations/0003_harden_rows_and_writer_path.sql"),
+        include_str!("../../migrations/0004_order_per_key_and_breaker.sql"),
+        include_str!("../../migrations/0005_claim_paths.sql"),
+        include_str!("../../migrations/0006_pauses.sql"),
+        include_str!("../../migrations/0007_payloads_as_written.sql"),
+        include_str!("../../migrations/0008_snapshot_reads.sql"),
+        include_str!("../../migrations/0009_xid_is_the_inserters.sql"),
+        include_str!("../../migrations/0010_delivery_limit.sql"),
+        include_str!("../../migrations/0011_global_event_ids_and_inbox.sql"),
+        include_str!("../../migrations/0012_destinations.sql"),
+    ];
+    let db = TestDb::empty().await;
+    let client = db.client().await;
+    for sql in BEFORE {
+        client.batch_execute(sql).await.unwrap();
+    }
+    let writer = format!("outbox_writer_{}", rand::random::<u32>());
+    let stranger = format!("stranger_{}", rand::random::<u32>());
+    client
+        .batch_execute(&format!(
+            "create role {writer}; create role {stranger};
+             insert into outbox_relay.outbox (topic, payload) values ('before.upgrade', '{{}}');
+             revoke execute on function outbox_relay.publish(text, jsonb, text) from public;
+             grant execute on function outbox_relay.publish(text, jsonb, text) to {writer};"
+        ))
+        .await
+        .unwrap();
+    client.batch_execute(include_str!("../../migrations/0013_event_headers.sql")).await.unwrap();
+    let may = |role: &str| {
+        let client = &client;
+        let role = role.to_string();
+        async move {
+            client
+                .query_one(
+                    "select has_function_privilege($1, 'outbox_relay.publish(text, jsonb, text, jsonb)', 'execute')",
+                    &[&role],
+                )
+                .await
+                .unwrap()
+                .get::<_, bool>(0)
+        }
+    };
+    assert!(may(&writer).await, "the writer's grant moved to the new function");
+    assert!(!may(&stranger).await, "PUBLIC's EXECUTE stays revoked");
+    let old: i64 = client
+        .query_one(
+            "select count(*) from pg_proc where oid::regprocedure::text = 'outbox_relay.publish(text,jsonb,text)'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(old, 0, "the three-argument function is gone");
+    // A call with three arguments, as before, still works; the row written before has no headers.
+    client.query_one("select outbox_relay.publish('after.upgrade', '{}', 'k')", &[]).await.unwrap();
+    let nulls = count(&client, "select count(*) from outbox_relay.outbox where headers is null").await;
+    assert_eq!(nulls, 2);
+    client.batch_execute(&format!("drop owned by {writer}; drop role {writer}; drop role {stranger}")).await.unwrap();
 }

@@ -41,9 +41,19 @@ pub fn spawn_run(url: &str, args: &[&str]) -> Child {
 
 /// Starts `outbox-relay run` with exactly these arguments (the defaults delete delivered rows).
 pub fn spawn_run_as_shipped(url: &str, args: &[&str]) -> Child {
+    spawn_run_as_shipped_with_env(url, args, &[])
+}
+
+/// [`spawn_run`] with these environment variables too.
+pub fn spawn_run_with_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> Child {
+    spawn_run_as_shipped_with_env(url, &[args, &["--completion", "mark"]].concat(), env)
+}
+
+fn spawn_run_as_shipped_with_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> Child {
     Command::new(BIN)
         .arg("run")
         .args(args)
+        .envs(env.iter().copied())
         .env("DATABASE_URL", url)
         .env("RUST_LOG", "info")
         .stdout(Stdio::piped())

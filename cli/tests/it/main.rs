@@ -15,4 +15,5 @@ mod killed;
 mod operator;
 mod routes;
 mod secrets;
+mod tracing;
 mod webhooks;

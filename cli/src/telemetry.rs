@@ -1,0 +1,119 @@
+//! The command's logs and spans: logs to stderr; the relay's delivery spans exported over OTLP
+//! (http/protobuf) when the standard variables say where (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+//! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`), and nothing at all otherwise.
+
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_subscriber::filter::{LevelFilter, Targets};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// The target of the library's spans (`pg_outbox_relay::trace`): exported, never logged.
+const SPANS: &str = "pg_outbox_relay::trace";
+
+/// Flushes the exporter when the command ends.
+pub struct Telemetry {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Some(provider) = self.provider.take()
+            && let Err(e) = provider.shutdown()
+        {
+            eprintln!("warning: the last spans could not be exported over OTLP: {e}");
+        }
+    }
+}
+
+/// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default
+/// (PostgreSQL's notices only from `warn`); spans go to the OTLP endpoint when one is configured.
+/// An OTLP setting this command cannot follow is an error that names it.
+pub fn init(level: &str) -> Result<Telemetry, String> {
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")))
+        // lapin logs every returned (unroutable) message whole, payload included, and at trace
+        // the login frame with the password: the sink reports what matters itself.
+        .add_directive("lapin=off".parse().expect("a valid directive"))
+        .add_directive("amq_protocol=off".parse().expect("a valid directive"))
+        .add_directive(format!("{SPANS}=off").parse().expect("a valid directive"));
+    use std::io::IsTerminal;
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(filter);
+    let provider = provider()?;
+    let spans = provider.as_ref().map(|provider| {
+        tracing_opentelemetry::layer()
+            .with_tracer(provider.tracer("outbox-relay"))
+            .with_filter(Targets::new().with_target(SPANS, LevelFilter::INFO))
+    });
+    tracing_subscriber::registry().with(logs).with(spans).init();
+    Ok(Telemetry { provider })
+}
+
+fn set(name: &str) -> Option<String> {
+    std::env::var(name).ok().map(|v| v.trim().to_string()).filter(|v| !v.is_empty())
+}
+
+/// The tracer provider the variables configure, or `None` when they name no endpoint (or
+/// `OTEL_SDK_DISABLED=true`, or `OTEL_TRACES_EXPORTER=none`).
+fn provider() -> Result<Option<SdkTracerProvider>, String> {
+    let endpoint = set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"));
+    let disabled = set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
+        || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"));
+    let Some(endpoint) = endpoint.filter(|_| !disabled) else { return Ok(None) };
+    for name in ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"] {
+        if let Some(protocol) = set(name)
+            && protocol != "http/protobuf"
+        {
+            return Err(format!(
+                "{name}={protocol}: this command exports spans over OTLP http/protobuf only (a collector's port 4318)"
+            ));
+        }
+    }
+    let shown = shown(&endpoint);
+    if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
+        return Err(format!("the OTLP endpoint {shown} is no http:// or https:// URL (e.g. http://127.0.0.1:4318)"));
+    }
+    // reqwest is built without a crypto provider of its own (the library brings ring's).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .build()
+        .map_err(|e| format!("cannot export spans to the OTLP endpoint {shown}: {e}"))?;
+    let mut resource = Resource::builder();
+    let named_in_attributes = set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| a.contains("service.name="));
+    if set("OTEL_SERVICE_NAME").is_none() && !named_in_attributes {
+        resource = resource.with_service_name("outbox-relay");
+    }
+    Ok(Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build()))
+}
+
+/// An endpoint as messages show it: without a password in it or its query.
+fn shown(endpoint: &str) -> String {
+    let endpoint = endpoint.split(['?', '#']).next().unwrap_or_default();
+    let (scheme, rest) = endpoint.split_once("://").unwrap_or(("", endpoint));
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let authority = match authority.rsplit_once('@') {
+        Some((_, host)) => format!("***@{host}"),
+        None => authority.to_string(),
+    };
+    let scheme = if scheme.is_empty() { String::new() } else { format!("{scheme}://") };
+    format!("{scheme}{authority}{path}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn endpoints_are_shown_without_secrets() {
+        assert_eq!(
+            super::shown("http://user:pa55@collector:4318/v1/traces?token=x"),
+            "http://***@collector:4318/v1/traces"
+        );
+        assert_eq!(super::shown("http://127.0.0.1:4318"), "http://127.0.0.1:4318");
+        assert_eq!(super::shown("collector:4318"), "collector:4318");
+    }
+}
