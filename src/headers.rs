@@ -180,6 +180,13 @@ const RESERVED: [&str; 13] = [
 /// CloudEvents' `ce-` and `ce_`, NATS' `Nats-*`).
 const RESERVED_PREFIXES: [&str; 5] = ["outbox-", "webhook-", "ce-", "ce_", "nats-"];
 
+/// Whether no one but the sinks may set the header `name` (any case): an event's headers and
+/// a destination's fixed HTTP headers alike.
+pub(crate) fn is_reserved(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    RESERVED.contains(&lower.as_str()) || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p))
+}
+
 fn check_name(name: &str) -> Result<()> {
     let shown = crate::text::printable(name);
     if name.is_empty() || name.len() > Headers::MAX_NAME_LEN {
@@ -195,7 +202,7 @@ fn check_name(name: &str) -> Result<()> {
         )));
     }
     let lower = name.to_ascii_lowercase();
-    if RESERVED.contains(&lower.as_str()) || RESERVED_PREFIXES.iter().any(|p| lower.starts_with(p)) {
+    if is_reserved(name) {
         return Err(invalid(format!(
             "header {name} is reserved: the sinks set it themselves, or it changes how a request is read"
         )));

@@ -65,26 +65,6 @@ pub struct HttpSinkBuilder {
     headers: Vec<(String, Secret)>,
 }
 
-/// Headers the sink sets itself, and hop-by-hop or body-changing ones (a receiver would misread
-/// the request), which `--header` may not give.
-const RESERVED_HEADERS: [&str; 15] = [
-    "content-type",
-    "content-length",
-    "content-encoding",
-    "transfer-encoding",
-    "host",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "upgrade",
-    "te",
-    "trailer",
-    "expect",
-    "webhook-id",
-    "webhook-timestamp",
-    "webhook-signature",
-];
-
 impl HttpSinkBuilder {
     /// Each request bounded by this (1 ms to [`super::MAX_TIMEOUT`]; default
     /// [`super::DEFAULT_HTTP_TIMEOUT`]).
@@ -115,8 +95,9 @@ impl HttpSinkBuilder {
     }
 
     /// Sends this header with every request (an `Authorization` token, say). Its value is never
-    /// shown. The headers the sink sets itself (`Content-Type`, `Host`, `webhook-*`, `ce-*`,
-    /// `Outbox-*`) are refused.
+    /// shown. The names no one but the sinks may set are refused, as for an event's headers
+    /// ([`crate::Headers`]): `Content-Type`, `Host`, `User-Agent`, the framing headers,
+    /// `webhook-*`, `ce-*`, `ce_*`, `Outbox-*`, `Nats-*`.
     pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.headers.push((name.into(), Secret::new(value.into())));
         self
@@ -140,8 +121,7 @@ impl HttpSinkBuilder {
         for (name, value) in &self.headers {
             let header = HeaderName::from_bytes(name.trim().as_bytes())
                 .map_err(|_| Error::config(format!("{name:?} is no HTTP header name")))?;
-            let lower = header.as_str();
-            if RESERVED_HEADERS.contains(&lower) || lower.starts_with("ce-") || lower.starts_with("outbox-") {
+            if crate::headers::is_reserved(header.as_str()) {
                 return Err(Error::config(format!(
                     "the header {header} is set by the sink itself, or would change how the request is read; it cannot be given"
                 )));
