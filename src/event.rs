@@ -48,28 +48,25 @@ pub(crate) enum Body {
 impl NewEvent {
     /// An event on `topic` with a JSON payload, deliverable at once.
     pub fn new(topic: impl Into<String>, payload: Value) -> Self {
-        NewEvent {
-            topic: topic.into(),
-            payload: Body::Value(payload),
-            key: None,
-            delay: Duration::ZERO,
-            headers: Headers::new(),
-        }
+        NewEvent::with_body(topic.into(), Body::Value(payload))
+    }
+
+    /// An event on `topic` with `payload`, no key, no delay and no headers.
+    fn with_body(topic: String, payload: Body) -> Self {
+        NewEvent { topic, payload, key: None, delay: Duration::ZERO, headers: Headers::new() }
     }
 
     /// An event whose payload is any serializable value, serialized straight to JSON text (a
     /// [`serde_json::value::RawValue`] inside it, e.g. an exact decimal, keeps its digits).
     pub fn from_serialize(topic: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
-        let payload = Body::Json(Payload::serialized(payload)?);
-        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO, headers: Headers::new() })
+        Ok(NewEvent::with_body(topic.into(), Body::Json(Payload::serialized(payload)?)))
     }
 
     /// An event whose payload is this JSON text, taken as it is: numbers keep every digit
     /// (`0.1000000000000000055511151231257827`, `1e400`), as through the SQL function. Fails
     /// when the text is not JSON.
     pub fn from_json(topic: impl Into<String>, json: impl Into<String>) -> Result<Self> {
-        let payload = Body::Json(Payload::from_json(json)?);
-        Ok(NewEvent { topic: topic.into(), payload, key: None, delay: Duration::ZERO, headers: Headers::new() })
+        Ok(NewEvent::with_body(topic.into(), Body::Json(Payload::from_json(json)?)))
     }
 
     /// Sets the partition key consumers may use to keep related events together.

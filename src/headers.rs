@@ -50,7 +50,7 @@ impl Headers {
 
     /// The headers as (name, value) pairs.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.0.iter().map(|(n, v)| (n.as_str(), v.as_str()))
+        self.into_iter()
     }
 
     /// How many there are.

@@ -61,26 +61,21 @@ pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result
     if events.is_empty() {
         return Ok(Vec::new());
     }
-    let keyed: Vec<&str> = events.iter().filter_map(|e| e.key.as_deref()).collect();
-    if !keyed.is_empty() {
+    let c = sql::EventColumns::new(events, &checked);
+    if !c.keyed.is_empty() {
         ::sqlx::query(sql::KEYS_LOCK)
             .bind(sql::KEY_LOCK_CLASS)
-            .bind(&keyed)
+            .bind(&c.keyed)
             .execute(&mut *conn)
             .await
             .map_err(failed("locking the events' keys"))?;
     }
-    let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
-    let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&str> = checked.iter().map(|c| c.payload.get()).collect();
-    let headers: Vec<Option<&str>> = checked.iter().map(|c| c.headers.as_deref()).collect();
-    let delays: Vec<i64> = events.iter().map(|e| sql::micros(e.delay)).collect();
     ::sqlx::query_scalar::<_, i64>(sql::EVENT_INSERT_MANY)
-        .bind(&topics)
-        .bind(&keys)
-        .bind(&payloads)
-        .bind(&delays)
-        .bind(&headers)
+        .bind(&c.topics)
+        .bind(&c.keys)
+        .bind(&c.payloads)
+        .bind(&c.delays)
+        .bind(&c.headers)
         .fetch_all(conn)
         .await
         .map_err(failed("adding events"))

@@ -62,22 +62,46 @@ select topic, key, payload::jsonb, now() + delay * interval '1 microsecond', hea
  order by n
 returning id";
 
+/// The parameters of [`EVENT_INSERT_MANY`], one array per column (`$1` to `$5`), and the keys
+/// [`KEYS_LOCK`] takes first: what tokio-postgres and sqlx both bind.
+pub(crate) struct EventColumns<'a> {
+    pub(crate) topics: Vec<&'a str>,
+    pub(crate) keys: Vec<Option<&'a str>>,
+    pub(crate) payloads: Vec<&'a str>,
+    pub(crate) delays: Vec<i64>,
+    pub(crate) headers: Vec<Option<&'a str>>,
+    /// The keys of the keyed events, to lock before the insert.
+    pub(crate) keyed: Vec<&'a str>,
+}
+
+impl<'a> EventColumns<'a> {
+    /// The columns of `events`, with the payloads and headers their validation gave.
+    pub(crate) fn new(events: &'a [NewEvent], checked: &'a [Checked<'_>]) -> Self {
+        let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
+        EventColumns {
+            topics: events.iter().map(|e| e.topic.as_str()).collect(),
+            keyed: keys.iter().flatten().copied().collect(),
+            keys,
+            payloads: checked.iter().map(|c| c.payload.get()).collect(),
+            delays: events.iter().map(|e| micros(e.delay)).collect(),
+            headers: checked.iter().map(|c| c.headers.as_deref()).collect(),
+        }
+    }
+}
+
 /// Adds many events in one statement, with the payloads and headers their validation gave;
 /// returns their ids in input order.
 pub(crate) async fn insert_events(db: &impl Db, events: &[NewEvent], checked: &[Checked<'_>]) -> Result<Vec<i64>> {
     if events.is_empty() {
         return Ok(Vec::new());
     }
-    let topics: Vec<&str> = events.iter().map(|e| e.topic.as_str()).collect();
-    let keys: Vec<Option<&str>> = events.iter().map(|e| e.key.as_deref()).collect();
-    let payloads: Vec<&str> = checked.iter().map(|c| c.payload.get()).collect();
-    let headers: Vec<Option<&str>> = checked.iter().map(|c| c.headers.as_deref()).collect();
-    let delays: Vec<i64> = events.iter().map(|e| micros(e.delay)).collect();
-    let keyed: Vec<&str> = keys.iter().flatten().copied().collect();
-    if !keyed.is_empty() {
-        all(db, KEYS_LOCK, &[&KEY_LOCK_CLASS, &keyed], "locking the events' keys").await?;
+    let c = EventColumns::new(events, checked);
+    if !c.keyed.is_empty() {
+        all(db, KEYS_LOCK, &[&KEY_LOCK_CLASS, &c.keyed], "locking the events' keys").await?;
     }
-    let rows = all(db, EVENT_INSERT_MANY, &[&topics, &keys, &payloads, &delays, &headers], "adding events").await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&c.topics, &c.keys, &c.payloads, &c.delays, &c.headers];
+    let rows = all(db, EVENT_INSERT_MANY, &params, "adding events").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 

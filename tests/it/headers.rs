@@ -17,6 +17,11 @@ fn pairs(headers: &Headers) -> Vec<(String, String)> {
     pairs
 }
 
+/// `event` with every header of the JSON object `headers`, through `NewEvent::header`.
+fn with_headers(event: NewEvent, headers: &Value) -> NewEvent {
+    headers.as_object().unwrap().iter().fold(event, |event, (name, value)| event.header(name, value.as_str().unwrap()))
+}
+
 fn expected(json: Value) -> Vec<(String, String)> {
     let mut pairs: Vec<(String, String)> =
         json.as_object().unwrap().iter().map(|(n, v)| (n.clone(), v.as_str().unwrap().to_string())).collect();
@@ -40,10 +45,7 @@ async fn headers_from_every_door_reach_the_handler_unchanged() {
         .await
         .unwrap()
         .get(0);
-    let mut rust = NewEvent::new("h.rust", json!({})).key("k");
-    for (name, value) in written.as_object().unwrap() {
-        rust = rust.header(name, value.as_str().unwrap());
-    }
+    let rust = with_headers(NewEvent::new("h.rust", json!({})).key("k"), &written);
     let rust_id = db.outbox.publish(&rust).await.unwrap();
     let mut conn: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
     let sqlx_id = pg_outbox_relay::sqlx::publish(&mut conn, &rust.clone().header("x-door", "sqlx")).await.unwrap();
@@ -156,10 +158,7 @@ async fn bad_headers_are_refused_by_every_door_and_nothing_is_written() {
     let client = db.client().await;
     let mut conn: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
     for (headers, rule) in bad_headers() {
-        let mut event = NewEvent::new("h.bad", json!({}));
-        for (name, value) in headers.as_object().unwrap() {
-            event = event.header(name, value.as_str().unwrap());
-        }
+        let event = with_headers(NewEvent::new("h.bad", json!({})), &headers);
         let err = db.outbox.publish(&event).await.unwrap_err();
         assert!(err.is_invalid_input() && err.to_string().contains(rule), "Rust, {headers}: {err}");
         let batch = [NewEvent::new("h.good", json!({})), event.clone()];
@@ -207,10 +206,7 @@ async fn headers_at_the_limits_pass_both_checks() {
     at_limits.insert("traceparent".into(), json!("01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future"));
     at_limits.insert("tracestate".into(), json!("a=b"));
     let headers = Value::Object(at_limits);
-    let mut event = NewEvent::new("h.limits", json!({}));
-    for (name, value) in headers.as_object().unwrap() {
-        event = event.header(name, value.as_str().unwrap());
-    }
+    let event = with_headers(NewEvent::new("h.limits", json!({})), &headers);
     db.outbox.publish(&event).await.unwrap();
     client
         .query_one("select outbox_relay.publish('h.limits', '{}', null, $1::text::jsonb)", &[&headers.to_string()])
