@@ -285,6 +285,13 @@ fn register_relay(registry: &mut Registry, relay: &[(String, MetricsSnapshot)]) 
         |r| &r.latency_seconds,
     );
     counters(registry, "outbox_relay_claims", "Claim statements run", relay, |r| r.claims);
+    counters(
+        registry,
+        "outbox_relay_failed_claims",
+        "Claims that failed; their events stay where they are and are claimed again",
+        relay,
+        |r| r.failed_claims,
+    );
     counters(registry, "outbox_relay_events_claimed", "Events claimed", relay, |r| r.claimed_events);
     histograms(registry, "outbox_relay_claim_duration", "How long a claim statement took", relay, |r| &r.claim_seconds);
     counters(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay, |r| {
@@ -296,6 +303,13 @@ fn register_relay(registry: &mut Registry, relay: &[(String, MetricsSnapshot)]) 
         "Times the listener connection was re-established",
         relay,
         |r| r.reconnects,
+    );
+    counters(
+        registry,
+        "outbox_relay_positions_rebased",
+        "Times the claim positions were found taken in another cluster (a restored dump) and started afresh",
+        relay,
+        |r| r.positions_rebased,
     );
     gauges(
         registry,

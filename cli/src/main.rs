@@ -209,6 +209,11 @@ pub(crate) struct RunArgs {
     /// Events per claim.
     #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
     batch_size: usize,
+    /// Most bytes of payload per claim, past its first event (1KiB to 1GiB): events of megabytes
+    /// are claimed a few at a time, so that memory follows this, not their size. A number of
+    /// bytes, or with KiB, MiB, GiB, kB, MB or GB.
+    #[arg(long, value_name = "SIZE", default_value = "8MiB", value_parser = parse_batch_bytes)]
+    batch_bytes: usize,
     /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications);
     /// 1ms to 1 day.
     #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_POLL_INTERVAL, RelayConfig::MAX_POLL_INTERVAL), allow_hyphen_values = true, default_value = "1s")]
@@ -233,9 +238,10 @@ pub(crate) struct RunArgs {
     lease: Duration,
     /// How long a claim's transaction may stay open while its batch is delivered (its row locks
     /// hold the events, the fastest way); a longer delivery turns the claim into a lease. 0s
-    /// leases every claim. 0s to 1m; cut to half of --lease when longer.
-    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true, default_value = "1s")]
-    hold: Duration,
+    /// leases every claim. 0s to 1m, shorter than --lease, and cut to half of --lease when
+    /// longer than that. Defaults to 1s, or half of --lease when that is shorter.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true)]
+    hold: Option<Duration>,
     /// Delete delivered events, or keep them (marked processed) until the retention passes.
     #[arg(long, value_enum, default_value_t = CompletionArg::Delete)]
     completion: CompletionArg,
@@ -397,6 +403,28 @@ fn parse_concurrency(text: &str) -> Result<usize, String> {
 
 fn parse_batch_size(text: &str) -> Result<usize, String> {
     parse_count(text, 1, RelayConfig::MAX_BATCH_SIZE)
+}
+
+fn parse_batch_bytes(text: &str) -> Result<usize, String> {
+    let (min, max) = (RelayConfig::MIN_BATCH_BYTES, RelayConfig::MAX_BATCH_BYTES);
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let scale: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => return Err(format!("unknown unit {other:?}; expected B, KiB, MiB, GiB, kB, MB or GB")),
+    };
+    let n = number.parse::<usize>().ok().and_then(|n| n.checked_mul(scale));
+    match n {
+        Some(n) if (min..=max).contains(&n) => Ok(n),
+        Some(n) => Err(format!("{n} bytes is out of range; expected 1KiB ({min}) to 1GiB ({max})")),
+        None => Err("expected a whole number of bytes, e.g. 8MiB".to_string()),
+    }
 }
 
 fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, String> {

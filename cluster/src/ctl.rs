@@ -91,6 +91,9 @@ impl Ctl {
             "max_connections=200".to_owned(),
             "-c".to_owned(),
             "shared_buffers=128MB".to_owned(),
+            // Writers that commit in two phases are tested too.
+            "-c".to_owned(),
+            "max_prepared_transactions=16".to_owned(),
         ];
         if !self.durable {
             // synchronous_commit stays on: an acknowledged commit is in the WAL (in the OS's

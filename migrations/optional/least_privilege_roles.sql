@@ -60,6 +60,9 @@ grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
 -- The claims' positions (migration 0008): every claim that moves one inserts a row, the janitor deletes old ones.
 grant select, insert, delete on outbox_relay.positions to outbox_relayer;
+-- The cluster the positions were taken in (migration 0014): a relay that finds them from another
+-- cluster (a restored dump) starts fresh positions and records this one.
+grant select, update on outbox_relay.installation to outbox_relayer;
 -- Destinations (migration 0012): a relay registers the ones it delivers to (the registration locks
 -- the table, which needs UPDATE); `outbox-relay destinations drop` deletes one. What waits for a
 -- destination is parked, claimed with row locks, and recorded there.

@@ -72,7 +72,8 @@ impl Turns {
         let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let walk_keys = i32::try_from(config.batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
         let delete = config.completion == Completion::Delete;
-        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete }
+        let bytes = i64::try_from(config.batch_bytes).unwrap_or(i64::MAX);
+        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete, bytes }
     }
 
     /// Where the last walk over the parked keys ended: the next one goes on from there.
@@ -190,6 +191,19 @@ impl Claims {
                 async |db: &deadpool_postgres::ClientWrapper| sql::claim_events(db, &self.to, size, holds, &turn).await;
             let (mut held, claimed) = Held::begin(client, claim).await?;
             let claimed_at = Instant::now();
+            if claimed.foreign_position {
+                // Taken in another cluster (a restored dump): nothing was claimed on its word.
+                held.rollback().await?;
+                if super::rebase::rebase(&self.pool, std::slice::from_ref(&self.metrics)).await {
+                    continue;
+                }
+                return Ok(None);
+            }
+            if claimed.unregistered {
+                held.rollback().await?;
+                self.register_again().await?;
+                return Ok(None);
+            }
             self.metrics.claimed(claimed.rows.len(), claimed_at - started);
             if claimed.parked_all {
                 self.timer.parked_taken(news);
@@ -218,6 +232,27 @@ impl Claims {
             }
             return Ok(Some((Some(held), claimed, claimed_at)));
         }
+    }
+
+    /// The destination was dropped while this relay served it (its position is gone, so no claim
+    /// would ever take a new event): it is registered again, saying so.
+    async fn register_again(&self) -> Result<()> {
+        let registered = sql::reregister_destination(&mut self.pool.client().await?, &self.to).await?;
+        if registered {
+            tracing::error!(
+                pattern = %self.to.pattern,
+                "the destination was dropped (outbox-relay destinations drop) while this relay delivered to it; \
+                 it is registered again and starts after what the other destinations have passed: events \
+                 published while it was dropped may not reach it"
+            );
+        } else {
+            tracing::warn!(
+                lock = self.to.lock_id,
+                "the destination has no position and could not be registered again under its lock number (another \
+                 relay did, or another destination took the number): restart the relay if this goes on"
+            );
+        }
+        Ok(())
     }
 
     /// The batch of what a claim took (`None` when it took nothing, its transaction then rolled

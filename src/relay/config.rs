@@ -27,6 +27,10 @@ pub struct RelayConfig {
     pub workers: usize,
     /// Events one claim takes at most. Defaults to 500.
     pub batch_size: usize,
+    /// Most bytes of payload one claim takes (its first event whatever its size), so that the
+    /// relay's memory follows the batch and not the events' size: events of a megabyte are
+    /// claimed a few at a time. Defaults to 8 MiB; 1 KiB to 1 GiB.
+    pub batch_bytes: usize,
     /// Fallback poll for lost notifications. Defaults to 1 s.
     pub poll_interval: Duration,
     /// How long a claimed event belongs to its worker without word from it. A worker that dies
@@ -41,8 +45,8 @@ pub struct RelayConfig {
     /// holding the events: then the claim writes nothing and the outcome commits with it, the
     /// fastest way through the database. A delivery that takes longer has its claim turned into
     /// a lease (the rows written, the transaction committed), so that no transaction stays open
-    /// long; zero leases every claim at once. At most 60 s; a hold longer than half the lease
-    /// is cut to half the lease. Defaults to 1 s.
+    /// long; zero leases every claim at once. At most 60 s, and shorter than the lease; a hold
+    /// longer than half the lease is cut to half the lease. Defaults to 1 s.
     pub hold: Duration,
     /// Delivery attempts before an event goes to the dead letters. Defaults to 12.
     pub max_attempts: u32,
@@ -112,6 +116,12 @@ impl RelayConfig {
     pub const DEFAULT_WORKERS: usize = 2;
     /// Default number of events one claim takes.
     pub const DEFAULT_BATCH_SIZE: usize = 500;
+    /// Default of `batch_bytes`: 8 MiB of payload a claim.
+    pub const DEFAULT_BATCH_BYTES: usize = 8 << 20;
+    /// The least `batch_bytes`.
+    pub const MIN_BATCH_BYTES: usize = 1 << 10;
+    /// The most `batch_bytes`.
+    pub const MAX_BATCH_BYTES: usize = 1 << 30;
     /// Default interval of the fallback poll.
     pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(1);
     /// Default lease of a claimed event.
@@ -194,6 +204,7 @@ impl Default for RelayConfig {
         RelayConfig {
             workers: RelayConfig::DEFAULT_WORKERS,
             batch_size: RelayConfig::DEFAULT_BATCH_SIZE,
+            batch_bytes: RelayConfig::DEFAULT_BATCH_BYTES,
             poll_interval: RelayConfig::DEFAULT_POLL_INTERVAL,
             lease: RelayConfig::DEFAULT_LEASE,
             hold: RelayConfig::DEFAULT_HOLD,
@@ -235,6 +246,12 @@ impl RelayConfig {
         if self.batch_size == 0 || self.batch_size > RelayConfig::MAX_BATCH_SIZE {
             return bad("batch_size", format!("is {}; it must be 1 to {}", self.batch_size, Self::MAX_BATCH_SIZE));
         }
+        if !(RelayConfig::MIN_BATCH_BYTES..=RelayConfig::MAX_BATCH_BYTES).contains(&self.batch_bytes) {
+            return bad(
+                "batch_bytes",
+                format!("is {}; it must be {} to {}", self.batch_bytes, Self::MIN_BATCH_BYTES, Self::MAX_BATCH_BYTES),
+            );
+        }
         let durations = [
             ("poll_interval", self.poll_interval, RelayConfig::MIN_POLL_INTERVAL, RelayConfig::MAX_POLL_INTERVAL),
             ("lease", self.lease, RelayConfig::MIN_LEASE, RelayConfig::MAX_LEASE),
@@ -264,6 +281,17 @@ impl RelayConfig {
             if let Err(why) = check_range(value, min, max) {
                 return bad(field, why);
             }
+        }
+        if !self.hold.is_zero() && self.hold >= self.lease {
+            return bad(
+                "hold",
+                format!(
+                    "({}) is not shorter than the lease ({}): a claim whose delivery outlives the hold is leased, \
+                     and the lease must outlast it; set a hold below half the lease",
+                    humantime::format_duration(self.hold),
+                    humantime::format_duration(self.lease)
+                ),
+            );
         }
         if let Some(rate) = self.rate_limit
             && !(rate.is_finite() && rate > 0.0 && rate <= RelayConfig::MAX_RATE_LIMIT)
@@ -328,7 +356,8 @@ mod tests {
 
     #[test]
     fn the_hold_is_at_most_half_the_lease() {
-        let config = RelayConfig { lease: Duration::from_millis(500), ..Default::default() };
+        let config =
+            RelayConfig { lease: Duration::from_millis(500), hold: Duration::from_millis(400), ..Default::default() };
         config.validate().unwrap();
         assert_eq!(config.effective_hold(), Duration::from_millis(250));
         assert_eq!(RelayConfig::default().effective_hold(), RelayConfig::DEFAULT_HOLD);
@@ -339,6 +368,7 @@ mod tests {
         let cases = [
             (RelayConfig { workers: 0, ..Default::default() }, "workers is 0"),
             (RelayConfig { batch_size: 0, ..Default::default() }, "batch_size is 0"),
+            (RelayConfig { batch_bytes: 100, ..Default::default() }, "batch_bytes is 100; it must be 1024 to"),
             (RelayConfig { lease: Duration::from_millis(1), ..Default::default() }, "lease is 1ms"),
             (RelayConfig { max_attempts: 0, ..Default::default() }, "max_attempts"),
             (RelayConfig { backoff_max: Duration::from_millis(1), ..Default::default() }, "backoff_max"),
@@ -360,6 +390,10 @@ mod tests {
                 "hold is 1m 1s; it must be at most 1m",
             ),
             (RelayConfig { breaker_probe_max: Duration::from_millis(100), ..Default::default() }, "breaker_probe_max"),
+            (
+                RelayConfig { lease: Duration::from_secs(1), hold: Duration::from_secs(1), ..Default::default() },
+                "hold (1s) is not shorter than the lease (1s)",
+            ),
         ];
         for (config, needle) in cases {
             let err = config.validate().unwrap_err();

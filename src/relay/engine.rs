@@ -127,6 +127,7 @@ impl<H: Handler> Engine<H> {
             pauses_changed: pauses_changed.clone(),
             timer: shared.timer.clone(),
             row: shared.row.clone(),
+            lock_id: self.to.lock_id,
         };
         services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));
         let poll =

@@ -44,6 +44,8 @@ pub(crate) struct Listener {
     pub(crate) timer: Arc<Timer>,
     /// Told the listener's backend pid while it listens (the waiting mark carries it).
     pub(crate) row: Arc<RelayRow>,
+    /// The destination's lock number: the listener's connection marks it served.
+    pub(crate) lock_id: i32,
 }
 
 impl Listener {
@@ -102,7 +104,7 @@ impl Listener {
         // The connection only makes progress while `forwarder` is polled: run statements beside it.
         let pid = tokio::select! {
             lost = &mut forwarder => return Err(lost),
-            pid = sql::listen(&client) => pid?,
+            pid = sql::listen(&client, self.lock_id) => pid?,
         };
         self.row.listener_changed(pid).await;
         self.metrics.set_listening(true);
@@ -140,6 +142,17 @@ impl Listener {
             stalled = heartbeat => Err(stalled),
             _ = stop.cancelled() => Ok(()),
         };
+        if result.is_ok() {
+            let unserved = tokio::time::timeout(HEARTBEAT_TIMEOUT, async {
+                tokio::select! {
+                    lost = &mut forwarder => Err(lost),
+                    unserved = sql::unserve(&client, self.lock_id) => unserved,
+                }
+            });
+            if let Ok(Err(e)) = unserved.await {
+                tracing::debug!(error = %e, "the listener could not give up its served mark; it goes with its connection");
+            }
+        }
         self.row.listener_gone();
         self.metrics.set_listening(false);
         result

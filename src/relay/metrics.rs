@@ -106,8 +106,10 @@ pub struct RelayMetrics {
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     claims: AtomicU64,
+    failed_claims: AtomicU64,
     wakeups: AtomicU64,
     reconnects: AtomicU64,
+    positions_rebased: AtomicU64,
     breaker_open: AtomicBool,
     breaker_opens: AtomicU64,
     delivery_limit: AtomicU64,
@@ -129,8 +131,10 @@ impl Default for RelayMetrics {
             retried: AtomicU64::default(),
             dead_lettered: AtomicU64::default(),
             claims: AtomicU64::default(),
+            failed_claims: AtomicU64::default(),
             wakeups: AtomicU64::default(),
             reconnects: AtomicU64::default(),
+            positions_rebased: AtomicU64::default(),
             breaker_open: AtomicBool::default(),
             breaker_opens: AtomicU64::default(),
             delivery_limit: AtomicU64::default(),
@@ -152,10 +156,16 @@ pub struct MetricsSnapshot {
     pub dead_lettered: u64,
     /// Claim statements run.
     pub claims: u64,
+    /// Claims that failed (the database was unreachable, or refused what the claim would
+    /// write): their events stay where they are, and are claimed again.
+    pub failed_claims: u64,
     /// Wake-ups received from NOTIFY or from writers in this process.
     pub wakeups: u64,
     /// Times the listener connection was re-established.
     pub reconnects: u64,
+    /// Times this relay found the claim positions taken in another cluster (a restored dump)
+    /// and started them afresh.
+    pub positions_rebased: u64,
     /// True while the outage breaker is open (the destination is taken to be down).
     pub breaker_open: bool,
     /// Times the outage breaker opened.
@@ -214,6 +224,10 @@ impl RelayMetrics {
         self.claim_seconds.observe(took);
     }
 
+    pub(crate) fn claim_failed(&self) {
+        self.failed_claims.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_running(&self, running: bool) {
         self.running.store(running, Ordering::Relaxed);
     }
@@ -233,6 +247,10 @@ impl RelayMetrics {
 
     pub(crate) fn reconnected(&self) {
         self.reconnects.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn positions_rebased(&self) {
+        self.positions_rebased.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn breaker(&self, open: bool) {
@@ -269,8 +287,10 @@ impl RelayMetrics {
             retried: self.retried.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             claims: self.claims.load(Ordering::Relaxed),
+            failed_claims: self.failed_claims.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
+            positions_rebased: self.positions_rebased.load(Ordering::Relaxed),
             breaker_open: self.breaker_open.load(Ordering::Relaxed),
             breaker_opens: self.breaker_opens.load(Ordering::Relaxed),
             delivery_limit: self.delivery_limit.load(Ordering::Relaxed),

@@ -51,6 +51,7 @@ mod metrics;
 mod outcome;
 mod pauses;
 mod rate;
+mod rebase;
 mod record;
 mod report;
 mod route;
@@ -216,12 +217,12 @@ impl<H: Handler> Relay<H> {
             let janitor = janitor::Janitor { pool: pool.clone(), config: config.clone() };
             services.spawn(janitor.run(stop.clone()).instrument(tracing::info_span!("janitor")));
         }
-        let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone() };
+        let sweeper = sweeper::Sweeper { pool: pool.clone(), config: config.clone(), metrics: metrics.clone() };
         services.spawn(sweeper.run(stop.clone()).instrument(tracing::info_span!("sweeper")));
         // Every destination registered before any claims: new ones start at one same position.
         let mut shutdown = std::pin::pin!(shutdown);
         let registered = tokio::select! {
-            registered = register(&pool, &routes, config.completion == Completion::Delete) => Some(registered),
+            registered = register(&pool, &routes, &metrics, config.completion == Completion::Delete) => Some(registered),
             () = &mut shutdown => None,
         };
         let Some(registered) = registered else {
@@ -262,7 +263,12 @@ impl<H: Handler> Relay<H> {
 
 /// Registers every route's destination, trying again with capped backoff while the database
 /// does not answer.
-async fn register<H>(pool: &RelayPool, routes: &[Route<H>], delete: bool) -> Vec<sql::Destination> {
+async fn register<H>(
+    pool: &RelayPool,
+    routes: &[Route<H>],
+    metrics: &[Arc<RelayMetrics>],
+    delete: bool,
+) -> Vec<sql::Destination> {
     let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
     let all: Vec<sql::ToRegister<'_>> = routes
         .iter()
@@ -271,7 +277,11 @@ async fn register<H>(pool: &RelayPool, routes: &[Route<H>], delete: bool) -> Vec
         .collect();
     let mut failures = 0;
     loop {
-        let registered = async { sql::register_destinations(&mut pool.client().await?, &all, delete).await };
+        let registered = async {
+            // Positions from another cluster (a restored dump) are replaced before any claim.
+            rebase::check(pool, metrics).await?;
+            sql::register_destinations(&mut pool.client().await?, &all, delete).await
+        };
         match registered.await {
             Ok(registered) => {
                 for (r, route) in registered.iter().zip(routes) {
@@ -312,6 +322,16 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         }
     };
     crate::migrate::check_applied(&client).await?;
+    let cache = sql::id_sequence_cache(&*client).await?;
+    if cache > 1 {
+        // Writers of one key take turns (publish's lock), but each session takes its ids in
+        // blocks: a later event of a key can have a lower id, and a claim hands a key's events
+        // over in id order.
+        tracing::error!(
+            cache,
+            "the outbox's id sequence hands out ids in blocks of {cache} per session, so the ids of one key's events              do not follow the order they were written in, and the relay delivers a key's events in id order:              set it back with `alter sequence outbox_relay.outbox_id_seq cache 1`"
+        );
+    }
     let mut needed = vec![
         ("outbox_relay.outbox", "SELECT"),
         ("outbox_relay.outbox", "UPDATE"),
@@ -332,6 +352,8 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ("outbox_relay.destinations", "UPDATE"),
         ("outbox_relay.positions", "SELECT"),
         ("outbox_relay.positions", "INSERT"),
+        ("outbox_relay.installation", "SELECT"),
+        ("outbox_relay.installation", "UPDATE"),
     ];
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);

@@ -23,14 +23,17 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 pub(crate) struct Sweeper {
     pub(crate) pool: RelayPool,
     pub(crate) config: RelayConfig,
+    /// Every destination's counters (a rebase of the positions counts in each).
+    pub(crate) metrics: Vec<std::sync::Arc<super::RelayMetrics>>,
 }
 
 impl Sweeper {
     pub(crate) async fn run(self, stop: CancellationToken) {
         let batch = i64::try_from(self.config.janitor_batch.max(1)).unwrap_or(i64::MAX);
         let delete = self.config.completion == Completion::Delete;
-        let mut from = String::from("0");
+        let mut from = sql::SweepFrom::default();
         let mut failing = false;
+        let mut locked = Locked::default();
         loop {
             let swept = async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, delete).await };
             let mut pause = SWEEP_EVERY;
@@ -40,6 +43,14 @@ impl Sweeper {
                         tracing::info!("sweeping the outbox works again");
                         failing = false;
                     }
+                    if swept.foreign_positions {
+                        // Nothing was finished on their word; fresh positions, and sweep anew.
+                        if super::rebase::rebase(&self.pool, &self.metrics).await {
+                            from = sql::SweepFrom::default();
+                            continue;
+                        }
+                    }
+                    locked.saw(swept.locked, self.config.poll_interval);
                     if swept.unrouted > 0 {
                         tracing::warn!(
                             events = swept.unrouted,
@@ -70,6 +81,37 @@ impl Sweeper {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(pause) => {}
             }
+        }
+    }
+}
+
+/// Outbox rows the sweeper found locked by another session (every destination has passed them,
+/// but a `select ... for update` holds them): a warning once they stay locked past the poll
+/// interval, and word when they are free again.
+#[derive(Default)]
+struct Locked {
+    since: Option<tokio::time::Instant>,
+    warned: bool,
+}
+
+impl Locked {
+    fn saw(&mut self, rows: i64, poll: Duration) {
+        if rows <= 0 {
+            if self.warned {
+                tracing::info!("the outbox rows another session held locked are free again and finished");
+            }
+            *self = Locked::default();
+            return;
+        }
+        let since = *self.since.get_or_insert_with(tokio::time::Instant::now);
+        if !self.warned && since.elapsed() >= poll {
+            self.warned = true;
+            tracing::warn!(
+                rows,
+                held_for = ?since.elapsed(),
+                "outbox rows every destination has passed are locked by another session (a select ... for update \
+                 on outbox_relay.outbox?); deliveries go on, and the rows are finished once the lock is released"
+            );
         }
     }
 }

@@ -48,6 +48,7 @@ impl<H: Handler> Worker<H> {
                     Turn::Closed => {}
                     Turn::Probe => {
                         if let Err(e) = self.batches.claim_and_deliver(Claim::Probe).await {
+                            self.batches.claims.metrics.claim_failed();
                             tracing::warn!(error = %e, "probing the destination failed to claim");
                             self.batches.breaker().probe_found_nothing();
                         }
@@ -62,6 +63,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
             if let Err(e) = self.drain(&stop).await {
+                self.batches.claims.metrics.claim_failed();
                 tracing::warn!(error = %e, "claiming events failed");
                 failures += 1;
                 if !self.pause_after_error(failures, &stop).await {

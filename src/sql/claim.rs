@@ -59,6 +59,8 @@ fn claimed_row(row: &tokio_postgres::Row, id: i64, parked: bool) -> ClaimedRow {
 pub(crate) struct Destination {
     /// Its name (`outbox_relay.destinations.name`).
     pub(crate) name: String,
+    /// Its topic pattern as given.
+    pub(crate) pattern: String,
     /// The second key of its new events' lock.
     pub(crate) lock_id: i32,
     /// Its pattern as a regular expression over the topic; `None` matches every topic.
@@ -83,6 +85,8 @@ pub(crate) struct Turn {
     pub(crate) paused: std::sync::Arc<[String]>,
     /// Outbox rows every destination has passed are deleted (else marked processed).
     pub(crate) delete: bool,
+    /// The most bytes of payload a claim takes (past its first event).
+    pub(crate) bytes: i64,
 }
 
 /// What a claim found.
@@ -112,6 +116,11 @@ pub(crate) struct Claimed {
     pub(crate) held_new: bool,
     /// Another transaction held the new events' lock: this claim took none.
     pub(crate) turned_away: bool,
+    /// The destination's position lies ahead of the transaction counter (taken in another
+    /// cluster): no new event was claimed on its word; the positions must be started afresh.
+    pub(crate) foreign_position: bool,
+    /// The destination has no position (it was dropped while this relay served it).
+    pub(crate) unregistered: bool,
 }
 
 /// How many times a claim of new events reads the position at most. A read that another claim's
@@ -153,8 +162,8 @@ async fn claim_new(
     turn: &Turn,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-        [&batch, &dead_letters_hold, &&*turn.paused, &to.name, &to.lock_id, &to.topic_regex];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+        [&batch, &dead_letters_hold, &&*turn.paused, &to.name, &to.lock_id, &to.topic_regex, &turn.bytes];
     for _ in 0..OVERTAKEN_MAX {
         let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
         let mut fresh = Vec::with_capacity(rows.len());
@@ -169,6 +178,8 @@ async fn claim_new(
                 moved = row.get::<_, Option<bool>>("moved").unwrap_or(false);
                 claimed.more = row.get::<_, Option<bool>>("more").unwrap_or(false);
                 overtaken = row.get::<_, Option<bool>>("overtaken").unwrap_or(false);
+                claimed.foreign_position = row.get::<_, Option<bool>>("foreign_position").unwrap_or(false);
+                claimed.unregistered = row.get::<_, Option<bool>>("unregistered").unwrap_or(false);
                 continue;
             };
             fresh.push((claimed_row(row, id, false), row.get::<_, Option<bool>>("ready").unwrap_or(false)));
@@ -221,20 +232,22 @@ async fn claim_parked(
     turn: &Turn,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name, &turn.bytes];
     let rows = all(db, CLAIM_PARKED, &params, "claiming parked events").await?;
     let before = claimed.rows.len();
+    let mut cut = false;
     for row in &rows {
         let Some(id) = row.get::<_, Option<i64>>("id") else {
             claimed.walked_to = Some(row.get("walked_to"));
+            cut = row.get::<_, Option<bool>>("cut").unwrap_or(false);
             continue;
         };
         let row = claimed_row(row, id, true);
         claimed.parked_keyed |= row.key.is_some();
         claimed.rows.push(row);
     }
-    claimed.parked_all = ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to == Some(None);
+    claimed.parked_all = !cut && ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to == Some(None);
     Ok(())
 }
 
@@ -296,9 +309,9 @@ mod tests {
         client.batch_execute(&format!("prepare claim_parked as {CLAIM_PARKED}")).await.unwrap();
         for paused in ["{}", "{mail.send}"] {
             for (name, args) in [
-                ("claim_new", format!("500, false, '{paused}', 'default', 1, null")),
-                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$'")),
-                ("claim_parked", format!("500, false, '', 1000, '{paused}', 'default'")),
+                ("claim_new", format!("500, false, '{paused}', 'default', 1, null, 8388608")),
+                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$', 8388608")),
+                ("claim_parked", format!("500, false, '', 1000, '{paused}', 'default', 8388608")),
             ] {
                 client.batch_execute("begin").await.unwrap();
                 let row =

@@ -1,7 +1,8 @@
 -- The claim of new events for one destination (migrations 0008 and 0012; src/sql/events.rs
 -- runs it). Parameters: $1 the batch, $2 an earlier dead letter holds its key, $3 the paused
 -- topics, $4 the destination, $5 its lock's number, $6 its pattern as a regular expression over
--- '.' || topic (null: every topic; see src/relay/route.rs).
+-- '.' || topic (null: every topic; see src/relay/route.rs), $7 the most bytes of payload a batch
+-- takes (past its first event).
 --
 -- One transaction at a time claims a destination's new events: the advisory lock is held until
 -- it ends (one that another transaction holds turns this claim away). The position is the
@@ -9,20 +10,27 @@
 -- delta from its snapshot to this statement's: the events of transactions past its xmax and of
 -- those in progress then, that this statement sees (an event this statement cannot see is not in
 -- the delta: its transaction is in progress for this statement's snapshot too, so in the next
--- delta's list). Nothing below the position is read, so no dead entry of a delivered event is
+-- delta's list), and not finished already (`processed_at`: every destination passed it, as a
+-- destination registered again, or positions started afresh, may find). Nothing below the position is read, so no dead entry of a delivered event is
 -- ever on the path. Of the delta, the events the pattern matches are taken; the position moves
--- past the others too. A delta with more matching events than the batch goes on from `after_id`,
+-- past the others too. A delta with more matching events than the batch (in events or in bytes) goes on from `after_id`,
 -- in id order, between the two snapshots kept. The position was read before the lock: if another
 -- claim's commit overtook it in between, the insert of the next position conflicts and nothing
 -- is claimed.
 with lock as materialized (
     select pg_try_advisory_xact_lock(1869901932, $5::int4) as held
 ),
-pos as materialized (
-    select p.n, p.since, p.snapshot, p.after_id
+head as materialized (
+    select p.n, p.since, p.snapshot, p.after_id,
+           pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot()) as ahead
       from lock l cross join lateral (
         select q.n, q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where l.held and q.destination = $4::text order by q.n desc limit 1) p
+),
+-- A position ahead of this cluster's transaction counter was taken in another cluster (a
+-- restored dump, migration 0014): nothing is claimed on its word (src/sql/rebase.rs).
+pos as materialized (
+    select h.n, h.since, h.snapshot, h.after_id from head h where not h.ahead
 ),
 -- The delta through the xid index (each probe ordered by xid, so that no plan walks the ids
 -- from the first and filters on xid: that walk would pass every event ever delivered), each
@@ -30,13 +38,13 @@ pos as materialized (
 delta as materialized (
     select e.id, e.matches from pos k cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot)
+         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.processed_at is null
          order by e.xid) e
     union all
     select e.id, e.matches from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid = x.xid
+         where k.after_id is null and e.xid = x.xid and e.processed_at is null
          order by e.xid) e
 ),
 cand as materialized (
@@ -45,21 +53,28 @@ cand as materialized (
         union all
         select c.id from pos k cross join lateral (
             select e.id from outbox_relay.outbox e
-             where k.after_id is not null and e.id > k.after_id
+             where k.after_id is not null and e.id > k.after_id and e.processed_at is null
                and pg_visible_in_snapshot(e.xid, k.snapshot) and not pg_visible_in_snapshot(e.xid, k.since)
                and ($6::text is null or ('.' || e.topic) ~ $6::text)
              order by e.id limit $1::int8 + 1) c
     ) x order by x.id limit $1::int8 + 1
 ),
+-- The batch: at most $1 events, and no more bytes of payload than $7 (but always the first), so
+-- that a relay's memory follows its batch size however large the events are.
+sized as materialized (
+    select z.id, row_number() over (order by z.id) as n, sum(z.size) over (order by z.id) as upto
+      from (select c.id, (select octet_length(e.payload::text)::int8 from outbox_relay.outbox e where e.id = c.id) as size
+              from cand c) z
+),
 taken as materialized (
-    select c.id from cand c order by c.id limit $1::int8
+    select s.id from sized s where s.n <= $1::int8 and (s.n = 1 or s.upto <= $7::int8) order by s.id
 ),
 moved as (
     insert into outbox_relay.positions (destination, n, since, snapshot, after_id)
     select $4::text, k.n + 1,
            case when k.after_id is null then k.snapshot else k.since end,
            case when k.after_id is null then pg_current_snapshot() else k.snapshot end,
-           case when (select count(*) from cand) > $1::int8 then (select max(t.id) from taken t) end
+           case when (select count(*) from cand) > (select count(*) from taken) then (select max(t.id) from taken t) end
       from pos k
      where k.after_id is not null or exists (select 1 from delta)
     on conflict do nothing
@@ -73,7 +88,9 @@ moved as (
 -- (when one is due later), whether this transaction holds the lock, whether it moved the
 -- position, whether more new events wait (cut short), and whether another claim's commit
 -- overtook its read of the position (it found new events or a cut delta's end but could not move
--- the position: it claimed nothing, and must look again).
+-- the position: it claimed nothing, and must look again), whether the position lies ahead of the
+-- transaction counter (another cluster's: nothing was claimed on its word), and whether the
+-- destination has no position at all (it was dropped while this relay served it).
 -- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
 -- one primary key probe each: no plan may choose to walk an index from its start, past the
 -- dead entries a held snapshot keeps.)
@@ -89,7 +106,7 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
        and not ($2 and o.key is not null and exists (
             select 1 from outbox_relay.dead_letters d where d.destination = $4::text and d.key = o.key and d.id < o.id)) as ready,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
-       null::boolean as overtaken
+       null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
@@ -98,7 +115,9 @@ select null, null, null, null, null, null, null, null, null, null,
          where e.destination = $4::text and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),
        exists (select 1 from moved),
-       (select count(*) from cand) > $1::int8,
+       (select count(*) from cand) > (select count(*) from taken),
        exists (select 1 from pos k where k.after_id is not null or exists (select 1 from delta))
-         and not exists (select 1 from moved)
+         and not exists (select 1 from moved),
+       exists (select 1 from head h where h.ahead),
+       (select l.held from lock l) and not exists (select 1 from head)
 order by 1

@@ -1,7 +1,8 @@
 -- The claim of one destination's parked events (migrations 0008 and 0012; src/sql/events.rs runs
 -- it): failed, delayed, paused, leased, behind their key. Parameters: $1 how many at most, $2 an
 -- earlier dead letter holds its key, $3 where the walk over the parked keys goes on, $4 how many
--- keys it walks at most, $5 the paused topics, $6 the destination.
+-- keys it walks at most, $5 the paused topics, $6 the destination, $7 the most bytes of payload
+-- a batch takes (past its first event).
 --
 -- Per key its lowest parked id when due (the walk over the destination's parked keys from $3, one
 -- index probe per key), and those without a key in (available_at, id) order; row-locked for the
@@ -27,23 +28,59 @@ keyed as (
      limit $1::int8
        for update of o skip locked
 ),
+-- Behind each head taken, the key's next parked events in id order, as long as each is due and
+-- not paused: they are handed over one after the other, after their head (the relay delivers a
+-- batch's events of one key in rounds), so that a key with thousands of parked events drains a
+-- batch at a claim, not an event. Their rows are locked without skipping: another claim takes a
+-- key's later events only while it holds the key's head, which this one holds. Taken in id order
+-- up to the batch, which keeps a prefix of every key's run.
+followers as (
+    select f.id from keyed h
+      join outbox_relay.parked hp on hp.destination = $6::text and hp.id = h.id
+     cross join lateral (
+        select r.id from (
+            select n.id, bool_and(n.available_at <= now() and coalesce(n.topic <> all($5::text[]), true))
+                         over (order by n.id) as clear
+              from (select o.id, o.available_at, o.topic from outbox_relay.parked o
+                     where o.destination = $6::text and o.key = hp.key and o.id > hp.id
+                     order by o.destination, o.key, o.id
+                     limit $1::int8) n
+        ) r where r.clear) f
+     order by f.id
+     limit $1::int8 - (select count(*) from keyed)
+),
+followers_locked as (
+    select o.id from outbox_relay.parked o
+     where o.destination = $6::text and o.id in (select id from followers)
+       for update of o
+),
 unkeyed as (
     select o.id from outbox_relay.parked o
      where o.destination = $6::text and o.key is null and o.available_at <= now()
        and coalesce(o.topic <> all($5::text[]), true)
      order by o.destination, o.available_at, o.id
-     limit $1::int8 - (select count(*) from keyed)
+     limit $1::int8 - (select count(*) from keyed) - (select count(*) from followers_locked)
        for update of o skip locked
 ),
-taken as (select id from keyed union all select id from unkeyed)
+-- No more bytes of payload than $7 (but always the first event, in id order): the rest stay
+-- locked until this transaction ends, untouched, and the marker says the claim was cut.
+locked as (select id from keyed union all select id from followers_locked union all select id from unkeyed),
+sized as materialized (
+    select z.id, row_number() over (order by z.id) as n, sum(z.size) over (order by z.id) as upto
+      from (select l.id, (select octet_length(e.payload::text)::int8 from outbox_relay.parked e
+                           where e.destination = $6::text and e.id = l.id) as size
+              from locked l) z
+),
+taken as (select s.id from sized s where s.n = 1 or s.upto <= $7::int8)
 -- The events, in id order, then one marker row (id null): where the walk ended when it walked as
--- far as it may (the next one goes on from there).
+-- far as it may (the next one goes on from there), and whether the bytes cut the claim short.
 select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 2147483646) + 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
-       o.uuid, o.headers, null::text as walked_to
+       o.uuid, o.headers, null::text as walked_to, null::boolean as cut
   from outbox_relay.parked o where o.destination = $6::text and o.id in (select id from taken)
 union all
 select null, null, null, null, null, null, null, null, null,
-       (select case when count(*) >= $4 then max(w.key) end from walk w)
+       (select case when count(*) >= $4 then max(w.key) end from walk w),
+       (select count(*) from sized) > (select count(*) from taken)
 order by 1

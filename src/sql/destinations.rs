@@ -22,11 +22,14 @@ select count(pg_advisory_xact_lock(1869901932, lock_id)::text) from (
     select lock_id from outbox_relay.destinations order by lock_id
 ) d";
 
-/// A new destination starts at the newest position of the registered destination that is
-/// furthest behind (no event it has not passed was finished), or at the origin's when none is
-/// registered: the events it has not passed are still in the outbox.
-const DESTINATION_INSERT: &str = "\
-with start as (
+/// Where a destination registered now starts: at the newest position of the registered
+/// destination that is furthest behind (no event it has not passed was finished), or at the
+/// origin's when none is registered: the events it has not passed are still in the outbox. Then
+/// the statement inserts the destination (`registered`, a CTE of its own) and its position.
+macro_rules! destination_insert {
+    ($registered:literal) => {
+        concat!(
+            "with start as (
     select p.since, p.snapshot, p.after_id
       from outbox_relay.destinations d cross join lateral (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
@@ -46,15 +49,33 @@ furthest_behind as (
               pg_snapshot_xmin(case when after_id is null then snapshot else since end), after_id nulls first
      limit 1
 ),
-registered as (
-    insert into outbox_relay.destinations (name, pattern, topic_regex) values ($1, $2, $3)
-    returning name, lock_id
+registered as (",
+            $registered,
+            "
 ),
 positioned as (
     insert into outbox_relay.positions (destination, n, since, snapshot, after_id)
-    select r.name, 0, f.since, f.snapshot, f.after_id from registered r, furthest_behind f
+    select r.name, coalesce((select max(q.n) + 1 from outbox_relay.positions q where q.destination = r.name), 0),
+           f.since, f.snapshot, f.after_id
+      from registered r, furthest_behind f
 )
-select lock_id from registered";
+select lock_id from registered"
+        )
+    };
+}
+
+/// Registers a new destination.
+const DESTINATION_INSERT: &str = destination_insert!(
+    "insert into outbox_relay.destinations (name, pattern, topic_regex) values ($1, $2, $3)
+    returning name, lock_id"
+);
+
+/// Registers again, under its own lock number, a destination dropped while a relay served it.
+const DESTINATION_REINSERT: &str = destination_insert!(
+    "insert into outbox_relay.destinations (name, pattern, topic_regex, lock_id) overriding system value
+    values ($1, $2, $3, $4) on conflict do nothing
+    returning name, lock_id"
+);
 
 /// What registering found.
 pub(crate) struct Registered {
@@ -99,7 +120,7 @@ pub(crate) async fn register_destinations(
     let changes = all.iter().zip(&found).any(|(to, found)| found.as_ref().is_none_or(|(was, _)| was != to.pattern));
     if changes {
         one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
-        let mut from = String::from("0");
+        let mut from = SweepFrom::default();
         loop {
             let swept = sweep_outbox(&tx, &from, REGISTRATION_SWEEP_BATCH, delete).await?;
             match swept.next {
@@ -128,6 +149,7 @@ pub(crate) async fn register_destinations(
         registered.push(Registered {
             destination: Destination {
                 name: to.name.to_string(),
+                pattern: to.pattern.to_string(),
                 lock_id,
                 topic_regex: to.topic_regex.map(str::to_string),
             },
@@ -136,6 +158,20 @@ pub(crate) async fn register_destinations(
         });
     }
     tx.commit().await.map_err(fail)?;
+    Ok(registered)
+}
+
+/// Registers `to` again after it was dropped while this relay served it (`destinations drop`
+/// right after a crash restart of the server, before the relay's listener was back): it starts
+/// where a new destination would. Returns whether it was registered (false: registered already,
+/// or its lock number was taken meanwhile).
+pub(crate) async fn reregister_destination(client: &mut deadpool_postgres::Object, to: &Destination) -> Result<bool> {
+    let doing = "registering a dropped destination again";
+    let tx = client.transaction().await.map_err(|e| crate::error::Error::database(doing, e))?;
+    count(&tx, DESTINATIONS_LOCK, &[], doing).await?;
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&to.name, &to.pattern, &to.topic_regex, &to.lock_id];
+    let registered = !all_rows(&tx, DESTINATION_REINSERT, &params, doing).await?.is_empty();
+    tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
     Ok(registered)
 }
 
@@ -148,12 +184,13 @@ pub(crate) async fn register_destinations(
 /// matches goes to the dead letters of the destination '' instead, saying so.
 ///
 /// Returns how many rows it finished, how many of those went to the dead letters, how many it
-/// read, and where the next sweep starts: at the first row it read that some destination has not
-/// passed, else past what it read, and never past the oldest transaction still running (whose
-/// rows it cannot see yet). So a row is read again only while a destination has not passed it,
-/// and then at most `$2` rows a sweep. With no destination registered it reads nothing and
-/// stays where it is. (The lowest and highest xid8 are ordered probes, not min or max, which
-/// older servers lack for xid8.)
+/// read, how many it skipped because another session had them locked, and where the next sweep
+/// starts, as (xid, id) from `($1, $4)` on, a total order (one transaction may have written more
+/// rows than a batch): at the first row it read that it could not finish (some destination has
+/// not passed it, or it was locked), else past what it read, and never past the oldest transaction
+/// still running (whose rows it cannot see yet). So a row is read again only while a destination
+/// has not passed it, and then at most `$2` rows a sweep. With no destination registered it reads
+/// nothing and stays where it is. Positions from another cluster (migration 0014) pass nothing.
 const OUTBOX_SWEEP: &str = "\
 with newest as materialized (
     select p.since, p.snapshot, p.after_id
@@ -161,20 +198,25 @@ with newest as materialized (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p
 ),
+trusted as materialized (
+    select not exists (select 1 from newest n where pg_snapshot_xmax(n.snapshot) > pg_snapshot_xmax(pg_current_snapshot()))
+           and (select i.system_identifier from outbox_relay.installation i)
+               is not distinct from (select c.system_identifier from pg_control_system() c) as ok
+),
 horizon as materialized (
     select (select pg_snapshot_xmax(n.snapshot) from newest n order by 1 limit 1) as top,
            pg_snapshot_xmin(pg_current_snapshot()) as running
 ),
 seen as materialized (
     select e.id, e.xid, e.processed_at,
-           not exists (
+           (select t.ok from trusted t) and not exists (
             select 1 from newest p
              where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
                         or (p.after_id is not null and e.id <= p.after_id
                             and pg_visible_in_snapshot(e.xid, p.snapshot)))) as passed
       from outbox_relay.outbox e, horizon h
-     where e.xid >= $1::text::xid8 and e.xid < h.top
-     order by e.xid limit $2
+     where (e.xid, e.id) >= ($1::text::xid8, $4::int8) and e.xid < h.top
+     order by e.xid, e.id limit $2
 ),
 gone as materialized (
     select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, e.attempts
@@ -191,6 +233,7 @@ unrouted as materialized (
       from gone g
      where not exists (select 1 from outbox_relay.destinations d where d.topic_regex is null or ('.' || g.topic) ~ d.topic_regex)
     on conflict (destination, id) do update set failed_at = now(), last_error = excluded.last_error
+     where dead_letters.uuid = excluded.uuid
     returning id
 ),
 deleted as (
@@ -204,12 +247,22 @@ marked as (
     returning 1
 )
 select (select count(*) from gone) as finished, (select count(*) from unrouted) as unrouted,
-       (select count(*) from seen) as read,
-       case when (select top from horizon) is not null then least(
-           (select s.xid from seen s where not s.passed and s.processed_at is null order by s.xid limit 1),
-           case when (select count(*) from seen) >= $2 then (select s.xid from seen s order by s.xid desc limit 1)
-                else (select top from horizon) end,
-           (select running from horizon)) end::text as next";
+       not (select t.ok from trusted t) as foreign_positions,
+       (select count(*) from seen s where s.passed and s.processed_at is null) - (select count(*) from gone) as locked,
+       (select count(*) from seen) as read, c.xid::text as next_xid, c.id as next_id
+  from (select null) n left join (
+    select x.xid, x.id from (
+        (select s.xid, s.id from seen s
+          where s.processed_at is null and not (s.passed and s.id in (select g.id from gone g))
+          order by s.xid, s.id limit 1)
+        union all
+        (select s.xid, s.id + 1 from seen s where (select count(*) from seen) >= $2 order by s.xid desc, s.id desc limit 1)
+        union all
+        select h.top, 0 from horizon h where (select count(*) from seen) < $2
+        union all
+        select h.running, 0 from horizon h
+    ) x where (select h.top from horizon h) is not null
+     order by x.xid, x.id limit 1) c on true";
 
 /// What one sweep did.
 pub(crate) struct Swept {
@@ -217,19 +270,43 @@ pub(crate) struct Swept {
     pub(crate) unrouted: i64,
     /// Rows it read: a full batch means more may wait.
     pub(crate) read: i64,
-    /// Where the next sweep starts (a transaction id), when there is a horizon.
-    pub(crate) next: Option<String>,
+    /// Where the next sweep starts, when there is a horizon.
+    pub(crate) next: Option<SweepFrom>,
+    /// The positions were taken in another cluster: nothing was finished on their word.
+    pub(crate) foreign_positions: bool,
+    /// Rows every destination has passed that another session holds locked: left for later.
+    pub(crate) locked: i64,
 }
 
-/// Finishes up to `batch` outbox rows that every destination has passed, from the transaction
-/// `from` on ("0" at the start).
-pub(crate) async fn sweep_outbox(db: &impl Db, from: &str, batch: i64, delete: bool) -> Result<Swept> {
-    let row = one(db, OUTBOX_SWEEP, &[&from, &batch, &delete], "finishing events every destination passed").await?;
+/// Where a sweep starts: the first outbox row at or after this transaction id and event id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SweepFrom {
+    pub(crate) xid: String,
+    pub(crate) id: i64,
+}
+
+impl Default for SweepFrom {
+    /// The first row.
+    fn default() -> Self {
+        SweepFrom { xid: "0".to_string(), id: 0 }
+    }
+}
+
+/// Finishes up to `batch` outbox rows that every destination has passed, from `from` on.
+pub(crate) async fn sweep_outbox(db: &impl Db, from: &SweepFrom, batch: i64, delete: bool) -> Result<Swept> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&from.xid, &batch, &delete, &from.id];
+    let row = one(db, OUTBOX_SWEEP, &params, "finishing events every destination passed").await?;
+    let next = match (row.get::<_, Option<String>>("next_xid"), row.get::<_, Option<i64>>("next_id")) {
+        (Some(xid), Some(id)) => Some(SweepFrom { xid, id }),
+        _ => None,
+    };
     Ok(Swept {
         finished: row.get("finished"),
         unrouted: row.get("unrouted"),
         read: row.get("read"),
-        next: row.get("next"),
+        next,
+        foreign_positions: row.get("foreign_positions"),
+        locked: row.get("locked"),
     })
 }
 
@@ -251,11 +328,20 @@ const DESTINATION_DROP_PAUSES: &str = "delete from outbox_relay.pauses where des
 
 const DESTINATION_DELETE: &str = "delete from outbox_relay.destinations where name = $1";
 
-/// The relays connected now that deliver to the destination `$1`: their listeners' pids.
+/// The relays connected now that deliver to the destination `$1`: their listeners' pids, from
+/// their rows and from the lock each listener's connection holds on the destination (which a
+/// crash restart of the server does not forget, as it does the unlogged rows, for longer than
+/// the listener takes to reconnect).
 const DESTINATION_RELAYS: &str = "\
-select coalesce(array_agg(r.listener_pid order by r.listener_pid), '{}')
-  from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
- where r.destination = $1 and a.datname = current_database()";
+select coalesce(array_agg(distinct s.pid order by s.pid), '{}') from (
+    select r.listener_pid as pid
+      from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
+     where r.destination = $1 and a.datname = current_database()
+    union all
+    select l.pid from pg_locks l join outbox_relay.destinations d on d.name = $1
+     where l.locktype = 'advisory' and l.database = (select oid from pg_database where datname = current_database())
+       and l.classid = 1869901933::int4::oid and l.objid = d.lock_id::oid and l.objsubid = 2 and l.granted
+) s";
 
 /// Waits for the claim of the destination `$1` in progress, if any.
 const DESTINATION_WAIT_FOR_CLAIM: &str =

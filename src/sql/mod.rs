@@ -13,6 +13,7 @@ mod events;
 mod inbox;
 mod migrations;
 mod outcomes;
+mod rebase;
 mod receipts;
 mod relays;
 
@@ -29,6 +30,7 @@ pub(crate) use self::events::*;
 pub(crate) use self::inbox::*;
 pub(crate) use self::migrations::*;
 pub(crate) use self::outcomes::*;
+pub(crate) use self::rebase::*;
 pub(crate) use self::receipts::*;
 pub(crate) use self::relays::*;
 use crate::error::Error;

@@ -6,6 +6,10 @@ use std::time::Duration;
 use super::{Db, count, micros, one};
 use crate::error::Result;
 
+// Every delay and lease below is counted from the statement's clock (`clock_timestamp()`), not
+// from its transaction's start (`now()`): a held claim's transaction began when the claim did,
+// and a lease written when its delivery outlives the hold must last its whole length from then.
+
 /// Per new event that waits for this destination: its id, how long from now it waits (at least
 /// until its own `available_at`), its error and its attempts.
 #[derive(Debug, Default)]
@@ -25,32 +29,62 @@ impl Copies {
     }
 }
 
+/// Copies new events into the destination's parked events. A parked event with the same id
+/// and another uuid is another event (the outbox's ids were reused: a truncate, a sequence set
+/// back, an id written by hand): nothing is merged, and the statement fails, naming them
+/// (`outbox_relay.refuse_reused_ids`, migration 0014), so that the new event stays in the outbox.
 const PARKED_COPY: &str = "\
-insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, headers, created_at, available_at, attempts,
-                                 last_error, lease_token)
-select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at,
-       greatest(o.available_at, now() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
-  from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
-  join outbox_relay.outbox o on o.id = f.id
- order by f.n
-on conflict (destination, id) do nothing";
+with f as (
+    select * from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
+),
+copied as (
+    insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, headers, created_at, available_at, attempts,
+                                     last_error, lease_token)
+    select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at,
+           greatest(o.available_at, clock_timestamp() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
+      from f join outbox_relay.outbox o on o.id = f.id
+     order by f.n
+    on conflict (destination, id) do nothing
+    returning 1
+)
+select (select count(*) from copied) as copied, outbox_relay.refuse_reused_ids($1, 'the parked events', array(
+           select o.id || ' (uuid ' || o.uuid || ', the parked one ' || p.uuid || ')'
+             from f join outbox_relay.outbox o on o.id = f.id
+             join outbox_relay.parked p on p.destination = $1 and p.id = o.id and p.uuid <> o.uuid
+            order by o.id)) as checked";
 
 /// Copies new events into the destination's parked events (under the lease `token`, if any).
+/// Fails, changing nothing, when an older event parked for the destination has the id of one.
 pub(crate) async fn park_new_events(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
         [&destination, &c.ids, &c.delays, &c.errors, &c.attempts, &token];
-    count(db, PARKED_COPY, &params, "parking events for a destination").await
+    let row = one(db, PARKED_COPY, &params, "parking events for a destination").await?;
+    Ok(row.get::<_, i64>("copied").max(0) as u64)
 }
 
+/// Copies new events into the dead letters of the destination; a dead letter of the same
+/// event (its uuid) is updated; one of another event with the same id fails the statement.
 const DEAD_LETTER_NEW: &str = "\
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
-select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at, f.attempts, f.error
-  from unnest($2::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
-  join outbox_relay.outbox o on o.id = f.id
-on conflict (destination, id) do update
-   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+with f as (
+    select * from unnest($2::int8[], $3::text[], $4::int4[]) as f(id, error, attempts)
+),
+buried as (
+    insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+    select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at, f.attempts, f.error
+      from f join outbox_relay.outbox o on o.id = f.id
+    on conflict (destination, id) do update
+       set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()
+     where dead_letters.uuid = excluded.uuid
+    returning 1
+)
+select (select count(*) from buried) as buried, outbox_relay.refuse_reused_ids($1, 'the dead letters', array(
+           select o.id || ' (uuid ' || o.uuid || ', the dead letter ' || d.uuid || ')'
+             from f join outbox_relay.outbox o on o.id = f.id
+             join outbox_relay.dead_letters d on d.destination = $1 and d.id = o.id and d.uuid <> o.uuid
+            order by o.id)) as checked";
 
 /// Copies new events into the dead letters of the destination, with their errors and attempts.
+/// Fails, changing nothing, when another event's dead letter has the id of one.
 pub(crate) async fn bury_new_events(
     db: &impl Db,
     destination: &str,
@@ -59,16 +93,21 @@ pub(crate) async fn bury_new_events(
     attempts: &[i32],
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &errors, &attempts];
-    count(db, DEAD_LETTER_NEW, &params, "moving events to the dead letters").await
+    let row = one(db, DEAD_LETTER_NEW, &params, "moving events to the dead letters").await?;
+    Ok(row.get::<_, i64>("buried").max(0) as u64)
 }
 
 /// Deletes (`$3`) or marks processed the outbox rows `$2` that every registered destination but
-/// `$1` has passed: `$1`'s claim passed them in this transaction. A destination has passed an
+/// `$1` has passed: `$1`'s claim passed them in this transaction. A row another session has
+/// locked (`select ... for update` on the outbox) is skipped, never waited for: the claim holds
+/// its destination's new events while it runs, and the sweeper finishes the row later. A destination has passed an
 /// event when its newest position's snapshot sees the event's transaction, or when it is in
-/// the position's cut delta at or below `after_id`.
+/// the position's cut delta at or below `after_id`; a position ahead of the transaction counter
+/// (another cluster's, migration 0014) has passed nothing.
 const OUTBOX_FINISH: &str = "\
 with others as materialized (
-    select p.since, p.snapshot, p.after_id
+    select p.since, p.snapshot, p.after_id,
+           pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot()) as ahead
       from outbox_relay.destinations d cross join lateral (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p
@@ -79,8 +118,9 @@ done as materialized (
      where e.id = any($2::int8[]) and e.processed_at is null
        and not exists (
         select 1 from others p
-         where not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+         where p.ahead or not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
                     or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
+       for update of e skip locked
 ),
 deleted as (delete from outbox_relay.outbox where $3 and id in (select id from done) returning 1),
 marked as (update outbox_relay.outbox set processed_at = now() where not $3 and id in (select id from done) returning 1)
@@ -99,7 +139,7 @@ pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i6
 /// commit while their delivery goes on (held new events are copied with `park_new_events`).
 const PARKED_LEASE_HELD: &str = "\
 update outbox_relay.parked
-   set available_at = now() + $3::int8 * interval '1 microsecond',
+   set available_at = clock_timestamp() + $3::int8 * interval '1 microsecond',
        attempts = least(attempts, 2147483646) + 1,
        lease_token = $4
  where destination = $1 and id = any($2)";
@@ -117,7 +157,7 @@ pub(crate) async fn lease_held_parked(
 }
 
 const PARKED_RENEW_LEASE: &str = "\
-update outbox_relay.parked set available_at = now() + $4::int8 * interval '1 microsecond'
+update outbox_relay.parked set available_at = clock_timestamp() + $4::int8 * interval '1 microsecond'
  where destination = $1 and id = any($2) and lease_token = $3";
 
 /// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery
@@ -143,7 +183,7 @@ pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64]
 
 const PARKED_RESCHEDULE: &str = "\
 update outbox_relay.parked o
-   set available_at = now() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
+   set available_at = clock_timestamp() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
        lease_token = null, attempts = f.attempts
   from unnest($2::int8[], $4::int8[], $5::text[], $6::int4[]) as f(id, delay_us, error, attempts)
  where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)";
@@ -156,19 +196,34 @@ pub(crate) async fn reschedule_parked(db: &impl Db, destination: &str, c: &Copie
     count(db, PARKED_RESCHEDULE, &params, "rescheduling parked events").await
 }
 
+/// Moves parked events to the destination's dead letters; one whose id another event's dead
+/// letter carries fails the statement (and stays parked).
 const DEAD_LETTER_PARKED: &str = "\
-with failed as (
+with f as (
+    select * from unnest($2::int8[], $4::text[], $5::int4[]) as f(id, error, attempts)
+),
+failed as (
     delete from outbox_relay.parked o
-     using unnest($2::int8[], $4::text[], $5::int4[]) as f(id, error, attempts)
+     using f
      where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)
+       and not exists (select 1 from outbox_relay.dead_letters d where d.destination = $1 and d.id = o.id and d.uuid <> o.uuid)
     returning o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at, f.attempts, f.error
+),
+buried as (
+    insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+    select $1, id, uuid, topic, key, payload, headers, created_at, attempts, error from failed
+    on conflict (destination, id) do update
+       set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()
+    returning 1
 )
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
-select $1, id, uuid, topic, key, payload, headers, created_at, attempts, error from failed
-on conflict (destination, id) do update
-   set attempts = excluded.attempts, last_error = excluded.last_error, failed_at = now()";
+select (select count(*) from buried) as buried, outbox_relay.refuse_reused_ids($1, 'the dead letters', array(
+           select o.id || ' (uuid ' || o.uuid || ', the dead letter ' || d.uuid || ')'
+             from f join outbox_relay.parked o on o.destination = $1 and o.id = f.id
+             join outbox_relay.dead_letters d on d.destination = $1 and d.id = o.id and d.uuid <> o.uuid
+            order by o.id)) as checked";
 
 /// Moves parked events to the destination's dead letters with their errors and attempts.
+/// Fails, changing nothing, when another event's dead letter has the id of one.
 pub(crate) async fn bury_parked(
     db: &impl Db,
     destination: &str,
@@ -178,7 +233,8 @@ pub(crate) async fn bury_parked(
     token: Option<i64>,
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&destination, &ids, &token, &errors, &attempts];
-    count(db, DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await
+    let row = one(db, DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await?;
+    Ok(row.get::<_, i64>("buried").max(0) as u64)
 }
 
 /// Prepares every statement that records outcomes or leases a held claim, so that they can be

@@ -7,14 +7,35 @@ use crate::error::{Error, Result};
 /// The channel the outbox trigger notifies (see `migrations/`).
 const CHANNEL_LISTEN: &str = "listen outbox_relay";
 
-/// Starts listening on the outbox channel on a dedicated connection; returns its backend pid.
-pub(crate) async fn listen(client: &tokio_postgres::Client) -> Result<i32> {
+/// The first key of the advisory lock a relay's listener holds, shared, for as long as its
+/// connection lives, on each destination it serves (the second key is the destination's
+/// `lock_id`): a drop of the destination is refused while any relay holds it, also after a
+/// crash restart of the server emptied the unlogged table of relays.
+pub(crate) const SERVING_LOCK: i32 = 1869901933;
+
+/// Starts listening on the outbox channel on a dedicated connection, serving the destination
+/// whose lock is `lock_id`; returns its backend pid.
+pub(crate) async fn listen(client: &tokio_postgres::Client, lock_id: i32) -> Result<i32> {
     client.batch_execute(CHANNEL_LISTEN).await.map_err(|e| Error::database("starting to listen", e))?;
+    client
+        .execute("select pg_advisory_lock_shared($1::int4, $2::int4)", &[&SERVING_LOCK, &lock_id])
+        .await
+        .map_err(|e| Error::database("marking the destination served", e))?;
     let row = client
         .query_one("select pg_backend_pid()", &[])
         .await
         .map_err(|e| Error::database("reading the listener's backend pid", e))?;
     Ok(row.get(0))
+}
+
+/// Gives up the listener's mark on the destination it served, before its connection closes (a
+/// drop right after a relay stops must not find the lock of a backend still on its way out).
+pub(crate) async fn unserve(client: &tokio_postgres::Client, lock_id: i32) -> Result<()> {
+    client
+        .execute("select pg_advisory_unlock_shared($1::int4, $2::int4)", &[&SERVING_LOCK, &lock_id])
+        .await
+        .map(drop)
+        .map_err(|e| Error::database("giving up the destination's served mark", e))
 }
 
 /// A round trip (an empty query), to tell a live link from a stalled one; `doing` names it in
@@ -140,4 +161,15 @@ const CURRENT_ROLE: &str = "select current_user::text";
 pub(crate) async fn current_role(db: &impl Db) -> Result<String> {
     let rows = all(db, CURRENT_ROLE, &[], "reading the current role").await?;
     Ok(rows.first().map(|r| r.get(0)).unwrap_or_default())
+}
+
+/// How many ids of the outbox's sequence each session takes at once.
+const ID_SEQUENCE_CACHE: &str = "\
+select s.seqcache from pg_sequence s where s.seqrelid = pg_get_serial_sequence('outbox_relay.outbox', 'id')::regclass";
+
+/// The outbox's id sequence's cache (1 unless it was altered): above 1, sessions take ids in
+/// blocks, and the ids of one key's events no longer follow the order they were written in.
+pub(crate) async fn id_sequence_cache(db: &impl Db) -> Result<i64> {
+    let rows = all(db, ID_SEQUENCE_CACHE, &[], "reading the outbox's id sequence").await?;
+    Ok(rows.first().map_or(1, |row| row.get("seqcache")))
 }

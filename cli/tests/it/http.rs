@@ -461,6 +461,8 @@ mod needs_python {
             ("outbox_relay_breaker_open", "gauge"),
             ("outbox_relay_notification_queue_usage_ratio", "gauge"),
             ("outbox_relay_claims", "counter"),
+            ("outbox_relay_failed_claims", "counter"),
+            ("outbox_relay_positions_rebased", "counter"),
             ("outbox_relay_claim_duration_seconds", "histogram"),
             ("outbox_relay_oldest_transaction_age_seconds", "gauge"),
             ("outbox_relay_xmin_horizon_age_transactions", "gauge"),

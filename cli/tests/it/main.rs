@@ -12,6 +12,7 @@ mod hostile;
 mod http;
 mod kafka;
 mod killed;
+mod memory;
 mod operator;
 mod routes;
 mod secrets;

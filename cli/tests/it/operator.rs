@@ -229,6 +229,29 @@ async fn the_relay_refuses_a_database_missing_a_migration() {
     );
 }
 
+/// A sequence that hands out ids in blocks (`cache 50`) breaks the order of a key's ids: the
+/// relay says so at start, with the fix, and delivers all the same.
+#[tokio::test]
+async fn a_sequence_caching_ids_is_named_at_start() {
+    let db = TestDb::new().await;
+    db.client().await.batch_execute("alter sequence outbox_relay.outbox_id_seq cache 50").await.unwrap();
+    let id = publish(&db, "order.placed", json!({})).await;
+    let child = spawn_run(&db.url, &["--sink", "stdout"]);
+    let client = db.client().await;
+    eventually("the event delivered", || async {
+        count(
+            &client,
+            &format!("select count(*) from outbox_relay.outbox where id = {id} and processed_at is not null"),
+        )
+        .await
+            == 1
+    })
+    .await;
+    let output = crate::binary::terminate_with_output(child).await;
+    let err = stderr(&output);
+    assert!(err.contains("blocks of 50") && err.contains("alter sequence outbox_relay.outbox_id_seq cache 1"), "{err}");
+}
+
 /// The destination down, then back, as the operator sees it: one warn line when the breaker
 /// opens, `status` showing it open (table and JSON), one warn line when a probe gets through,
 /// and every event delivered with none dead-lettered and no attempt spent on the outage.

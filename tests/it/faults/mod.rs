@@ -25,7 +25,7 @@ use crate::orders::{PlaceOrder, TestError, place_order};
 
 /// How long the tests wait for things that take a while even on a quiet machine (a whole backlog
 /// drained, a server restarted); only a hang should ever reach it.
-const LONG_PATIENCE: Duration = Duration::from_secs(90);
+pub(super) const LONG_PATIENCE: Duration = Duration::from_secs(90);
 
 pub(super) async fn connect(url: &str) -> Client {
     let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("cannot connect");
