@@ -71,9 +71,11 @@ mod needs_kafka {
             .unwrap();
         let sink = KafkaSink::builder(&kafka.url()).timeout(Duration::from_secs(5)).connect().await.unwrap();
         let relay = support::start(&db.outbox, config(), sink);
-        // Events without a key, in ten commits 50 ms apart: librdkafka sends such events to one
-        // partition for a while (sticky.partitioning.linger.ms, 10 ms, as the Java client does),
-        // then to another chosen at random.
+        // Events without a key, in ten commits, each delivered before the next is written and
+        // 50 ms apart: librdkafka sends such events to one partition for a while
+        // (sticky.partitioning.linger.ms, 10 ms, as the Java client does), then to another chosen
+        // at random. (Written while the relay was still busy, they would go in one batch.)
+        eventually("the keyed events delivered", || async { all_delivered(&db, 1000).await }).await;
         for n in 0..10 {
             db.client()
                 .await
@@ -84,7 +86,10 @@ mod needs_kafka {
                 )
                 .await
                 .unwrap();
-            tokio::time::sleep(Duration::from_millis(50)).await; // apart in time, not a synchronization
+            let delivered = 1000 + 10 * (i64::from(n) + 1);
+            eventually("a commit of events without a key delivered", || async { all_delivered(&db, delivered).await })
+                .await;
+            tokio::time::sleep(Duration::from_millis(50)).await; // past the sticky partition's linger
         }
         eventually("every event delivered", || async { all_delivered(&db, 1100).await }).await;
         let snapshot = relay.snapshot();
