@@ -122,15 +122,20 @@ async fn sink_credentials_never_appear_in_the_binary_output() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
+    // Read as it is written: a debug log left in its pipe would stop the relay once the pipe is full.
     let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+    let reader = tokio::spawn(async move {
+        let mut lines = Vec::new();
+        while let Ok(Ok(Some(line))) = tokio::time::timeout(PATIENCE, log.next_line()).await {
+            lines.push(line);
+        }
+        lines
+    });
     crate::binary::publish(&db, "order.placed", serde_json::json!({})).await;
     eventually("the event dead-lettered", || async { db.outbox.queue_stats().await.unwrap().dead_letters == 1 }).await;
     let pid = child.id().unwrap().to_string();
     std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
-    let mut lines = Vec::new();
-    while let Ok(Ok(Some(line))) = tokio::time::timeout(PATIENCE, log.next_line()).await {
-        lines.push(line);
-    }
+    let lines = reader.await.unwrap();
     child.wait().await.unwrap();
     let all = lines.join("\n");
     // (the `delivering` line names each destination with its pattern and its sink)

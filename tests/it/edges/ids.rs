@@ -8,7 +8,7 @@ use pg_outbox_relay::{Completion, DeliveryError, NewEvent, RelayConfig, handler_
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{config, count, eventually};
+use crate::relay_support::{Running, config, count, eventually};
 
 /// Refuses every event of the topic `refused` for good, takes the rest.
 fn refusing() -> impl pg_outbox_relay::Handler + Clone {
@@ -33,6 +33,29 @@ async fn kept(client: &tokio_postgres::Client, table: &str) -> Vec<(i64, String)
         .collect()
 }
 
+/// Until `parked` parked events and `dead` dead letters are kept.
+async fn kept_until(client: &tokio_postgres::Client, parked: i64, dead: i64) {
+    eventually("the parked events and dead letters kept", || async {
+        count(client, "select count(*) from outbox_relay.parked").await == parked
+            && count(client, "select count(*) from outbox_relay.dead_letters").await == dead
+    })
+    .await;
+}
+
+/// A relay that refuses the topic `refused`, one event parked (delayed an hour) and one
+/// dead-lettered: the relay, their ids, and what the parked events and dead letters hold.
+async fn one_parked_one_buried(db: &TestDb) -> (Running, i64, i64, Vec<(i64, String)>, Vec<(i64, String)>) {
+    let client = db.client().await;
+    let relay = crate::relay_support::start(&db.outbox, quick(), refusing());
+    let later = NewEvent::new("order.later", json!({"n": 1})).delay(Duration::from_secs(3600));
+    let waiting = db.outbox.publish(&later).await.unwrap();
+    let refused = db.outbox.publish(&NewEvent::new("refused", json!({"n": 2}))).await.unwrap();
+    kept_until(&client, 1, 1).await;
+    let (parked, dead) = (kept(&client, "parked").await, kept(&client, "dead_letters").await);
+    assert_eq!((parked[0].0, dead[0].0), (waiting, refused));
+    (relay, waiting, refused, parked, dead)
+}
+
 /// One event parked (delayed an hour) and one dead-lettered; then
 /// `truncate outbox_relay.outbox restart identity`. The next events get ids past both, so a new
 /// delayed event is parked beside the old one and a new refused event gets a dead letter of its
@@ -41,20 +64,7 @@ async fn kept(client: &tokio_postgres::Client, table: &str) -> Vec<(i64, String)
 async fn a_truncate_restarting_the_ids_keeps_them_past_the_parked_events_and_dead_letters() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let relay = crate::relay_support::start(&db.outbox, quick(), refusing());
-    let waiting = db
-        .outbox
-        .publish(&NewEvent::new("order.later", json!({"n": 1})).delay(Duration::from_secs(3600)))
-        .await
-        .unwrap();
-    let refused = db.outbox.publish(&NewEvent::new("refused", json!({"n": 2}))).await.unwrap();
-    eventually("one parked, one dead letter", || async {
-        count(&client, "select count(*) from outbox_relay.parked").await == 1
-            && count(&client, "select count(*) from outbox_relay.dead_letters").await == 1
-    })
-    .await;
-    let (parked_before, dead_before) = (kept(&client, "parked").await, kept(&client, "dead_letters").await);
-    assert_eq!((parked_before[0].0, dead_before[0].0), (waiting, refused));
+    let (relay, _, refused, parked_before, dead_before) = one_parked_one_buried(&db).await;
 
     client.batch_execute("truncate outbox_relay.outbox restart identity").await.unwrap();
     let later = db
@@ -64,11 +74,7 @@ async fn a_truncate_restarting_the_ids_keeps_them_past_the_parked_events_and_dea
         .unwrap();
     let refused_again = db.outbox.publish(&NewEvent::new("refused", json!({"n": 4}))).await.unwrap();
     assert!(later > refused && refused_again > refused, "ids past the kept ones: {later}, {refused_again}");
-    eventually("both new events kept beside the old ones", || async {
-        count(&client, "select count(*) from outbox_relay.parked").await == 2
-            && count(&client, "select count(*) from outbox_relay.dead_letters").await == 2
-    })
-    .await;
+    kept_until(&client, 2, 2).await;
     relay.stop().await;
     let parked = kept(&client, "parked").await;
     let dead = kept(&client, "dead_letters").await;
@@ -85,19 +91,7 @@ async fn a_truncate_restarting_the_ids_keeps_them_past_the_parked_events_and_dea
 async fn events_given_an_old_events_id_by_hand_are_refused_and_kept() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let relay = crate::relay_support::start(&db.outbox, quick(), refusing());
-    let waiting = db
-        .outbox
-        .publish(&NewEvent::new("order.later", json!({"n": 1})).delay(Duration::from_secs(3600)))
-        .await
-        .unwrap();
-    let refused = db.outbox.publish(&NewEvent::new("refused", json!({"n": 2}))).await.unwrap();
-    eventually("one parked, one dead letter", || async {
-        count(&client, "select count(*) from outbox_relay.parked").await == 1
-            && count(&client, "select count(*) from outbox_relay.dead_letters").await == 1
-    })
-    .await;
-    let (parked_before, dead_before) = (kept(&client, "parked").await, kept(&client, "dead_letters").await);
+    let (relay, waiting, refused, parked_before, dead_before) = one_parked_one_buried(&db).await;
 
     // The delayed one must be parked (under the parked event's id); the refused one buried
     // (under the dead letter's id).
@@ -129,10 +123,6 @@ async fn events_given_an_old_events_id_by_hand_are_refused_and_kept() {
         ))
         .await
         .unwrap();
-    eventually("both new events in their places", || async {
-        count(&client, "select count(*) from outbox_relay.parked").await == 2
-            && count(&client, "select count(*) from outbox_relay.dead_letters").await == 2
-    })
-    .await;
+    kept_until(&client, 2, 2).await;
     relay.stop().await;
 }
