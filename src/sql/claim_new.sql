@@ -17,7 +17,7 @@
 -- in id order, between the two snapshots kept. The position was read before the lock: if another
 -- claim's commit overtook it in between, the insert of the next position conflicts and nothing
 -- is claimed.
-with lock as materialized (
+with recursive lock as materialized (
     select pg_try_advisory_xact_lock(1869901932, $5::int4) as held
 ),
 head as materialized (
@@ -60,14 +60,28 @@ cand as materialized (
     ) x order by x.id limit $1::int8 + 1
 ),
 -- The batch: at most $1 events, and no more bytes of payload than $7 (but always the first), so
--- that a relay's memory follows its batch size however large the events are.
-sized as materialized (
-    select z.id, row_number() over (order by z.id) as n, sum(z.size) over (order by z.id) as upto
-      from (select c.id, (select octet_length(e.payload::text)::int8 from outbox_relay.outbox e where e.id = c.id) as size
-              from cand c) z
+-- that a relay's memory follows its batch size however large the events are. The sizes are added
+-- one event at a time, in id order, and only until the bound is passed: a payload stored inline
+-- counts its stored size, a larger one its text's length (read from TOAST only for the events
+-- that may be taken, never for a whole delta of large events).
+ids as materialized (
+    select coalesce(array_agg(c.id order by c.id), '{}') as a from cand c
+),
+sized(n, id, upto) as (
+    select 1, i.a[1], (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
+                                   else octet_length(e.payload::text)::int8 end
+                         from outbox_relay.outbox e where e.id = i.a[1])
+      from ids i where cardinality(i.a) > 0
+    union all
+    select s.n + 1, i.a[s.n + 1],
+           s.upto + (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
+                                 else octet_length(e.payload::text)::int8 end
+                       from outbox_relay.outbox e where e.id = i.a[s.n + 1])
+      from sized s, ids i
+     where s.n < least(cardinality(i.a), $1::int4) and s.upto <= $7::int8
 ),
 taken as materialized (
-    select s.id from sized s where s.n <= $1::int8 and (s.n = 1 or s.upto <= $7::int8) order by s.id
+    select s.id from sized s where s.n = 1 or s.upto <= $7::int8 order by s.id
 ),
 moved as (
     insert into outbox_relay.positions (destination, n, since, snapshot, after_id)

@@ -28,26 +28,32 @@ keyed as (
      limit $1::int8
        for update of o skip locked
 ),
--- Behind each head taken, the key's next parked events in id order, as long as each is due and
--- not paused: they are handed over one after the other, after their head (the relay delivers a
--- batch's events of one key in rounds), so that a key with thousands of parked events drains a
--- batch at a claim, not an event. Their rows are locked without skipping: another claim takes a
--- key's later events only while it holds the key's head, which this one holds. Taken in id order
--- up to the batch, which keeps a prefix of every key's run.
+-- Behind the first heads taken (16, in id order), each key's next parked events in id order, as
+-- long as each is due and not paused, while the batch has room: they are handed over one after
+-- the other, after their head (the relay delivers a batch's events of one key in rounds), so that
+-- a key with thousands of parked events drains a batch at a claim, not an event. (Where the heads
+-- fill the batch, as with many keys, nothing more is read.) Their rows are locked without
+-- skipping: another claim takes a key's later events only while it holds the key's head, which
+-- this one holds. Taken in id order up to the room left, which keeps a prefix of every key's run.
+room as materialized (
+    select $1::int8 - (select count(*) from keyed) as n
+),
 followers as (
-    select f.id from keyed h
+    select f.id from (select h.id from keyed h order by h.id limit 16) h
       join outbox_relay.parked hp on hp.destination = $6::text and hp.id = h.id
+     cross join room r
      cross join lateral (
-        select r.id from (
+        select x.id from (
             select n.id, bool_and(n.available_at <= now() and coalesce(n.topic <> all($5::text[]), true))
                          over (order by n.id) as clear
               from (select o.id, o.available_at, o.topic from outbox_relay.parked o
                      where o.destination = $6::text and o.key = hp.key and o.id > hp.id
                      order by o.destination, o.key, o.id
-                     limit $1::int8) n
-        ) r where r.clear) f
+                     limit r.n) n
+        ) x where x.clear) f
+     where r.n > 0
      order by f.id
-     limit $1::int8 - (select count(*) from keyed)
+     limit (select n from room)
 ),
 followers_locked as (
     select o.id from outbox_relay.parked o
@@ -62,14 +68,25 @@ unkeyed as (
      limit $1::int8 - (select count(*) from keyed) - (select count(*) from followers_locked)
        for update of o skip locked
 ),
--- No more bytes of payload than $7 (but always the first event, in id order): the rest stay
--- locked until this transaction ends, untouched, and the marker says the claim was cut.
+-- No more bytes of payload than $7 (but always the first event, in id order), added one event
+-- at a time as in the claim of new events: the rest stay locked until this transaction ends,
+-- untouched, and the marker says the claim was cut.
 locked as (select id from keyed union all select id from followers_locked union all select id from unkeyed),
-sized as materialized (
-    select z.id, row_number() over (order by z.id) as n, sum(z.size) over (order by z.id) as upto
-      from (select l.id, (select octet_length(e.payload::text)::int8 from outbox_relay.parked e
-                           where e.destination = $6::text and e.id = l.id) as size
-              from locked l) z
+ids as materialized (
+    select coalesce(array_agg(l.id order by l.id), '{}') as a from locked l
+),
+sized(n, id, upto) as (
+    select 1, i.a[1], (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
+                                   else octet_length(e.payload::text)::int8 end
+                         from outbox_relay.parked e where e.destination = $6::text and e.id = i.a[1])
+      from ids i where cardinality(i.a) > 0
+    union all
+    select s.n + 1, i.a[s.n + 1],
+           s.upto + (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
+                                 else octet_length(e.payload::text)::int8 end
+                       from outbox_relay.parked e where e.destination = $6::text and e.id = i.a[s.n + 1])
+      from sized s, ids i
+     where s.n < cardinality(i.a) and s.upto <= $7::int8
 ),
 taken as (select s.id from sized s where s.n = 1 or s.upto <= $7::int8)
 -- The events, in id order, then one marker row (id null): where the walk ended when it walked as
@@ -82,5 +99,5 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
 union all
 select null, null, null, null, null, null, null, null, null,
        (select case when count(*) >= $4 then max(w.key) end from walk w),
-       (select count(*) from sized) > (select count(*) from taken)
+       (select count(*) from locked) > (select count(*) from taken)
 order by 1
