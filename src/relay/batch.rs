@@ -99,8 +99,10 @@ impl<H: Handler> Batches<H> {
         let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
         self.recorder.record(held, token, outcomes, &parked).await;
         if parked_keyed || released || leased_keyed {
-            // A parked key's next event is its head now, or events were given back, due at once.
+            // A parked key's next event is its head now, or events were given back, due at once:
+            // a worker that found nothing while this batch held them may be waiting already.
             self.timer.parked_may_be_due();
+            self.leases.work.notify_one();
         }
         // Claim again now if parked events may be due, or if this batch held the new events'
         // lock and new events may wait: a claim of this relay was turned away by the lock

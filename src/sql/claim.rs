@@ -247,7 +247,13 @@ async fn claim_parked(
         claimed.parked_keyed |= row.key.is_some();
         claimed.rows.push(row);
     }
-    claimed.parked_all = !cut && ((claimed.rows.len() - before) as i64) < limit && claimed.walked_to == Some(None);
+    // All it could: a walk that began at the first key and reached the last took less than the
+    // limit. (One that began after a key and reached the last has not looked at the keys before
+    // it: the next claim walks from the first.)
+    claimed.parked_all = !cut
+        && ((claimed.rows.len() - before) as i64) < limit
+        && claimed.walked_to == Some(None)
+        && turn.walk_after.is_empty();
     Ok(())
 }
 
