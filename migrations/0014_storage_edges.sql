@@ -90,3 +90,16 @@ $$;
 
 comment on function outbox_relay.refuse_reused_ids(text, text, text[]) is
     'Fails, naming the events, when a new event has the id of another event kept for the destination (reused ids).';
+
+-- How many bytes a payload counts for in a claim's byte bound (`RelayConfig::batch_bytes`): a
+-- payload stored inline counts its stored size, a larger one its text's length (read from TOAST).
+-- A SQL function the planner inlines.
+create function outbox_relay.payload_bytes(payload jsonb) returns int8
+language sql stable parallel safe
+as $$
+    select case when pg_column_size(payload) < 1024 then pg_column_size(payload)::int8
+                else octet_length(payload::text)::int8 end
+$$;
+
+comment on function outbox_relay.payload_bytes(jsonb) is
+    'The bytes a payload counts for in a claim''s byte bound: its stored size when small, else its text''s length.';

@@ -68,15 +68,11 @@ ids as materialized (
     select coalesce(array_agg(c.id order by c.id), '{}') as a from cand c
 ),
 sized(n, id, upto) as (
-    select 1, i.a[1], (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
-                                   else octet_length(e.payload::text)::int8 end
-                         from outbox_relay.outbox e where e.id = i.a[1])
+    select 1, i.a[1], (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.id = i.a[1])
       from ids i where cardinality(i.a) > 0
     union all
     select s.n + 1, i.a[s.n + 1],
-           s.upto + (select case when pg_column_size(e.payload) < 1024 then pg_column_size(e.payload)::int8
-                                 else octet_length(e.payload::text)::int8 end
-                       from outbox_relay.outbox e where e.id = i.a[s.n + 1])
+           s.upto + (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.id = i.a[s.n + 1])
       from sized s, ids i
      where s.n < least(cardinality(i.a), $1::int4) and s.upto <= $7::int8
 ),

@@ -444,9 +444,12 @@ mod needs_python {
             publish(&db, "order.placed", json!({"n": n})).await;
         }
         let url = format!("{base}/metrics");
-        let text = until("the delivered counter reaches 3", || async {
+        // The counter moves when the handler returns, the pending count once the claim's
+        // transaction has committed: both, before the rest is read.
+        let text = until("the delivered counter reaches 3 and nothing is pending", || async {
             let (_, text) = get(&url).await?;
-            (sample(&text, delivered) == Some(3.0)).then_some(text)
+            (sample(&text, delivered) == Some(3.0) && sample(&text, "outbox_relay_pending_events") == Some(0.0))
+                .then_some(text)
         })
         .await;
         let families = parse_openmetrics(&text);
