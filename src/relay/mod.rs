@@ -329,7 +329,9 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         // over in id order.
         tracing::error!(
             cache,
-            "the outbox's id sequence hands out ids in blocks of {cache} per session, so the ids of one key's events              do not follow the order they were written in, and the relay delivers a key's events in id order:              set it back with `alter sequence outbox_relay.outbox_id_seq cache 1`"
+            "the outbox's id sequence hands out ids in blocks of {cache} per session, so the ids of one key's events \
+             do not follow the order they were written in, and the relay delivers a key's events in id order: \
+             set it back with `alter sequence outbox_relay.outbox_id_seq cache 1`"
         );
     }
     let mut needed = vec![

@@ -7,7 +7,7 @@ use crate::sql::Destination;
 
 /// Registrations take turns (a registration and the claims it waits for are all there is to it:
 /// readers and claims are not held up).
-const DESTINATIONS_LOCK: &str = "lock table outbox_relay.destinations in share row exclusive mode";
+pub(super) const DESTINATIONS_LOCK: &str = "lock table outbox_relay.destinations in share row exclusive mode";
 
 const DESTINATION_GET: &str =
     "select name, pattern, topic_regex, lock_id from outbox_relay.destinations where name = $1";
@@ -17,7 +17,7 @@ const DESTINATION_SET_PATTERN: &str =
 
 /// Waits for every registered destination's new events' lock: a claim in progress may delete
 /// events it passed that the new destination, starting from its position, would not see.
-const DESTINATIONS_WAIT_FOR_CLAIMS: &str = "\
+pub(super) const DESTINATIONS_WAIT_FOR_CLAIMS: &str = "\
 select count(pg_advisory_xact_lock(1869901932, lock_id)::text) from (
     select lock_id from outbox_relay.destinations order by lock_id
 ) d";

@@ -57,12 +57,6 @@ pub(crate) async fn positions_foreign(db: &impl Db) -> Result<Foreign> {
     Ok(Foreign { ahead: row.get("ahead"), moved: row.get("moved") })
 }
 
-/// Waits for every destination's claim in progress (the advisory lock of its new events).
-const WAIT_FOR_CLAIMS: &str = "\
-select count(pg_advisory_xact_lock(1869901932, lock_id)::text) from (
-    select lock_id from outbox_relay.destinations order by lock_id
-) d";
-
 /// The snapshot the fresh positions take: read before this transaction has an id of its own, so
 /// that the rows it stamps lie past it (a snapshot taken later would count this transaction's id
 /// as passed).
@@ -160,8 +154,8 @@ pub(crate) async fn rebase_positions(client: &mut deadpool_postgres::Object) -> 
         tx.commit().await.map_err(fail)?;
     }
     let tx = client.transaction().await.map_err(fail)?;
-    tx.batch_execute("lock table outbox_relay.destinations in share row exclusive mode").await.map_err(fail)?;
-    one(&tx, WAIT_FOR_CLAIMS, &[], doing).await?;
+    super::count(&tx, super::destinations::DESTINATIONS_LOCK, &[], doing).await?;
+    one(&tx, super::destinations::DESTINATIONS_WAIT_FOR_CLAIMS, &[], doing).await?;
     let why = positions_foreign(&tx).await?;
     if !why.any() {
         return Ok(None);
