@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
 use super::outcomes::{Copies, finish_new_events, park_new_events};
-use super::{Db, all};
+use super::{Db, Replanned, all};
 use crate::error::Result;
 use crate::payload::Payload;
 
@@ -234,7 +234,7 @@ async fn claim_parked(
 ) -> Result<()> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
         [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name, &turn.bytes];
-    let rows = all(db, CLAIM_PARKED, &params, "claiming parked events").await?;
+    let rows = all(&Replanned(db), CLAIM_PARKED, &params, "claiming parked events").await?;
     let before = claimed.rows.len();
     let mut cut = false;
     for row in &rows {

@@ -6,7 +6,9 @@
 --
 -- Per key its lowest parked id when due (the walk over the destination's parked keys from $3, one
 -- index probe per key), and those without a key in (available_at, id) order; row-locked for the
--- rest of the caller's transaction, skipping rows another claim holds. `parked` holds waiting
+-- rest of the caller's transaction, skipping rows another claim holds. Rows found by id are read
+-- by `id = any (array(…))`, one primary key probe each: a join or `in` let the planner read all
+-- of the destination's parked events once per walked key (7.5 s a claim with 20,000 parked). `parked` holds waiting
 -- events only: its churn is per failure, delay or lease, never per delivered event.
 with recursive walk(key, id, n) as (
     (select e.key, e.id, 1 from outbox_relay.parked e
@@ -20,8 +22,9 @@ with recursive walk(key, id, n) as (
       where w.n < $4)
 ),
 keyed as (
-    select o.id from outbox_relay.parked o join walk w on o.destination = $6::text and o.id = w.id
-     where o.available_at <= now() and coalesce(o.topic <> all($5::text[]), true)
+    select o.id from outbox_relay.parked o
+     where o.destination = $6::text and o.id = any (array(select w.id from walk w))
+       and o.available_at <= now() and coalesce(o.topic <> all($5::text[]), true)
        and not ($2 and exists (
             select 1 from outbox_relay.dead_letters d where d.destination = $6::text and d.key = o.key and d.id < o.id))
      order by o.available_at, o.id
@@ -57,7 +60,7 @@ followers as (
 ),
 followers_locked as (
     select o.id from outbox_relay.parked o
-     where o.destination = $6::text and o.id in (select id from followers)
+     where o.destination = $6::text and o.id = any (array(select id from followers))
        for update of o
 ),
 unkeyed as (
@@ -91,7 +94,7 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
        o.uuid, o.headers, null::text as walked_to, null::boolean as cut
-  from outbox_relay.parked o where o.destination = $6::text and o.id in (select id from taken)
+  from outbox_relay.parked o where o.destination = $6::text and o.id = any (array(select id from taken))
 union all
 select null, null, null, null, null, null, null, null, null,
        (select case when count(*) >= $4 then max(w.key) end from walk w),

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use super::{Db, count, micros, one};
+use super::{Db, Replanned, count, micros, one};
 use crate::error::Result;
 
 // Every delay and lease below is counted from the statement's clock (`clock_timestamp()`), not
@@ -58,7 +58,7 @@ select (select count(*) from copied) as copied, outbox_relay.refuse_reused_ids($
 pub(crate) async fn park_new_events(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
         [&destination, &c.ids, &c.delays, &c.errors, &c.attempts, &token];
-    let row = one(db, PARKED_COPY, &params, "parking events for a destination").await?;
+    let row = one(&Replanned(db), PARKED_COPY, &params, "parking events for a destination").await?;
     Ok(row.get::<_, i64>("copied").max(0) as u64)
 }
 
@@ -93,7 +93,7 @@ pub(crate) async fn bury_new_events(
     attempts: &[i32],
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &errors, &attempts];
-    let row = one(db, DEAD_LETTER_NEW, &params, "moving events to the dead letters").await?;
+    let row = one(&Replanned(db), DEAD_LETTER_NEW, &params, "moving events to the dead letters").await?;
     Ok(row.get::<_, i64>("buried").max(0) as u64)
 }
 
@@ -153,7 +153,7 @@ pub(crate) async fn lease_held_parked(
     token: i64,
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &micros(lease), &token];
-    count(db, PARKED_LEASE_HELD, &params, "turning a held claim into a lease").await
+    count(&Replanned(db), PARKED_LEASE_HELD, &params, "turning a held claim into a lease").await
 }
 
 const PARKED_RENEW_LEASE: &str = "\
@@ -170,7 +170,7 @@ pub(crate) async fn renew_lease(
     token: i64,
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &ids, &token, &micros(lease)];
-    count(db, PARKED_RENEW_LEASE, &params, "renewing a lease").await
+    count(&Replanned(db), PARKED_RENEW_LEASE, &params, "renewing a lease").await
 }
 
 const PARKED_DELIVERED: &str = "\
@@ -178,7 +178,7 @@ delete from outbox_relay.parked where destination = $1 and id = any($2) and ($3:
 
 /// Records the deliveries of parked events `ids`.
 pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64], token: Option<i64>) -> Result<u64> {
-    count(db, PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
+    count(&Replanned(db), PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
 }
 
 const PARKED_RESCHEDULE: &str = "\
@@ -193,7 +193,7 @@ update outbox_relay.parked o
 pub(crate) async fn reschedule_parked(db: &impl Db, destination: &str, c: &Copies, token: Option<i64>) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
         [&destination, &c.ids, &token, &c.delays, &c.errors, &c.attempts];
-    count(db, PARKED_RESCHEDULE, &params, "rescheduling parked events").await
+    count(&Replanned(db), PARKED_RESCHEDULE, &params, "rescheduling parked events").await
 }
 
 /// Moves parked events to the destination's dead letters; one whose id another event's dead
@@ -233,7 +233,7 @@ pub(crate) async fn bury_parked(
     token: Option<i64>,
 ) -> Result<u64> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&destination, &ids, &token, &errors, &attempts];
-    let row = one(db, DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await?;
+    let row = one(&Replanned(db), DEAD_LETTER_PARKED, &params, "moving events to the dead letters").await?;
     Ok(row.get::<_, i64>("buried").max(0) as u64)
 }
 
