@@ -35,6 +35,10 @@ const TAIL_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often the backlog is sampled.
 const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
+/// How long each window of a phase lasts: a phase reports its worst window as well as its whole,
+/// so that an episode of a minute inside a phase of ten shows.
+pub const HELD_WINDOW: Duration = Duration::from_secs(10);
+
 /// The rate and length of a held-snapshot measurement.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct HeldSnapshot {
@@ -42,6 +46,39 @@ pub struct HeldSnapshot {
     pub rate: f64,
     /// How long each phase lasts: first nothing held, then the snapshot held.
     pub phase: Duration,
+}
+
+/// One window of a phase ([`HELD_WINDOW`], the last one maybe shorter).
+#[derive(Debug, Clone, Default)]
+pub struct Window {
+    /// From the phase's start to the window's start.
+    pub from: Duration,
+    /// The window's length.
+    pub elapsed: Duration,
+    /// Events committed in the window.
+    pub published: usize,
+    /// Event lines that reached the relay's stdout in the window (whenever committed).
+    pub delivered: usize,
+    /// From just before each COMMIT of the window to its event's line on stdout.
+    pub latencies: Vec<Duration>,
+    /// The largest backlog sampled in the window.
+    pub backlog_max: usize,
+    /// CPU time of the relay process in the window.
+    pub relay_cpu: Option<Duration>,
+    /// Busy CPU time of the whole machine in the window, all cores together.
+    pub machine_cpu: Option<Duration>,
+}
+
+impl Window {
+    /// The latencies' percentiles, when the window has any.
+    pub fn percentiles(&self) -> Option<pg_outbox_relay::Percentiles> {
+        pg_outbox_relay::Percentiles::from_samples(&mut self.latencies.clone())
+    }
+
+    /// A CPU time as a share of one core over the window.
+    pub fn share(&self, cpu: Duration) -> f64 {
+        cpu.as_secs_f64() / self.elapsed.as_secs_f64()
+    }
 }
 
 /// What one phase found.
@@ -66,9 +103,20 @@ pub struct Phase {
     pub backend_cpu: Option<Duration>,
     /// Busy CPU time of the whole machine in the phase, all cores together.
     pub machine_cpu: Option<Duration>,
+    /// The phase window by window, in order.
+    pub windows: Vec<Window>,
 }
 
 impl Phase {
+    /// The window whose p99 latency is the highest (the last, shorter one only when it is the
+    /// only one).
+    pub fn worst_window(&self) -> Option<&Window> {
+        let full = self.windows.iter().filter(|w| w.elapsed >= HELD_WINDOW.mul_f64(0.9));
+        let candidates: Vec<&Window> =
+            if full.clone().next().is_some() { full.collect() } else { self.windows.iter().collect() };
+        candidates.into_iter().max_by_key(|w| w.percentiles().map(|p| p.p99))
+    }
+
     /// A CPU time as a share of one core over the phase (0.75: 75 %).
     pub fn share(&self, cpu: Duration) -> f64 {
         cpu.as_secs_f64() / self.elapsed.as_secs_f64()
@@ -95,6 +143,9 @@ pub struct HeldReport {
     /// Events that reached stdout more than once (none should: nothing crashed).
     pub duplicates: usize,
 }
+
+/// A range of the committed events (their indexes in commit order).
+type Committed = std::ops::Range<usize>;
 
 /// Aborts the measurement's tasks when it ends early (an error): no writer goes on publishing
 /// into a database the caller is about to drop.
@@ -233,8 +284,8 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
     }
     // A second of warm-up, then the phases.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    // A phase: its figures, and the range of `committed` it covers (from its start to its end).
-    let phase = async || -> Result<(Phase, std::ops::Range<usize>), BoxError> {
+    // A phase: its figures, and the ranges of `committed` it and each of its windows cover.
+    let phase = async || -> Result<(Phase, Committed, Vec<Committed>), BoxError> {
         let relay_before = process_cpu(pid);
         let backends_before = backend_cpu(&monitor, &own).await?;
         let machine_before = machine_cpu();
@@ -243,7 +294,30 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         counters.take_backlog_max();
         let began = Instant::now();
         let committed_from = committed.lock().await.len();
-        tokio::time::sleep(setup.phase).await;
+        let (mut windows, mut ranges) = (Vec::new(), Vec::new());
+        let mut backlog_max = 0;
+        while began.elapsed() < setup.phase {
+            let from = began.elapsed();
+            let (relay_at, machine_at) = (process_cpu(pid), machine_cpu());
+            let (published_at, delivered_at) =
+                (counters.published.load(Ordering::Relaxed), counters.delivered.load(Ordering::Relaxed));
+            let committed_at = committed.lock().await.len();
+            let started = Instant::now();
+            tokio::time::sleep(HELD_WINDOW.min(setup.phase - from)).await;
+            let window_backlog = counters.take_backlog_max();
+            backlog_max = backlog_max.max(window_backlog);
+            windows.push(Window {
+                from,
+                elapsed: started.elapsed(),
+                published: counters.published.load(Ordering::Relaxed) - published_at,
+                delivered: counters.delivered.load(Ordering::Relaxed) - delivered_at,
+                latencies: Vec::new(),
+                backlog_max: window_backlog,
+                relay_cpu: cpu_spent(relay_at, process_cpu(pid)),
+                machine_cpu: cpu_spent(machine_at, machine_cpu()),
+            });
+            ranges.push(committed_at..committed.lock().await.len());
+        }
         let elapsed = began.elapsed();
         let relay_after = process_cpu(pid);
         let backends_after = backend_cpu(&monitor, &own).await?;
@@ -254,20 +328,21 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             published: counters.published.load(Ordering::Relaxed) - published,
             delivered: counters.delivered.load(Ordering::Relaxed) - delivered,
             latencies: Vec::new(),
-            backlog_max: counters.take_backlog_max(),
+            backlog_max,
             backlog_end: counters.backlog.load(Ordering::Relaxed),
             relay_cpu: cpu_spent(relay_before, relay_after),
             backend_cpu: backend_cpu_spent(backends_before, backends_after),
             machine_cpu: cpu_spent(machine_before, machine_after),
+            windows,
         };
-        Ok((phase, committed_from..committed_to))
+        Ok((phase, committed_from..committed_to, ranges))
     };
-    let (mut clear, clear_range) = phase().await?;
+    let (mut clear, clear_range, clear_windows) = phase().await?;
     holder
         .batch_execute("begin; select txid_current()")
         .await
         .map_err(db("opening the transaction that holds its snapshot"))?;
-    let (mut held, held_range) = phase().await?;
+    let (mut held, held_range, held_windows) = phase().await?;
     holder.batch_execute("rollback").await.map_err(db("ending the held transaction"))?;
     stop.store(true, Ordering::Relaxed);
     for task in tasks {
@@ -300,8 +375,12 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
     let latency = |range: std::ops::Range<usize>| -> Vec<Duration> {
         committed[range].iter().filter_map(|(id, at)| Some(seen.get(id)?.saturating_duration_since(*at))).collect()
     };
-    clear.latencies = latency(clear_range);
-    held.latencies = latency(held_range);
+    for (phase, range, windows) in [(&mut clear, clear_range, clear_windows), (&mut held, held_range, held_windows)] {
+        phase.latencies = latency(range);
+        for (window, range) in phase.windows.iter_mut().zip(windows) {
+            window.latencies = latency(range);
+        }
+    }
     Ok(HeldReport { clear, held, duplicates: duplicates.load(Ordering::Relaxed) })
 }
 

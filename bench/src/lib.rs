@@ -105,7 +105,7 @@ pub use self::brokers::{AmqpDrain, KafkaBench};
 pub use self::drain::{
     ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_to_each, drain_with,
 };
-pub use self::held::{HELD_WRITERS, HeldReport, HeldSnapshot, Phase, held_snapshot};
+pub use self::held::{HELD_WINDOW, HELD_WRITERS, HeldReport, HeldSnapshot, Phase, Window, held_snapshot};
 pub use self::latency::{LatencyProbe, WakePath, latency};
 pub use self::notify::{NotifyMode, reset_notify, set_notify_mode, set_notify_trigger};
 pub use self::receivers::{

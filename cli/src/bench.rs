@@ -2,6 +2,7 @@
 //! throughput on a real server (the measuring code is the crate `pg-outbox-relay-bench`, shared with
 //! `cargo bench`, whose criterion suite goes further).
 
+mod held;
 mod sinks;
 
 use std::time::Duration;
@@ -9,10 +10,12 @@ use std::time::Duration;
 use pg_outbox_relay::{Completion, RelayConfig};
 use pg_outbox_relay_bench as bench;
 use pg_outbox_relay_bench::{
-    BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, HeldSnapshot, NotifyMode, Percentiles, ReceiverKind,
-    ReceiverStage, ReceiversReport, ServerInfo, Settings, Trickle, TrickleReport, WakePath,
+    BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, NotifyMode, Percentiles, ReceiverKind, ReceiverStage,
+    ReceiversReport, ServerInfo, Settings, Trickle, TrickleReport, WakePath,
 };
 use serde_json::json;
+
+use self::held::{held_json, held_stage, held_step, print_held};
 
 /// The command's failure: printed as one line by the caller.
 type BenchError = Box<dyn std::error::Error + Send + Sync>;
@@ -73,6 +76,10 @@ pub(crate) struct BenchArgs {
     /// Run only the held-snapshot stage.
     #[arg(long)]
     held_only: bool,
+    /// Phases of the held-snapshot stage of at least 5 minutes (a hold of minutes is what shows
+    /// the costs that grow with it); each phase is also reported by its worst 10 s window.
+    #[arg(long)]
+    held_long: bool,
     /// Run only the HTTP receivers stage: a small receiver (one request at a time, listen
     /// backlog 5), one answering in 20 ms, one answering 429 past 200 requests/s, one opening 2 s
     /// late; the defaults against fixed limits.
@@ -254,33 +261,6 @@ fn receivers_step(args: &BenchArgs) -> String {
         stage.late_events,
         humantime::format_duration(bench::LATE_BY),
     )
-}
-
-fn held_step(args: &BenchArgs) -> String {
-    format!(
-        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process (default settings), {} with nothing held, then {} with a transaction held open",
-        args.held_rate,
-        humantime::format_duration(args.held_duration),
-        humantime::format_duration(args.held_duration)
-    )
-}
-
-/// Runs the held-snapshot stage on an emptied outbox.
-async fn held_stage(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<HeldReport, BenchError> {
-    let db = outbox.connection().await?;
-    for sql in ["truncate outbox_relay.outbox", "vacuum analyze outbox_relay.outbox"] {
-        db.batch_execute(sql).await.map_err(|e| match e.as_db_error() {
-            Some(e) => format!("{sql}: {}", e.message()),
-            None => format!("{sql}: {e}"),
-        })?;
-    }
-    let held = bench::held_snapshot(
-        outbox,
-        relay_command(outbox)?,
-        HeldSnapshot { rate: args.held_rate, phase: args.held_duration },
-    )
-    .await?;
-    Ok(held)
 }
 
 /// `outbox-relay run --sink stdout` for `outbox`'s database, with default settings.
@@ -529,76 +509,8 @@ fn print_server(server: &str, info: &ServerInfo, cores: Option<usize>) {
     println!();
 }
 
-/// The held-snapshot stage's figures: each phase, and the ratios its goals are stated in.
-fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Value {
-    let phase = |p: &bench::Phase| {
-        let share = |cpu: Option<Duration>| cpu.map(|cpu| rounded(p.share(cpu), 4));
-        json!({
-            "seconds": rounded(p.elapsed.as_secs_f64(), 3),
-            "published_per_s": rounded(p.per_second(p.published), 1),
-            "delivered_per_s": rounded(p.per_second(p.delivered), 1),
-            "latency_ms": latencies(p).as_ref().map(percentiles_json),
-            "backlog_max": p.backlog_max,
-            "backlog_end": p.backlog_end,
-            "relay_cpu_share": share(p.relay_cpu),
-            "backend_cpu_share": share(p.backend_cpu),
-            "relay_and_backends_cpu_share": share(p.relay_and_backends_cpu()),
-            "machine_cpu_share": share(p.machine_cpu),
-        })
-    };
-    let ratio = |held: Option<f64>, clear: Option<f64>| match (held, clear) {
-        (Some(held), Some(clear)) if clear > 0.0 => Some(rounded(held / clear, 3)),
-        _ => None,
-    };
-    let p99 = |p: &bench::Phase| latencies(p).map(|l| ms(l.p99));
-    let machine = |p: &bench::Phase| p.machine_cpu.map(|cpu| p.share(cpu));
-    json!({
-        "held_rate": args.held_rate,
-        "held_writers": bench::HELD_WRITERS,
-        "held_phase_seconds": args.held_duration.as_secs_f64(),
-        "held_clear": phase(&held.clear),
-        "held_held": phase(&held.held),
-        "held_p99_ratio": ratio(p99(&held.held), p99(&held.clear)),
-        "held_machine_cpu_ratio": ratio(machine(&held.held), machine(&held.clear)),
-        "held_backlog_max_seconds": rounded(held.held.backlog_max as f64 / args.held_rate, 3),
-        "held_duplicates": held.duplicates,
-    })
-}
-
 fn latencies(p: &bench::Phase) -> Option<Percentiles> {
     Percentiles::from_samples(&mut p.latencies.clone())
-}
-
-fn print_held(args: &BenchArgs, held: &HeldReport) {
-    println!(
-        "{} events/s, a key each, from {} connections to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
-        args.held_rate,
-        bench::HELD_WRITERS,
-        humantime::format_duration(args.held_duration)
-    );
-    println!(
-        "  {:<22}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
-        "phase", "published/s", "delivered/s", "p50", "p99", "backlog", "relay+backends", "machine"
-    );
-    for (name, p) in [("nothing held", &held.clear), ("a transaction held", &held.held)] {
-        let percent =
-            |cpu: Option<Duration>| cpu.map_or_else(|| "?".to_string(), |cpu| format!("{:.0} %", p.share(cpu) * 100.0));
-        let l = latencies(p);
-        println!(
-            "  {name:<22}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
-            grouped(p.per_second(p.published)),
-            grouped(p.per_second(p.delivered)),
-            l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p50)),
-            l.as_ref().map_or_else(|| "-".into(), |l| format_ms(l.p99)),
-            format!("{}", p.backlog_max),
-            percent(p.relay_and_backends_cpu()),
-            percent(p.machine_cpu),
-        );
-    }
-    println!(
-        "  (backlog: the largest sampled; CPU as a share of one core; events delivered twice: {})",
-        held.duplicates
-    );
 }
 
 fn print_table(args: &BenchArgs, r: &Report) {

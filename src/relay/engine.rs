@@ -133,7 +133,11 @@ impl<H: Handler> Engine<H> {
         let poll =
             timer::Poll { timer: shared.timer.clone(), interval: config.poll_interval, work: shared.work.clone() };
         services.spawn(poll.run(stop.clone()).instrument(tracing::debug_span!("timer")));
-        let race = row::RaceClosure { row: shared.row.clone(), work: shared.work.clone() };
+        let race = row::RaceClosure {
+            row: shared.row.clone(),
+            work: shared.work.clone(),
+            poll_interval: config.poll_interval,
+        };
         services.spawn(race.run(stop.clone()).instrument(tracing::debug_span!("race_closure")));
         let pauses = pauses::Watcher {
             pauses: shared.pauses.clone(),

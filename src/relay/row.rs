@@ -23,15 +23,17 @@
 //! Any statement that ran its trigger after the mark saw it and notifies.
 //!
 //! That wait can be long (a report running for minutes anywhere in the database), so it runs in
-//! a task of its own ([`close_race`]) and holds nothing: meanwhile the relay stays marked
+//! a task of its own ([`RaceClosure`]) and holds nothing: meanwhile the relay stays marked
 //! waiting, writers notify it, and a worker that finds work, marks the relay busy and runs out
-//! again can linger and mark it anew. A new mark replaces the set being waited for: it holds
-//! every transaction of the old set still open, and the claim after it sees what the others
-//! committed.
+//! again can linger and mark it anew. A new mark's transactions join those waited for; each
+//! time some of them have ended, a worker claims once more. The checks back off as the
+//! transactions stay open, to one a poll interval for one open longer than that (a transaction
+//! held for minutes cost a check every 250 ms before, and each new mark started the checks
+//! again at a millisecond).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
@@ -46,8 +48,6 @@ use crate::sql;
 pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
 /// How often the concurrency limit is published for `status` (when it changed).
 const DELIVERIES_PUBLISH_EVERY: Duration = Duration::from_secs(1);
-/// The longest pause between two checks of whether the transactions open at the mark ended.
-const CLOSE_POLL_MAX: Duration = Duration::from_millis(250);
 
 /// The relay's waiting mark, as last written to `outbox_relay.relays`, and what it needs to
 /// write it.
@@ -66,7 +66,7 @@ pub(crate) struct RelayRow {
     marked: Mutex<bool>,
     /// A lock-free copy of `marked`, for the hot path.
     marked_hint: AtomicBool,
-    /// The virtual transaction ids open right after the latest mark, for [`close_race`].
+    /// The virtual transaction ids open right after the latest mark, for [`RaceClosure`].
     open_at_mark: watch::Sender<Vec<String>>,
     /// How fast the relay claims: whether it should linger and stop writers from notifying.
     pub(crate) rate: Arc<Rate>,
@@ -136,7 +136,7 @@ impl RelayRow {
         Ok(())
     }
 
-    /// Marks the relay waiting and hands the transactions open at that moment to [`close_race`].
+    /// Marks the relay waiting and hands the transactions open at that moment to [`RaceClosure`].
     pub(crate) async fn go_waiting(&self) -> Result<()> {
         self.set(true).await?;
         let open = sql::open_transactions(&*self.pool.client().await?).await?;
@@ -210,42 +210,116 @@ impl LimitPublisher {
 pub(crate) struct RaceClosure {
     pub(crate) row: Arc<RelayRow>,
     pub(crate) work: Arc<Notify>,
+    /// The slowest it checks: a transaction open for longer is checked once per poll, as
+    /// often as the fallback poll would find what it committed anyway.
+    pub(crate) poll_interval: Duration,
+}
+
+/// The transactions a race closure waits for, each with when it was first seen open.
+#[derive(Debug, Default)]
+struct Waiting(Vec<(String, Instant)>);
+
+impl Waiting {
+    /// Adds a mark's transactions; one already waited for keeps its age.
+    fn add(&mut self, open: &[String], now: Instant) {
+        for vxid in open {
+            if !self.0.iter().any(|(known, _)| known == vxid) {
+                self.0.push((vxid.clone(), now));
+            }
+        }
+    }
+
+    /// Keeps the transactions still open; returns whether any ended.
+    fn keep(&mut self, still_open: &[String]) -> bool {
+        let before = self.0.len();
+        self.0.retain(|(vxid, _)| still_open.contains(vxid));
+        self.0.len() < before
+    }
+
+    /// How long until the next check: as long as the youngest transaction has been open
+    /// (checks back off as a transaction stays open, so that one held for minutes costs a check
+    /// a poll, while the writers' transactions of a moment are seen to end within a
+    /// millisecond or two), within `[LINGER_POLL, poll_interval]`.
+    fn pause(&self, now: Instant, poll_interval: Duration) -> Duration {
+        let youngest = self.0.iter().map(|(_, seen)| now.saturating_duration_since(*seen)).min();
+        youngest.unwrap_or_default().clamp(LINGER_POLL, poll_interval.max(LINGER_POLL))
+    }
+
+    fn vxids(&self) -> Vec<String> {
+        self.0.iter().map(|(vxid, _)| vxid.clone()).collect()
+    }
 }
 
 impl RaceClosure {
     /// Runs until `stop`.
     pub(crate) async fn run(self, stop: CancellationToken) {
-        let RaceClosure { row, work } = self;
+        let RaceClosure { row, work, poll_interval } = self;
         let mut marks = row.open_at_mark.subscribe();
+        let mut waiting = Waiting::default();
         loop {
-            tokio::select! {
-                _ = stop.cancelled() => return,
-                changed = marks.changed() => if changed.is_err() { return },
-            }
-            'mark: loop {
-                let open = marks.borrow_and_update().clone();
-                let mut pause = LINGER_POLL;
-                while !open.is_empty() {
-                    let still_open = async { sql::count_still_open(&*row.pool.client().await?, &open).await };
-                    match still_open.await {
-                        Ok(0) => break,
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(error = %e, "checking the transactions open at the waiting mark failed; claiming anyway");
-                            break;
-                        }
-                    }
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(pause) => {}
-                        // A newer mark: wait for its transactions instead.
-                        changed = marks.changed() => if changed.is_ok() { continue 'mark } else { return },
-                    }
-                    pause = (pause * 2).min(CLOSE_POLL_MAX);
+            if waiting.0.is_empty() {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    changed = marks.changed() => if changed.is_err() { return },
                 }
-                break;
+            } else {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(waiting.pause(Instant::now(), poll_interval)) => {}
+                    // A newer mark: its transactions join those waited for.
+                    changed = marks.changed() => if changed.is_err() { return },
+                }
             }
-            work.notify_one();
+            let fresh = marks.borrow_and_update().clone();
+            waiting.add(&fresh, Instant::now());
+            if waiting.0.is_empty() {
+                // A mark with nothing open: what committed before it is in the next claim.
+                work.notify_one();
+                continue;
+            }
+            let still_open = async { sql::still_open(&*row.pool.client().await?, &waiting.vxids()).await };
+            match still_open.await {
+                Ok(open) => {
+                    if waiting.keep(&open) {
+                        // What the ended ones committed may have notified nobody.
+                        work.notify_one();
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "checking the transactions open at the waiting mark failed; claiming anyway");
+                    waiting.0.clear();
+                    work.notify_one();
+                }
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A transaction held open is checked less and less often, down to once a poll, and a new
+    /// mark that finds it again does not make it young; a mark's new transactions are checked
+    /// at once.
+    #[test]
+    fn checks_back_off_with_the_youngest_transactions_age() {
+        let poll = Duration::from_secs(1);
+        let start = Instant::now();
+        let mut waiting = Waiting::default();
+        waiting.add(&["3/7".to_string()], start);
+        assert_eq!(waiting.pause(start, poll), LINGER_POLL);
+        assert_eq!(waiting.pause(start + Duration::from_millis(40), poll), Duration::from_millis(40));
+        let later = start + Duration::from_secs(120);
+        assert_eq!(waiting.pause(later, poll), poll);
+        waiting.add(&["3/7".to_string()], later);
+        assert_eq!(waiting.pause(later, poll), poll, "a new mark does not make a held transaction young");
+        waiting.add(&["4/9".to_string()], later);
+        assert_eq!(waiting.pause(later, poll), LINGER_POLL);
+        assert!(waiting.keep(&["3/7".to_string()]));
+        assert_eq!(waiting.pause(later, poll), poll);
+        assert!(!waiting.keep(&["3/7".to_string()]));
+        assert!(waiting.keep(&[]));
+        assert!(waiting.0.is_empty());
     }
 }

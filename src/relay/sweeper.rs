@@ -61,7 +61,7 @@ impl Sweeper {
                     if swept.finished > 0 {
                         tracing::debug!(events = swept.finished, "finished events every destination passed");
                     }
-                    let moved = swept.next.as_ref().is_some_and(|next| *next != from);
+                    let moved = swept.next.as_ref().is_some_and(|next| next.moved_from(&from));
                     if swept.read >= batch && moved {
                         // A backlog it can get through (not a destination that holds it): on.
                         pause = Duration::ZERO;

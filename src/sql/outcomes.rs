@@ -122,8 +122,8 @@ done as materialized (
                     or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
        for update of e skip locked
 ),
-deleted as (delete from outbox_relay.outbox where $3 and id in (select id from done) returning 1),
-marked as (update outbox_relay.outbox set processed_at = now() where not $3 and id in (select id from done) returning 1)
+deleted as (delete from outbox_relay.outbox where $3 and id = any (array(select id from done)) returning 1),
+marked as (update outbox_relay.outbox set processed_at = now() where not $3 and id = any (array(select id from done)) returning 1)
 select (select count(*) from deleted) + (select count(*) from marked)";
 
 /// Deletes (`delete`) or marks processed the outbox rows `ids`, which `destination`'s claim has

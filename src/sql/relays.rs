@@ -132,11 +132,11 @@ pub(crate) async fn open_transactions(db: &impl Db) -> Result<Vec<String>> {
     Ok(one(db, TRANSACTIONS_OPEN, &[], "listing open transactions").await?.get(0))
 }
 
-const TRANSACTIONS_STILL_OPEN: &str =
-    "select count(*) from pg_locks where locktype = 'virtualxid' and virtualxid = any($1)";
+const TRANSACTIONS_STILL_OPEN: &str = "\
+select coalesce(array_agg(virtualxid), '{}') from pg_locks where locktype = 'virtualxid' and virtualxid = any($1)";
 
-/// How many of the given transactions are still open.
-pub(crate) async fn count_still_open(db: &impl Db, open: &[String]) -> Result<i64> {
+/// Which of the given transactions are still open.
+pub(crate) async fn still_open(db: &impl Db, open: &[String]) -> Result<Vec<String>> {
     Ok(one(db, TRANSACTIONS_STILL_OPEN, &[&open], "checking open transactions").await?.get(0))
 }
 

@@ -5,6 +5,7 @@
 //! megabytes, and parked backlogs.
 
 mod dropped;
+mod held;
 mod ids;
 mod leases;
 mod locks;
