@@ -7,11 +7,12 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use axum::routing::post;
 use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 use crate::binary::{BIN, cli, publish, stderr, terminate_with_output};
 use crate::harness::TestDb;
-use crate::relay_support::eventually;
+use crate::relay_support::{PATIENCE, eventually};
 
 const SECRET_A: &str = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
 const SECRET_B: &str = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD";
@@ -88,7 +89,7 @@ mod needs_python {
     async fn secrets_from_the_environment_and_headers_from_flags_reach_the_receiver_unshown() {
         let db = TestDb::new().await;
         let (url, seen) = receiver().await;
-        let child = Command::new(BIN)
+        let mut child = Command::new(BIN)
             .args([
                 "run",
                 "--sink",
@@ -108,6 +109,16 @@ mod needs_python {
             .kill_on_drop(true)
             .spawn()
             .unwrap();
+        // Read as it is written: a debug log left in its pipe stops the relay once the pipe is
+        // full (64 KiB: the statements it prepares at start, logged whole, come near that).
+        let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
+        let reader = tokio::spawn(async move {
+            let mut lines = Vec::new();
+            while let Ok(Some(line)) = log.next_line().await {
+                lines.push(line);
+            }
+            lines.join("\n")
+        });
         let id = publish(&db, "order.placed", json!({"n": 1})).await;
         eventually("delivered", || async { !seen.lock().unwrap().is_empty() }).await;
         let (headers, body) = seen.lock().unwrap()[0].clone();
@@ -122,8 +133,8 @@ mod needs_python {
         assert_eq!(verify(SECRET_B, &headers, &body), "ok");
         assert_eq!(&body[..], br#"{"n": 1}"#, "binary mode: the body is the payload, as PostgreSQL stores it");
 
-        let output = terminate_with_output(child).await;
-        let logs = String::from_utf8_lossy(&output.stderr);
+        terminate_with_output(child).await;
+        let logs = tokio::time::timeout(PATIENCE, reader).await.expect("the log ends when the relay stops").unwrap();
         for secret in ["MfKQ9r8GKYqrTwjUPD8I", "C2FVsBQIhrscChlQ", "tok-8b1d"] {
             assert!(!logs.contains(secret), "{secret} in the logs:\n{logs}");
         }
