@@ -71,13 +71,13 @@ select (select count(*) from gone) as finished, (select count(*) from unrouted) 
        not (select t.ok from trusted t) as foreign_positions,
        (select count(*) from seen s where s.passed and s.processed_at is null) - (select count(*) from gone) as locked,
        (select count(*) from ahead) as read, c.xid::text as next_xid, c.id as next_id,
-       case when c.xid is null then coalesce($5::text[], '{}') else array(
+       array(
            select x.xid::text from (
                select r.xid from seen r where r.owed
                union
                select t.xid from pg_snapshot_xip(pg_current_snapshot()) t(xid)
                 where t.xid >= $1::text::xid8 or t.xid = any ($5::text[]::xid8[])
-           ) x where x.xid < c.xid order by 1) end as owed
+           ) x where x.xid < c.xid order by 1) as owed
   from (select null) n left join (
     select x.xid, x.id from (
         (select s.xid, s.id from ahead s

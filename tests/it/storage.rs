@@ -356,7 +356,7 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
 }
 
 /// Index entries and table rows of the outbox read so far in the current transaction.
-const OUTBOX_TUPLES_READ: &str = "\
+pub(crate) const OUTBOX_TUPLES_READ: &str = "\
 select (pg_stat_get_xact_tuples_returned('outbox_relay.outbox'::regclass)
         + (select coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0)
              from pg_index i where i.indrelid = 'outbox_relay.outbox'::regclass))::int8";

@@ -9,15 +9,10 @@ use serde_json::json;
 use super::until_delivered;
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, config, count, eventually, recorder};
+use crate::storage::OUTBOX_TUPLES_READ;
 
 /// The sweeper's statement, as the relay runs it (`src/sql/destinations.rs`).
 const SWEEP: &str = include_str!("../../../src/sql/sweep.sql");
-
-/// The outbox's rows and index entries this transaction has read so far.
-const OUTBOX_TUPLES_READ: &str = "\
-select (pg_stat_get_xact_tuples_returned('outbox_relay.outbox'::regclass)
-        + (select coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0)
-             from pg_index i where i.indrelid = 'outbox_relay.outbox'::regclass))::int8";
 
 /// Where a sweep starts: (xid, id) and the transactions it owes.
 type Cursor = (String, i64, Vec<String>);
