@@ -57,6 +57,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration { version: 12, name: "destinations", sql: include_str!("../migrations/0012_destinations.sql") },
     Migration { version: 13, name: "event_headers", sql: include_str!("../migrations/0013_event_headers.sql") },
     Migration { version: 14, name: "storage_edges", sql: include_str!("../migrations/0014_storage_edges.sql") },
+    Migration { version: 15, name: "index_paths", sql: include_str!("../migrations/0015_index_paths.sql") },
 ];
 
 /// What a migration run did.

@@ -38,13 +38,13 @@ pos as materialized (
 delta as materialized (
     select e.id, e.matches from pos k cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.processed_at is null
+         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.xid <> '0'::xid8 and e.processed_at is null
          order by e.xid) e
     union all
     select e.id, e.matches from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid = x.xid and e.processed_at is null
+         where k.after_id is null and e.xid = x.xid and e.xid <> '0'::xid8 and e.processed_at is null
          order by e.xid) e
 ),
 cand as materialized (

@@ -117,14 +117,16 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
 
+/// The oldest processed events first, through their own index (migration 0015): never a walk of
+/// the primary key, past every dead entry a held transaction keeps.
 const EVENT_DELETE_EXPIRED: &str = "\
-delete from outbox_relay.outbox where id in (
+delete from outbox_relay.outbox where id = any (array(
     select id from outbox_relay.outbox
      where processed_at < now() - $1::int8 * interval '1 microsecond'
-     order by id
+     order by processed_at
      limit $2
        for update skip locked
-)";
+))";
 
 /// Deletes up to `batch` events processed more than `age` ago; rows others delete are skipped.
 pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: i64) -> Result<u64> {

@@ -21,12 +21,12 @@ horizon as materialized (
 read as materialized (
     (select e.id, e.xid, e.processed_at, false as owed
        from outbox_relay.outbox e, horizon h
-      where (e.xid, e.id) >= ($1::text::xid8, $4::int8) and e.xid < h.top
+      where (e.xid, e.id) >= ($1::text::xid8, $4::int8) and e.xid < h.top and e.xid <> '0'::xid8
       order by e.xid, e.id limit $2)
   union all
     (select e.id, e.xid, e.processed_at, true
        from outbox_relay.outbox e
-      where e.xid = any ($5::text[]::xid8[]) and e.xid < $1::text::xid8 and e.processed_at is null
+      where e.xid = any ($5::text[]::xid8[]) and e.xid < $1::text::xid8 and e.xid <> '0'::xid8 and e.processed_at is null
       order by e.xid, e.id limit $2)
 ),
 seen as materialized (
@@ -42,7 +42,7 @@ ahead as materialized (select s.* from seen s where not s.owed),
 gone as materialized (
     select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, e.attempts
       from outbox_relay.outbox e
-     where e.id in (select s.id from seen s where s.passed and s.processed_at is null)
+     where e.id = any (array(select s.id from seen s where s.passed and s.processed_at is null))
        for update of e skip locked
 ),
 unrouted as materialized (
