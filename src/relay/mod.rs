@@ -225,6 +225,15 @@ impl<H: Handler> Relay<H> {
             registered = register(&pool, &routes, &metrics, config.completion == Completion::Delete) => Some(registered),
             () = &mut shutdown => None,
         };
+        let registered = match registered.transpose() {
+            Ok(registered) => registered,
+            Err(e) => {
+                stop.cancel();
+                drain(&mut services).await;
+                pool.pool.close();
+                return Err(e);
+            }
+        };
         let Some(registered) = registered else {
             stop.cancel();
             drain(&mut services).await;
@@ -262,13 +271,15 @@ impl<H: Handler> Relay<H> {
 }
 
 /// Registers every route's destination, trying again with capped backoff while the database
-/// does not answer.
+/// does not answer. A destination that a connected relay serves with another pattern is an
+/// error: the two relays' claims would move one position past the events each other's pattern
+/// wants, and neither would deliver them.
 async fn register<H>(
     pool: &RelayPool,
     routes: &[Route<H>],
     metrics: &[Arc<RelayMetrics>],
     delete: bool,
-) -> Vec<sql::Destination> {
+) -> Result<Vec<sql::Destination>> {
     let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
     let all: Vec<sql::ToRegister<'_>> = routes
         .iter()
@@ -293,8 +304,9 @@ async fn register<H>(
                         tracing::warn!(pattern = %route.pattern, was = %was, "the destination's topic pattern changed");
                     }
                 }
-                return registered.into_iter().map(|r| r.destination).collect();
+                return Ok(registered.into_iter().map(|r| r.destination).collect());
             }
+            Err(e) if e.kind() == ErrorKind::Config => return Err(e),
             Err(e) => {
                 failures += 1;
                 let pause = backoff::retry_delay(

@@ -12,6 +12,40 @@ pub(super) const DESTINATIONS_LOCK: &str = "lock table outbox_relay.destinations
 const DESTINATION_GET: &str =
     "select name, pattern, topic_regex, lock_id from outbox_relay.destinations where name = $1";
 
+/// What names the relay whose listener is the backend `$1`: its row, its application name and
+/// its address.
+const RELAY_DESCRIBED: &str = "\
+select r.id as relay, a.application_name, coalesce(host(a.client_addr), 'a local socket') as client
+  from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
+ where a.pid = $1";
+
+/// Refuses a pattern change of `name` (registered with `was`) while a connected
+/// relay serves it: the two relays' claims would move the destination's one position past the
+/// events the other pattern wants, and those would be delivered nowhere.
+async fn refuse_change_while_served(db: &impl Db, name: &str, was: &str, pattern: &str) -> Result<()> {
+    let doing = "registering a destination";
+    let pids: Vec<i32> = one(db, DESTINATION_RELAYS, &[&name], doing).await?.get(0);
+    let Some(pid) = pids.first() else {
+        return Ok(());
+    };
+    let described = all_rows(db, RELAY_DESCRIBED, &[pid], doing).await?;
+    let Some(row) = described.first() else {
+        return Ok(());
+    };
+    let relay = row.get::<_, Option<i64>>("relay").map_or(String::new(), |id| format!("relay {id}, "));
+    let application = row.get::<_, Option<String>>("application_name").filter(|a| !a.is_empty());
+    let application = application.map_or(String::new(), |a| format!("{a}, "));
+    Err(crate::error::Error::config(format!(
+        "destination {name} is served by a connected relay with the pattern {was} ({relay}{application}listener backend \
+         pid {}, from {}), and this relay's route gives it the pattern {pattern}: the two relays' claims would move \
+         the destination's one position past the events the other pattern wants, and those would be delivered \
+         nowhere. Stop the relays that serve {name} first (SIGTERM), or give the changed route a new destination \
+         name (see \"Changing a route\" in docs/operations.md)",
+        pid,
+        row.get::<_, String>("client"),
+    )))
+}
+
 const DESTINATION_SET_PATTERN: &str =
     "update outbox_relay.destinations set pattern = $2, topic_regex = $3 where name = $1";
 
@@ -116,6 +150,13 @@ pub(crate) async fn register_destinations(
     for to in all {
         let row = all_rows(&tx, DESTINATION_GET, &[&to.name], "registering a destination").await?;
         found.push(row.first().map(|row| (row.get::<_, String>("pattern"), row.get::<_, i32>("lock_id"))));
+    }
+    for (to, found) in all.iter().zip(&found) {
+        if let Some((was, _)) = found
+            && was != to.pattern
+        {
+            refuse_change_while_served(&tx, to.name, was, to.pattern).await?;
+        }
     }
     let changes = all.iter().zip(&found).any(|(to, found)| found.as_ref().is_none_or(|(was, _)| was != to.pattern));
     if changes {

@@ -456,3 +456,40 @@ async fn a_served_destination_is_not_dropped_and_the_last_one_dropped_leaves_its
     relay.stop().await;
     assert!(to_c.is_empty());
 }
+
+/// Two relays name one destination with two patterns (a rolling deploy that changes a route):
+/// the second is refused at start, naming the destination, both patterns and the relay that
+/// serves it, and the first delivers every event of its pattern. The second used to take the
+/// destination over with a warning: each relay's claims moved the one position past the events
+/// the other pattern wanted, and 200 events of one pattern or the other went nowhere.
+#[tokio::test]
+async fn a_relay_with_another_pattern_for_a_served_destination_is_refused_and_nothing_is_lost() {
+    let db = TestDb::new().await;
+    let (orders, mut to_orders) = recorder();
+    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("erp", "order.#", orders).unwrap()]);
+    eventually("the first relay serves erp", || async {
+        db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "erp" && d.relays == 1)
+    })
+    .await;
+    let (mails, _to_mails) = recorder();
+    let second =
+        pg_outbox_relay::Relay::with_routes(&db.outbox, config(), vec![Route::new("erp", "mail.#", mails).unwrap()])
+            .unwrap();
+    let refused = tokio::time::timeout(PATIENCE, second.run(std::future::pending()))
+        .await
+        .expect("refused at start, not left waiting")
+        .unwrap_err();
+    assert_eq!(refused.kind(), pg_outbox_relay::ErrorKind::Config);
+    let said = refused.to_string();
+    for part in ["destination erp", "the pattern order.#", "the pattern mail.#", "listener backend pid"] {
+        assert!(said.contains(part), "the refusal names {part}: {said}");
+    }
+    publish(&db, "order.placed", 200, 20).await;
+    publish(&db, "mail.send", 200, 20).await;
+    let delivered = to_orders.take(200).await;
+    assert!(delivered.iter().all(|d| d.event.topic == "order.placed"));
+    let erp = db.outbox.destinations().await.unwrap().into_iter().find(|d| d.name == "erp").unwrap();
+    assert_eq!(erp.pattern, "order.#", "the served pattern stays");
+    relay.stop().await;
+    assert!(to_orders.is_empty());
+}
