@@ -46,13 +46,21 @@ impl Outbox {
 
     /// Connects with a parsed URL and a pool of `pool_size` connections.
     pub async fn connect_with(url: DatabaseUrl, pool_size: usize) -> Result<Outbox> {
-        let pool = url.pool(pool_size)?;
-        let outbox = Outbox {
-            inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }),
-            timeout: Outbox::DEFAULT_OPERATION_TIMEOUT,
-        };
+        let outbox = Outbox::connect_lazy(url, pool_size)?;
         drop(outbox.pooled().await?);
         Ok(outbox)
+    }
+
+    /// An outbox on `url` with a pool of `pool_size` connections, without connecting yet: each
+    /// operation connects as it needs (and fails with [`ErrorKind::Connect`] while the database
+    /// cannot be reached). For a process that starts before its database does and waits for it;
+    /// only a pool that cannot be built (a bad setting of the URL) is an error here.
+    pub fn connect_lazy(url: DatabaseUrl, pool_size: usize) -> Result<Outbox> {
+        let pool = url.pool(pool_size)?;
+        Ok(Outbox {
+            inner: Arc::new(Inner { url, pool, wakeup: Wakeup::new() }),
+            timeout: Outbox::DEFAULT_OPERATION_TIMEOUT,
+        })
     }
 
     /// The same outbox, its operations bounded by `timeout` instead of

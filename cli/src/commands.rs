@@ -23,12 +23,12 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let what = paused_what(topic.as_deref(), destination.as_deref());
             if outbox.pause_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
-                println!(
+                out!(
                     "paused {what}: the relays on this database stop claiming its events within moments (a batch already claimed is still delivered), until `outbox-relay resume{}`",
                     resume_flags(&topic, &destination)
                 );
             } else {
-                println!("{what} was paused already");
+                out!("{what} was paused already");
             }
             Ok(())
         }
@@ -36,15 +36,15 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let what = paused_what(topic.as_deref(), destination.as_deref());
             if outbox.resume_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
-                println!("resumed {what}");
+                out!("resumed {what}");
             } else {
-                println!("{what} was not paused");
+                out!("{what} was not paused");
             }
             let left = outbox.pauses().await?;
             if !left.is_empty() {
                 let names: Vec<String> =
                     left.iter().map(|p| paused_what(p.topic.as_deref(), p.destination.as_deref())).collect();
-                println!("still paused: {}", names.join(", "));
+                out!("still paused: {}", names.join(", "));
             }
             Ok(())
         }
@@ -65,7 +65,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             let report = outbox
                 .cleanup(retention, idempotency_retention, pg_outbox_relay::RelayConfig::DEFAULT_JANITOR_BATCH)
                 .await?;
-            println!(
+            out!(
                 "removed {} processed events older than {} and {} idempotency receipts older than {}",
                 report.events,
                 humantime::format_duration(retention),
@@ -116,12 +116,12 @@ async fn migrate(db: &Database) -> Result<(), CliError> {
     let outbox = db.open(1).await?;
     let report = outbox.migrate().await?;
     for (version, name) in &report.applied {
-        println!("applied {version:04}_{name}");
+        out!("applied {version:04}_{name}");
     }
     if report.applied.is_empty() {
-        println!("nothing to apply: {} migrations already applied to {db}", report.already_applied);
+        out!("nothing to apply: {} migrations already applied to {db}", report.already_applied);
     } else {
-        println!("{} applied, {} already in place, on {db}", report.applied.len(), report.already_applied);
+        out!("{} applied, {} already in place, on {db}", report.applied.len(), report.already_applied);
     }
     Ok(())
 }
@@ -220,13 +220,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         routes.push(route);
         shown.push(described);
     }
-    let outbox = if args.migrate {
-        let outbox = db.open(config.workers + 2).await?;
-        outbox.migrate().await?;
-        outbox
-    } else {
-        connect(db).await?
-    };
+    let outbox = Outbox::connect_lazy(db.url.clone(), config.workers + 2)?.with_timeout(db.timeout);
     let relay = Relay::with_routes(&outbox, config, routes)?;
     let stop_http = tokio_util::sync::CancellationToken::new();
     let server = match args.http {
@@ -237,14 +231,80 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         }
         None => None,
     };
-    tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM");
-    let ran = relay.run(shutdown).await;
+    let mut shutdown = std::pin::pin!(shutdown);
+    let ran = match wait_for_database(db, &outbox, args.migrate, args.exit_on_database_error, shutdown.as_mut()).await {
+        Ok(true) => {
+            tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM");
+            relay.run(shutdown).await.map_err(CliError::from)
+        }
+        Ok(false) => Ok(()),
+        Err(e) => Err(e),
+    };
     stop_http.cancel();
     if let Some(server) = server {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(3), server).await;
     }
     ran?;
     Ok(())
+}
+
+/// The longest pause between two tries of a database that cannot be reached at start.
+const DATABASE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Makes sure the database is ready for the relay (its migrations applied, with `--migrate`, or
+/// checked), waiting for it while it cannot be reached (refused, timed out, starting up, out of
+/// connection slots), unless `exit_at_once`: a relay started beside its database, or by a
+/// supervisor while the database is down, starts delivering once it answers, without a restart.
+/// False when `shutdown` came first. Any other answer (migrations missing, a wrong password, no
+/// such database) is an error at once.
+async fn wait_for_database(
+    db: &Database,
+    outbox: &Outbox,
+    migrate: bool,
+    exit_at_once: bool,
+    mut shutdown: std::pin::Pin<&mut impl std::future::Future<Output = ()>>,
+) -> Result<bool, CliError> {
+    use tokio_postgres::error::SqlState;
+    let mut failures: u32 = 0;
+    let mut said = None;
+    loop {
+        let ready = if migrate { outbox.migrate().await.map(drop) } else { outbox.check_schema().await };
+        let e = match ready {
+            Ok(()) => {
+                if failures > 0 {
+                    tracing::info!(database = %db, "the database answers; the relay starts");
+                }
+                return Ok(true);
+            }
+            Err(e) => e,
+        };
+        let away = e.is_connect()
+            || e.code()
+                .is_some_and(|code| *code == SqlState::CANNOT_CONNECT_NOW || *code == SqlState::TOO_MANY_CONNECTIONS);
+        if !away || exit_at_once {
+            return Err(e.into());
+        }
+        failures += 1;
+        let pause = DATABASE_WAIT_MAX.min(std::time::Duration::from_millis(100) * 2u32.saturating_pow(failures.min(8)));
+        // Said at once, then every half minute or so.
+        if said.is_none_or(|at: tokio::time::Instant| at.elapsed() >= std::time::Duration::from_secs(30)) {
+            said = Some(tokio::time::Instant::now());
+            tracing::warn!(
+                database = %db,
+                error = %crate::one_line(&e.to_string()),
+                "the database cannot be reached; waiting for it, trying again every {} at most (nothing is delivered \
+                 meanwhile; --exit-on-database-error exits instead)",
+                humantime::format_duration(DATABASE_WAIT_MAX)
+            );
+        }
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = shutdown.as_mut() => {
+                tracing::info!("relay stopped before the database answered");
+                return Ok(false);
+            }
+        }
+    }
 }
 
 fn resume_flags(topic: &Option<String>, destination: &Option<String>) -> String {
@@ -268,18 +328,18 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
         DestinationCommand::List { json } => {
             let destinations = outbox.destinations().await?;
             if json {
-                println!("{}", serde_json::to_string(&destinations)?);
+                out!("{}", serde_json::to_string(&destinations)?);
                 return Ok(());
             }
             if destinations.is_empty() {
-                println!("no destination registered yet: a relay registers the ones it delivers to when it starts");
+                out!("no destination registered yet: a relay registers the ones it delivers to when it starts");
                 return Ok(());
             }
             print_destinations(&destinations);
         }
         DestinationCommand::Drop { name } => {
             let buried = outbox.drop_destination(&name).await?;
-            println!(
+            out!(
                 "dropped destination {}: {buried} events that waited for it went to its dead letters",
                 crate::one_line(&name)
             );
@@ -290,14 +350,22 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
 
 /// The destinations as a table.
 fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
-    println!(
+    out!(
         "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  position moved",
-        "destination", "pattern", "new", "due", "delayed", "in flight", "dead", "attempts", "relays"
+        "destination",
+        "pattern",
+        "new",
+        "due",
+        "delayed",
+        "in flight",
+        "dead",
+        "attempts",
+        "relays"
     );
     for d in destinations {
         let moved = d.position_age.map_or("-".to_string(), |age| format!("{} ago", humantime::format_duration(age)));
         let paused = if d.paused { "  PAUSED" } else { "" };
-        println!(
+        out!(
             "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved}{paused}",
             crate::one_line(&d.name),
             if d.registered { crate::one_line(&d.pattern) } else { "(not registered)".to_string() },
@@ -318,10 +386,19 @@ fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> 
     use tokio::signal::unix::{SignalKind, signal};
     let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?;
     let mut terminate = signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
+    // SIGHUP (systemd's ExecReload, logrotate scripts, a closed terminal) used to end the process
+    // as SIGKILL does: its claims stayed leased and were delivered again after a restart.
+    let mut hangup = signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
     Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => tracing::info!("SIGINT received"),
-            _ = terminate.recv() => tracing::info!("SIGTERM received"),
+        loop {
+            tokio::select! {
+                _ = interrupt.recv() => return tracing::info!("SIGINT received"),
+                _ = terminate.recv() => return tracing::info!("SIGTERM received"),
+                _ = hangup.recv() => tracing::warn!(
+                    "SIGHUP received and ignored: the relay goes on with the settings it started with (it does not \
+                     reload them; to apply a change, stop it with SIGTERM, which redelivers nothing, and start it again)"
+                ),
+            }
         }
     })
 }
@@ -361,41 +438,41 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             health: &health,
             warnings: &warnings,
         };
-        println!("{}", serde_json::to_string(&status)?);
+        out!("{}", serde_json::to_string(&status)?);
         return Ok(());
     }
     let age = |age: Option<std::time::Duration>| {
         age.map(|age| humantime::format_duration(age).to_string()).unwrap_or_else(|| "-".into())
     };
     let waiting = relays.iter().filter(|r| r.waiting).count();
-    println!("pending (ready)           {}", stats.pending);
-    println!("pending (held by key)     {}", stats.held_by_key);
-    println!("pending (delayed)         {}", stats.delayed);
-    println!("in flight                 {}", stats.in_flight);
-    println!("processed (kept)          {}", stats.processed);
-    println!("dead letters              {}", stats.dead_letters);
-    println!("oldest pending            {}", age(stats.oldest_pending_age));
-    println!("oldest ready (lag)        {}", age(stats.oldest_ready_age));
-    println!("highest attempts          {}", stats.max_attempts);
-    println!("notification queue usage  {:.6}", stats.notification_queue_usage);
-    println!("oldest open transaction   {}", age(health.oldest_transaction_age));
-    println!(
+    out!("pending (ready)           {}", stats.pending);
+    out!("pending (held by key)     {}", stats.held_by_key);
+    out!("pending (delayed)         {}", stats.delayed);
+    out!("in flight                 {}", stats.in_flight);
+    out!("processed (kept)          {}", stats.processed);
+    out!("dead letters              {}", stats.dead_letters);
+    out!("oldest pending            {}", age(stats.oldest_pending_age));
+    out!("oldest ready (lag)        {}", age(stats.oldest_ready_age));
+    out!("highest attempts          {}", stats.max_attempts);
+    out!("notification queue usage  {:.6}", stats.notification_queue_usage);
+    out!("oldest open transaction   {}", age(health.oldest_transaction_age));
+    out!(
         "xmin horizon age          {}",
         health.xmin_horizon_age.map_or("-".to_string(), |a| format!("{a} transactions"))
     );
-    println!("outbox dead tuples        {} ({} live)", health.outbox_dead_tuples, health.outbox_live_tuples);
+    out!("outbox dead tuples        {} ({} live)", health.outbox_dead_tuples, health.outbox_live_tuples);
     if pauses.is_empty() {
-        println!("paused                    nothing");
+        out!("paused                    nothing");
     } else {
         let names: Vec<String> =
             pauses.iter().map(|p| paused_what(p.topic.as_deref(), p.destination.as_deref())).collect();
-        println!("paused                    {}", names.join(", "));
+        out!("paused                    {}", names.join(", "));
     }
     if !destinations.is_empty() {
-        println!("destinations              {}", destinations.len());
+        out!("destinations              {}", destinations.len());
         print_destinations(&destinations);
     }
-    println!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
+    out!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
     for relay in &relays {
         let state = match (relay.breaker_open, relay.waiting) {
             (true, _) => "BREAKER OPEN: destination down, probing",
@@ -408,7 +485,7 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             _ => String::new(),
         };
         let to = relay.destination.as_deref().map_or(String::new(), |d| format!("  to {}", crate::one_line(d)));
-        println!(
+        out!(
             "  listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
             relay.listener_pid,
             relay.client,
@@ -416,13 +493,13 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         );
     }
     for warning in &warnings {
-        println!("warning: {}", crate::one_line(warning));
+        out!("warning: {}", crate::one_line(warning));
     }
     if !errors.is_empty() {
-        println!("most common errors of pending events:");
+        out!("most common errors of pending events:");
         for e in &errors {
             let text: String = crate::one_line(&e.error).chars().take(160).collect();
-            println!("  {:>8}  {text}", e.events);
+            out!("  {:>8}  {text}", e.events);
         }
     }
     Ok(())
@@ -434,22 +511,26 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
         DeadLetterCommand::List { json, limit } => {
             let letters = outbox.dead_letters(limit).await?;
             if json {
-                println!("{}", serde_json::to_string(&letters)?);
+                out!("{}", serde_json::to_string(&letters)?);
                 return Ok(());
             }
             if letters.is_empty() {
-                println!("no dead letters");
+                out!("no dead letters");
                 return Ok(());
             }
-            println!(
+            out!(
                 "{:>10}  {:<16}  {:<24}  {:>8}  {:<27}  last error",
-                "id", "destination", "topic", "attempts", "failed at"
+                "id",
+                "destination",
+                "topic",
+                "attempts",
+                "failed at"
             );
             for d in &letters {
                 let failed = pg_outbox_relay::rfc3339(d.failed_at);
                 let destination =
                     if d.destination.is_empty() { "(no route)".to_string() } else { crate::one_line(&d.destination) };
-                println!(
+                out!(
                     "{:>10}  {:<16}  {:<24}  {:>8}  {:<27}  {}",
                     d.id,
                     destination,
@@ -463,13 +544,13 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
         DeadLetterCommand::Retry { all, ids } => {
             let revived =
                 if all { outbox.retry_all_dead_letters().await? } else { outbox.retry_dead_letters(&ids).await? };
-            println!("retried {} dead letters{}", revived.len(), list_ids(&revived));
+            out!("retried {} dead letters{}", revived.len(), list_ids(&revived));
         }
         DeadLetterCommand::Purge { all, older_than } => {
             // clap requires one of the two
             let older_than = if all { std::time::Duration::ZERO } else { older_than.unwrap_or_default() };
             let purged = outbox.purge_dead_letters(older_than).await?;
-            println!("purged {purged} dead letters");
+            out!("purged {purged} dead letters");
         }
     }
     Ok(())

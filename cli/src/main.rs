@@ -1,6 +1,17 @@
 //! The `outbox-relay` command: a thin shell over the library. It parses the arguments, sets up
 //! logging, runs one command and turns its failure into one line on stderr and an exit code.
 
+/// `println!` for the command's output: a reader that went away (`outbox-relay status | head -1`)
+/// ends the command quietly with exit status 0, as a closed pipe ends `cat`, never a panic.
+macro_rules! out {
+    () => {
+        $crate::print_out(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::print_out(format_args!($($arg)*))
+    };
+}
+
 mod bench;
 mod commands;
 mod console;
@@ -305,6 +316,12 @@ pub(crate) struct RunArgs {
     /// Apply pending migrations before starting.
     #[arg(long)]
     migrate: bool,
+    /// Exit at once (status 1) when the database cannot be reached at start. By default the
+    /// relay waits for it, trying again with backoff and saying so, and starts delivering once it
+    /// answers (/readyz answers 503 meanwhile); a database that answers with an error
+    /// (migrations not applied, a wrong password, no such database) ends the command either way.
+    #[arg(long)]
+    exit_on_database_error: bool,
     /// Serve /metrics, /healthz, /readyz and the console here: an IP address and a port, e.g.
     /// 127.0.0.1:9187 (off by default).
     #[arg(long, value_name = "ADDR")]
@@ -460,6 +477,18 @@ fn exit_code(error: &CliError) -> ExitCode {
 
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1
 /// (2 for bad arguments).
+/// Writes one line of the command's output (see [`out!`]).
+pub(crate) fn print_out(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    if let Err(e) = writeln!(std::io::stdout().lock(), "{line}") {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(0);
+        }
+        eprintln!("error: cannot write the output: {e}");
+        std::process::exit(1);
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use pg_outbox_relay_cluster::{EmbeddedOptions, EmbeddedPostgres, StopMode};
 use serde_json::{Value, json};
+use tokio::io::AsyncBufReadExt;
 use tokio::process::{Child, Command};
 
 use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate, terminate_with_output};
@@ -103,6 +104,85 @@ async fn readyz_follows_a_database_outage_both_ways() {
     })
     .await
     .unwrap();
+    until_status(&format!("{base}/readyz"), 200).await;
+    assert_eq!(terminate(relay).await, Some(0));
+    drop(pg);
+}
+
+/// A relay started while its database is down (a container started beside it, a supervisor
+/// restarting both) waits for it, answering /readyz with 503, and delivers once the database
+/// comes up, without a restart. It used to exit at once with status 1: a crash loop under a
+/// supervisor. `--exit-on-database-error` keeps that behaviour for those who want it.
+#[tokio::test]
+async fn a_relay_started_before_its_database_waits_and_delivers_once_it_is_up() {
+    let mut pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("cannot start a private PostgreSQL: {e}"));
+    let url = pg.url();
+    let migrated = cli(&url, &["migrate"]).await;
+    assert!(migrated.status.success(), "{}", stderr(&migrated));
+    let mut pg = tokio::task::spawn_blocking(move || {
+        pg.stop(StopMode::Fast).unwrap();
+        pg
+    })
+    .await
+    .unwrap();
+
+    let refused = cli(&url, &["run", "--sink", "stdout", "--exit-on-database-error"]).await;
+    assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
+    assert!(stderr(&refused).contains("cannot connect to PostgreSQL"), "{}", stderr(&refused));
+
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut relay = spawn_run(&url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
+    let body = until_status(&format!("{base}/readyz"), 503).await;
+    assert!(body.contains("database"), "{body}");
+    // (the log read as it is written: a full pipe would stop the relay)
+    let (lines, mut logged) = tokio::sync::mpsc::unbounded_channel();
+    let mut log = tokio::io::BufReader::new(relay.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = log.next_line().await {
+            let _ = lines.send(line);
+        }
+    });
+    tokio::time::timeout(PATIENCE, async {
+        while let Some(line) = logged.recv().await {
+            if line.contains("the database cannot be reached; waiting for it") {
+                return;
+            }
+        }
+        panic!("the relay's log ended before it said it waits for the database");
+    })
+    .await
+    .expect("the relay says that it waits for the database");
+    // The database comes up a few seconds after the relay.
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    pg = tokio::task::spawn_blocking(move || {
+        pg.start_again().unwrap();
+        pg
+    })
+    .await
+    .unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let id: i64 = client
+        .query_one("select outbox_relay.publish('order.placed', '{\"late\": true}'::jsonb)", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let mut out = tokio::io::BufReader::new(relay.stdout.take().unwrap()).lines();
+    tokio::time::timeout(PATIENCE, async {
+        while let Some(line) = out.next_line().await.unwrap() {
+            let event: Value = serde_json::from_str(&line).unwrap();
+            if event["id"] == id {
+                return;
+            }
+        }
+        panic!("the relay's output ended before the event");
+    })
+    .await
+    .expect("the event published once the database was up is delivered");
     until_status(&format!("{base}/readyz"), 200).await;
     assert_eq!(terminate(relay).await, Some(0));
     drop(pg);
