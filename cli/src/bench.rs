@@ -214,7 +214,7 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
     tokio::task::spawn_blocking(move || drop(server)).await?;
     let json = measured?;
     if args.json {
-        println!("{json}");
+        out!("{json}");
     }
     Ok(())
 }
@@ -500,13 +500,10 @@ fn server_json(embedded: bool, info: &ServerInfo) -> serde_json::Value {
 
 /// The table's first lines: the server a run measured on (and the machine's cores, when known).
 fn print_server(server: &str, info: &ServerInfo, cores: Option<usize>) {
-    println!("outbox-relay bench on the {server}");
+    out!("outbox-relay bench on the {server}");
     let cores = cores.map(|n| format!(", {n} cores")).unwrap_or_default();
-    println!(
-        "PostgreSQL {}, fsync {}, synchronous_commit {}{cores}",
-        info.version, info.fsync, info.synchronous_commit
-    );
-    println!();
+    out!("PostgreSQL {}, fsync {}, synchronous_commit {}{cores}", info.version, info.fsync, info.synchronous_commit);
+    out!();
 }
 
 fn latencies(p: &bench::Phase) -> Option<Percentiles> {
@@ -515,17 +512,14 @@ fn latencies(p: &bench::Phase) -> Option<Percentiles> {
 
 fn print_table(args: &BenchArgs, r: &Report) {
     print_server(&r.server, &r.info, Some(r.cores));
-    println!(
-        "{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}",
-        "latency, commit to handler", "samples", "p50", "p90", "p99", "max"
-    );
+    out!("{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}", "latency, commit to handler", "samples", "p50", "p90", "p99", "max");
     let rows = [
         ("NOTIFY", args.samples, &r.notify),
         ("in-process", args.samples, &r.in_process),
         ("poll 100ms", args.poll_samples(), &r.poll),
     ];
     for (name, samples, p) in rows {
-        println!(
+        out!(
             "  {name:<26}{samples:>8}{:>11}{:>11}{:>11}{:>11}",
             format_ms(p.p50),
             format_ms(p.p90),
@@ -533,38 +527,35 @@ fn print_table(args: &BenchArgs, r: &Report) {
             format_ms(p.max)
         );
     }
-    println!();
-    println!(
-        "drain of {} events, {} workers, batch {} (medians of {ROUNDS}):",
-        args.events, args.workers, args.batch_size
-    );
-    println!("  {:<52}{:>10} events/s", "the relay, deleting delivered events (the default)", grouped(r.drain));
+    out!();
+    out!("drain of {} events, {} workers, batch {} (medians of {ROUNDS}):", args.events, args.workers, args.batch_size);
+    out!("  {:<52}{:>10} events/s", "the relay, deleting delivered events (the default)", grouped(r.drain));
     let (clients, batch) = REFERENCE_LOOP;
-    println!(
+    out!(
         "  {:<52}{:>10} rows/s",
         format!("the bare claim-and-delete loop, {clients} clients, batch {batch}"),
         grouped(r.claim_delete)
     );
-    println!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete * 100.0);
-    println!(
+    out!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete * 100.0);
+    out!(
         "  {:<52}{:>10} rows/s",
         format!("the same loop, {} clients, batch {}", args.workers, args.batch_size),
         grouped(r.claim_delete_alike)
     );
-    println!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete_alike * 100.0);
-    println!("  {:<52}{:>10} events/s", "the relay, marking them processed (one run)", grouped(r.mark_drain));
-    println!(
+    out!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete_alike * 100.0);
+    out!("  {:<52}{:>10} events/s", "the relay, marking them processed (one run)", grouped(r.mark_drain));
+    out!(
         "  {:<52}{:>10} events/s",
         format!("the relay, over {KEYS} keys, each in order (one run)"),
         grouped(r.keyed_drain)
     );
-    println!();
+    out!();
     print_receivers(&r.receivers);
-    println!();
+    out!();
     r.sinks.print();
-    println!();
+    out!();
     let t = &r.trickle;
-    println!(
+    out!(
         "a trickle: {TRICKLE_RATE} events/s for {:.1} s ({} events) to an `outbox-relay run` process, default settings:",
         t.elapsed.as_secs_f64(),
         t.events
@@ -572,35 +563,35 @@ fn print_table(args: &BenchArgs, r: &Report) {
     let percent = |cpu: Option<Duration>| {
         cpu.map_or_else(|| "unknown".to_string(), |cpu| format!("{:.1} %", t.share(cpu) * 100.0))
     };
-    println!(
+    out!(
         "  CPU, share of one core: the relay process {}, its PostgreSQL backends {}, together {}",
         percent(t.relay_cpu),
         percent(t.backend_cpu),
         percent(t.relay_and_backends_cpu())
     );
-    println!(
+    out!(
         "  latency, commit to the event's line on the relay's stdout: p50 {}, p90 {}, p99 {}, max {}",
         format_ms(r.trickle_latency.p50),
         format_ms(r.trickle_latency.p90),
         format_ms(r.trickle_latency.p99),
         format_ms(r.trickle_latency.max)
     );
-    println!();
-    println!(
+    out!();
+    out!(
         "write throughput ({WRITERS} writers, full transaction, {} s each, medians of {ROUNDS}):",
         args.write_duration.as_secs_f64()
     );
-    println!("  {:<40}{:>12} tx/s", "trigger as shipped (no relay waiting)", grouped(r.tps_trigger));
-    println!("  {:<40}{:>12} tx/s", "NOTIFY on every commit (relay waiting)", grouped(r.tps_notify_every_commit));
-    println!("  {:<40}{:>12} tx/s", "trigger dropped", grouped(r.tps_no_trigger));
+    out!("  {:<40}{:>12} tx/s", "trigger as shipped (no relay waiting)", grouped(r.tps_trigger));
+    out!("  {:<40}{:>12} tx/s", "NOTIFY on every commit (relay waiting)", grouped(r.tps_notify_every_commit));
+    out!("  {:<40}{:>12} tx/s", "trigger dropped", grouped(r.tps_no_trigger));
     if r.tps_no_trigger > 0.0 {
-        println!(
+        out!(
             "  with the trigger, writers keep {:.1} % of the trigger-less rate; notifying every commit would keep {:.1} %",
             r.tps_trigger / r.tps_no_trigger * 100.0,
             r.tps_notify_every_commit / r.tps_no_trigger * 100.0
         );
     }
-    println!();
+    out!();
     print_held(args, &r.held);
 }
 
@@ -630,12 +621,18 @@ fn small_ratio(r: &ReceiversReport) -> Option<f64> {
 }
 
 fn print_receivers(r: &ReceiversReport) {
-    println!(
-        "HTTP receivers (fixed N: --fixed-concurrency --concurrency N; twice: events the receiver accepted again):"
-    );
-    println!(
+    out!("HTTP receivers (fixed N: --fixed-concurrency --concurrency N; twice: events the receiver accepted again):");
+    out!(
         "  {:<42}{:<24}{:>7}{:>10}{:>10}{:>7}{:>7}{:>9}{:>7}",
-        "receiver", "settings", "events", "time", "events/s", "twice", "429s", "breaker", "limit"
+        "receiver",
+        "settings",
+        "events",
+        "time",
+        "events/s",
+        "twice",
+        "429s",
+        "breaker",
+        "limit"
     );
     for row in &r.rows {
         let settings = match row.rounds {
@@ -643,7 +640,7 @@ fn print_receivers(r: &ReceiversReport) {
             n => format!("{} (median of {n})", row.settings),
         };
         let run = &row.run;
-        println!(
+        out!(
             "  {:<42}{settings:<24}{:>7}{:>10}{:>10}{:>7}{:>7}{:>9}{:>7}",
             receiver_name(row),
             grouped(row.events as f64),
@@ -655,14 +652,14 @@ fn print_receivers(r: &ReceiversReport) {
             run.metrics.delivery_limit,
         );
     }
-    println!("  (breaker: times the outage breaker opened; limit: the concurrency limit at the end)");
+    out!("  (breaker: times the outage breaker opened; limit: the concurrency limit at the end)");
     if let Some(ratio) = small_ratio(r) {
-        println!(
+        out!(
             "  at the small receiver the defaults take {ratio:.2}x the time of the best fixed limit ({}); goal: at most 1.25x",
             r.small_best
         );
     }
-    println!(
+    out!(
         "  the late receiver had all its events {:.2} s after it opened; goal: within 1 s",
         r.late_after_opening.as_secs_f64()
     );

@@ -141,21 +141,21 @@ pub(crate) async fn run(args: DemoArgs, database_url: Option<String>) -> Result<
     admin.batch_execute(&format!("drop database if exists {database} with (force)")).await.ok();
     let (checks, latency) = result?;
 
-    println!();
-    println!("outbox-relay demo: {} orders on {where_}, finished in {:.1?}", args.orders, started.elapsed());
-    println!();
+    out!();
+    out!("outbox-relay demo: {} orders on {where_}, finished in {:.1?}", args.orders, started.elapsed());
+    out!();
     let width = checks.iter().map(|c| c.what.len()).max().unwrap_or(0);
     for check in &checks {
         let mark = if check.ok { "PASS" } else { "FAIL" };
-        println!("  {mark}  {:<width$}  {}", check.what, check.detail);
+        out!("  {mark}  {:<width$}  {}", check.what, check.detail);
     }
-    println!();
-    println!("  commit-to-delivery latency (first attempts, NOTIFY/in-process wake): {latency}");
+    out!();
+    out!("  commit-to-delivery latency (first attempts, NOTIFY/in-process wake): {latency}");
     let failed = checks.iter().filter(|c| !c.ok).count();
     if failed > 0 {
         return Err(format!("{failed} of {} checks failed", checks.len()).into());
     }
-    println!("  all {} checks passed", checks.len());
+    out!("  all {} checks passed", checks.len());
     Ok(())
 }
 

@@ -108,15 +108,22 @@ pub(super) fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Valu
 }
 
 pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
-    println!(
+    out!(
         "{} events/s, a key each, from {} connections to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
         args.held_rate,
         bench::HELD_WRITERS,
         humantime::format_duration(phase_length(args))
     );
-    println!(
+    out!(
         "  {:<30}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
-        "phase", "published/s", "delivered/s", "p50", "p99", "backlog", "relay+backends", "machine"
+        "phase",
+        "published/s",
+        "delivered/s",
+        "p50",
+        "p99",
+        "backlog",
+        "relay+backends",
+        "machine"
     );
     let cell =
         |p: Option<&Percentiles>, f: fn(&Percentiles) -> Duration| p.map_or_else(|| "-".into(), |l| format_ms(f(l)));
@@ -124,7 +131,7 @@ pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
         let percent =
             |cpu: Option<Duration>| cpu.map_or_else(|| "?".to_string(), |cpu| format!("{:.0} %", p.share(cpu) * 100.0));
         let l = latencies(p);
-        println!(
+        out!(
             "  {name:<30}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
             grouped(p.per_second(p.published)),
             grouped(p.per_second(p.delivered)),
@@ -140,7 +147,7 @@ pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
             };
             let l = w.percentiles();
             let name = format!("  worst {} s, from {} s", w.elapsed.as_secs(), w.from.as_secs());
-            println!(
+            out!(
                 "  {name:<30}{:>12}{:>12}{:>11}{:>11}{:>10}{:>16}{:>10}",
                 grouped(w.published as f64 / w.elapsed.as_secs_f64()),
                 grouped(w.delivered as f64 / w.elapsed.as_secs_f64()),
@@ -152,7 +159,7 @@ pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
             );
         }
     }
-    println!(
+    out!(
         "  (backlog: the largest sampled; CPU as a share of one core; worst: the {} s window with the highest p99, \
          its CPU the relay's alone; events delivered twice: {})",
         bench::HELD_WINDOW.as_secs(),

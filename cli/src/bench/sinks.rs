@@ -115,9 +115,9 @@ impl SinksReport {
     }
 
     pub(super) fn print(&self) {
-        println!("delivery, default settings (workers, batch, concurrency), {} events:", self.events);
+        out!("delivery, default settings (workers, batch, concurrency), {} events:", self.events);
         let line = |what: &str, rate: f64, note: String| {
-            println!("  {what:<44}{:>12} events/s (median of {ROUNDS}{note})", grouped(rate));
+            out!("  {what:<44}{:>12} events/s (median of {ROUNDS}{note})", grouped(rate));
         };
         line("to the stdout sink's work (/dev/null)", self.stdout, String::new());
         let share = self.stdout_two / self.stdout * 100.0;
@@ -129,7 +129,7 @@ impl SinksReport {
         for (what, rate) in [("to NATS JetStream", &self.nats), ("to RabbitMQ", &self.amqp)] {
             match rate {
                 Ok(rate) => line(what, *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0)),
-                Err(why) => println!("  {what:<44}{:>12} ({why})", "skipped"),
+                Err(why) => out!("  {what:<44}{:>12} ({why})", "skipped"),
             }
         }
         match &self.kafka {
@@ -137,7 +137,7 @@ impl SinksReport {
                 line("to Kafka", k.drain, format!("; {:.0} % of the plain producer", k.drain / k.producer * 100.0));
                 line("a plain producer on the same broker", k.producer, String::new());
             }
-            Err(why) => println!("  {:<44}{:>12} ({why})", "to Kafka", "skipped"),
+            Err(why) => out!("  {:<44}{:>12} ({why})", "to Kafka", "skipped"),
         }
     }
 }

@@ -272,3 +272,33 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
         seen.values().filter(|n| **n > 1).count()
     );
 }
+
+/// SIGHUP (systemd's ExecReload, a logrotate script, a closed terminal) in the middle of a
+/// backlog to a slow receiver: the relay says so and goes on; every event arrives once, and
+/// SIGTERM then stops it cleanly. SIGHUP used to end it as SIGKILL does (exit 129, no log line,
+/// its claims left leased and delivered again after a restart).
+#[tokio::test]
+async fn sighup_mid_backlog_is_logged_and_changes_nothing() {
+    const EVENTS: i64 = 200;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.hangup", EVENTS).await;
+    let args = ["--sink", &sink, "--workers", "2", "--batch-size", "10", "--completion", "mark"];
+    let relay = RelayProcess::spawn(&db.url, &args);
+    let requests = receiver.requests.clone();
+    eventually("the relay delivered 30 events", || {
+        let n = requests.load(Ordering::SeqCst);
+        async move { n >= 30 }
+    })
+    .await;
+    relay.send("-HUP");
+    eventually_within("the relay processed every event", LONG_PATIENCE, || async { waiting(&client).await == 0 }).await;
+    let log = relay.log();
+    assert!(log.contains("SIGHUP received and ignored"), "the SIGHUP logged: {log}");
+    let status = relay.signal("-TERM").await;
+    assert_eq!(status.code(), Some(0), "SIGTERM stops the relay cleanly after a SIGHUP: {status:?}; its log:\n{log}");
+    let seen = receiver.seen.lock().unwrap().clone();
+    assert_eq!(seen.len() as i64, EVENTS, "every event arrived");
+    let twice: Vec<i64> = seen.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
+    assert!(twice.is_empty(), "events received twice after a SIGHUP: {twice:?}");
+}

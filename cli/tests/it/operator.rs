@@ -392,3 +392,32 @@ async fn status_shows_the_concurrency_limit_and_the_deliveries_in_flight() {
     let mut log = BufReader::new(child.stderr.take().unwrap()).lines();
     assert_eq!(terminate_collecting(child, &mut log, &mut Vec::new()).await, Some(0));
 }
+
+/// A reader that goes away (`outbox-relay status | head -1`, `destinations list | true`) ends a
+/// listing quietly with exit status 0: it used to panic ("failed printing to stdout: Broken
+/// pipe", exit 101, a stack trace with RUST_BACKTRACE set).
+#[tokio::test]
+async fn a_closed_output_pipe_ends_a_listing_quietly() {
+    let db = TestDb::new().await;
+    publish(&db, "order.placed", json!({"n": 1})).await;
+    for args in [&["status"][..], &["destinations", "list"], &["dead-letters", "list"], &["--help"]] {
+        let said = stdout(&cli(&db.url, args).await);
+        assert!(!said.is_empty(), "{args:?} prints something");
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        // (spawned, not `output()`, which would capture stdout instead)
+        let child = Command::new(BIN)
+            .args(args)
+            .env("DATABASE_URL", &db.url)
+            .env("RUST_LOG", "warn")
+            .env("RUST_BACKTRACE", "1")
+            .stdout(Stdio::from(writer))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let output = tokio::time::timeout(PATIENCE, child.wait_with_output()).await.expect("command hung").unwrap();
+        let said = stderr(&output);
+        assert!(output.status.success(), "{args:?} into a closed pipe: {:?}, stderr: {said}", output.status);
+        assert!(!said.contains("panicked"), "{args:?} into a closed pipe: {said}");
+    }
+}
