@@ -11,6 +11,12 @@
 //! that succeeds **closes** the breaker and every worker resumes at full speed. While it is open
 //! no attempt is consumed and nothing is dead-lettered by the outage.
 //!
+//! A destination that never answers (connection refused, reset or closed before a response, a
+//! name that does not resolve, a failed handshake: [`DeliveryError::unreached`](super::DeliveryError::unreached)) opens it sooner:
+//! once an event fails that way again with only such failures since the streak began, every
+//! event the relay could try has failed (a few keys, each head waiting for its retry), however
+//! fewer than the threshold they are. Those failures never count an attempt either.
+//!
 //! Failures of events refused for good (permanent), failures the sink marks as answered (the
 //! destination is up but cannot take this event yet: an unroutable RabbitMQ message, a subject
 //! no JetStream stream captures) and successes all show the destination answering: they end a
@@ -31,6 +37,9 @@ pub(crate) enum Seen {
     Answered,
     /// A transient failure of this event.
     Failed(i64),
+    /// A failure of this event in which the destination never answered (refused, reset, no
+    /// route, a failed handshake).
+    Unreached(i64),
 }
 
 /// The breaker's view of a batch, once it has seen its results.
@@ -65,8 +74,18 @@ pub(crate) enum Turn {
 
 #[derive(Debug)]
 enum Phase {
-    Closed { streak: Vec<i64> },
-    Open { since: Instant, next_probe: Instant, delay: Duration, probing: bool },
+    /// `streak`: the distinct events failed in a row; `unreached`: whether the destination
+    /// answered none of them.
+    Closed {
+        streak: Vec<i64>,
+        unreached: bool,
+    },
+    Open {
+        since: Instant,
+        next_probe: Instant,
+        delay: Duration,
+        probing: bool,
+    },
 }
 
 /// The breaker of one relay, shared by its workers.
@@ -87,7 +106,7 @@ impl Breaker {
             threshold: threshold as usize,
             probe_min,
             probe_max,
-            phase: Mutex::new(Phase::Closed { streak: Vec::new() }),
+            phase: Mutex::new(Phase::Closed { streak: Vec::new(), unreached: true }),
             changed: Notify::new(),
         }
     }
@@ -121,7 +140,7 @@ impl Breaker {
                 *probing = false;
                 if results.contains(&Seen::Answered) {
                     let after = since.elapsed();
-                    *phase = Phase::Closed { streak: Vec::new() };
+                    *phase = Phase::Closed { streak: Vec::new(), unreached: true };
                     drop(phase);
                     self.changed.notify_waiters();
                     return (Verdict::Closed, Some(Change::Closed { after }));
@@ -137,21 +156,31 @@ impl Breaker {
                 self.changed.notify_waiters();
                 (Verdict::Open, None)
             }
-            Phase::Closed { streak } => {
+            Phase::Closed { streak, unreached } => {
                 if self.threshold == 0 {
                     return (Verdict::Closed, None);
                 }
+                // An event the destination never answered, failing again with no success in
+                // between: every event the relay could try has failed that way, however few.
+                let mut around = false;
                 for result in results {
                     match result {
-                        Seen::Answered => streak.clear(),
-                        Seen::Failed(id) => {
-                            if !streak.contains(id) {
+                        Seen::Answered => {
+                            streak.clear();
+                            *unreached = true;
+                            around = false;
+                        }
+                        Seen::Failed(id) | Seen::Unreached(id) => {
+                            *unreached &= matches!(result, Seen::Unreached(_));
+                            if streak.contains(id) {
+                                around |= *unreached;
+                            } else {
                                 streak.push(*id);
                             }
                         }
                     }
                 }
-                if streak.len() < self.threshold {
+                if streak.len() < self.threshold && !around {
                     return (Verdict::Closed, None);
                 }
                 let failures = streak.len();
@@ -274,6 +303,30 @@ mod tests {
         let (_, change) =
             b.observe(&[Seen::Failed(1), Seen::Failed(2), Seen::Failed(3)], Some(Duration::from_secs(5)), false, false);
         assert_eq!(change, Some(Change::Opened { failures: 3, probe_in: Duration::from_secs(5) }));
+    }
+
+    #[test]
+    fn an_unreached_event_failing_again_opens_it_below_the_threshold() {
+        let b = breaker();
+        let heads: Vec<Seen> = (1..=2).map(Seen::Unreached).collect();
+        assert_eq!(b.observe(&heads, None, true, false), (Verdict::Closed, None), "two of three, each once");
+        let (verdict, change) = b.observe(&[Seen::Unreached(1)], None, true, false);
+        assert_eq!(verdict, Verdict::Open, "every event it could try failed");
+        assert!(matches!(change, Some(Change::Opened { failures: 2, .. })), "{change:?}");
+    }
+
+    #[test]
+    fn an_event_the_destination_answered_failing_again_counts_once() {
+        // A timeout (the destination may have taken the request) may be the event's own doing:
+        // only distinct events count, as before.
+        let b = breaker();
+        for _ in 0..5 {
+            assert_eq!(b.observe(&[Seen::Failed(1), Seen::Unreached(2)], None, false, false).0, Verdict::Closed);
+        }
+        let b = breaker();
+        b.observe(&[Seen::Unreached(1)], None, true, false);
+        b.observe(&[Seen::Answered], None, false, false);
+        assert_eq!(b.observe(&[Seen::Unreached(1)], None, true, false).0, Verdict::Closed, "a success in between");
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub struct DeliveryError {
     overloaded: bool,
     /// Nobody listens at the destination now (see [`DeliveryError::refused`]).
     refused: bool,
+    /// The destination never got the request (see [`DeliveryError::unreached`]).
+    unreached: bool,
 }
 
 impl DeliveryError {
@@ -40,6 +42,7 @@ impl DeliveryError {
             answered: false,
             overloaded: false,
             refused: false,
+            unreached: false,
         }
     }
 
@@ -52,6 +55,7 @@ impl DeliveryError {
             answered: true,
             overloaded: false,
             refused: false,
+            unreached: false,
         }
     }
 
@@ -77,11 +81,31 @@ impl DeliveryError {
     /// The destination refused the connection: nothing listens there now (a receiver not yet
     /// started, or restarting). Asking again costs nothing, so the open outage breaker probes
     /// again at its shortest interval (`breaker_probe_min`) instead of doubling it: the relay
-    /// delivers soon after the receiver opens its port.
+    /// delivers soon after the receiver opens its port. A refused connection is
+    /// [`DeliveryError::unreached`] too.
     #[must_use]
     pub fn refused(mut self) -> Self {
         self.refused = true;
+        self.unreached = true;
         self
+    }
+
+    /// The destination never answered the request: the connection was refused, reset or closed
+    /// before any response, its name did not resolve, or the connect or the TLS handshake failed
+    /// or timed out. Such a failure says nothing of the event: the attempt is not counted toward
+    /// `max_attempts` (an outage never sends an event to the dead letters), the event is tried
+    /// again after `breaker_probe_min` at least, and the outage breaker opens once every event
+    /// it could try has failed this way, however few they are. (A request that timed out after
+    /// it was sent may have been taken: it is not one of these.)
+    #[must_use]
+    pub fn unreached(mut self) -> Self {
+        self.unreached = true;
+        self
+    }
+
+    /// Whether the destination never answered ([`DeliveryError::unreached`]).
+    pub fn is_unreached(&self) -> bool {
+        self.unreached && !self.permanent && !self.answered
     }
 
     /// Whether the destination refused the connection ([`DeliveryError::refused`]).

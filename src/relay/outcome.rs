@@ -46,6 +46,14 @@ pub(crate) struct Outcomes {
     pub(crate) released_why: Option<String>,
 }
 
+/// The backoff before `event`'s next attempt after `e` (or the destination's `Retry-After`,
+/// within `backoff_max`).
+fn backoff(config: &RelayConfig, event: &Event, e: &DeliveryError) -> Duration {
+    let attempt = u32::try_from(event.attempts).unwrap_or(1);
+    let backoff = retry_delay(attempt, config.backoff_base, config.backoff_max, config.backoff_jitter, rand::random());
+    e.requested_delay().map_or(backoff, |asked| backoff.max(asked.min(config.backoff_max)))
+}
+
 impl Outcomes {
     /// Records a transient failure: a retry after backoff (or after the destination's
     /// `Retry-After`, within `backoff_max`), or the dead letters after the last allowed attempt.
@@ -55,12 +63,18 @@ impl Outcomes {
             self.bury(event, format!("gave up after {} attempts: {}", event.attempts, e.message()));
             return None;
         }
-        let attempt = u32::try_from(event.attempts).unwrap_or(1);
-        let backoff =
-            retry_delay(attempt, config.backoff_base, config.backoff_max, config.backoff_jitter, rand::random());
-        let delay = e.requested_delay().map_or(backoff, |asked| backoff.max(asked.min(config.backoff_max)));
+        let delay = backoff(config, event, e);
         self.push(event, Outcome::Retry { delay, error: e.message().to_string(), counted: true });
         Some(delay)
+    }
+
+    /// Records a failure in which the destination never answered: a retry after backoff (at
+    /// least `breaker_probe_min`), the attempt given back. Returns the retry delay.
+    fn unreached(&mut self, config: &RelayConfig, event: &Event, e: &DeliveryError) -> Duration {
+        let delay = backoff(config, event, e).max(config.breaker_probe_min);
+        let error = format!("the destination never answered; the attempt was not counted: {}", e.message());
+        self.push(event, Outcome::Retry { delay, error, counted: false });
+        delay
     }
 
     pub(crate) fn push(&mut self, event: &Event, outcome: Outcome) {
@@ -133,6 +147,11 @@ impl Judge {
                         outcomes.released_why.get_or_insert(why);
                     }
                 }
+                Err(e) if e.is_unreached() => {
+                    let delay = outcomes.unreached(&self.config, event, &e);
+                    self.timer.schedule(Instant::now() + delay);
+                    self.reporter.failed(event, &e, delay);
+                }
                 Err(e) => {
                     // The last allowed attempt goes to the dead letters, logged on their own.
                     if let Some(delay) = outcomes.retry(&self.config, event, &e) {
@@ -150,6 +169,7 @@ impl Judge {
             .iter()
             .zip(results)
             .filter_map(|(event, result)| match result.as_ref()? {
+                Err(e) if e.is_unreached() => Some(Seen::Unreached(event.id)),
                 Err(e) if e.may_be_an_outage() => Some(Seen::Failed(event.id)),
                 _ => Some(Seen::Answered),
             })

@@ -49,7 +49,7 @@ impl Recorder {
         if !recorded {
             return;
         }
-        self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { counted: true, .. })));
+        self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { .. })));
         self.metrics.delivered(outcomes.latencies.into_iter());
         let (ids, errors): (Vec<i64>, Vec<String>) = writes.buried().map(|(id, e)| (*id, e.clone())).unzip();
         self.metrics.dead_lettered(ids.len());

@@ -14,7 +14,7 @@ use pg_outbox_relay::{NewEvent, RelayConfig};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, eventually};
+use crate::relay_support::{self as support, config, eventually, until};
 
 /// Serves `app` on a free port of 127.0.0.1 and returns its address.
 pub async fn serve(app: Router) -> std::net::SocketAddr {
@@ -186,7 +186,8 @@ async fn retry_after_is_honoured() {
 }
 
 /// A sink URL's password and query values (tokens) never reach `last_error`, the dead letters
-/// or the log.
+/// or the log: an answer (502) that sends the event to the dead letters, and a refused
+/// connection, whose event waits with its error (it spends no attempt).
 #[tokio::test]
 async fn sink_credentials_are_never_shown() {
     let db = TestDb::new().await;
@@ -199,14 +200,22 @@ async fn sink_credentials_are_never_shown() {
         let sink = HttpSink::new(&sink_url, Duration::from_secs(5)).unwrap();
         let relay = support::start(&db.outbox, RelayConfig { workers: 1, max_attempts: 1, ..config() }, sink);
         db.outbox.publish(&NewEvent::new("order.placed", json!({}))).await.unwrap();
-        eventually("the event dead-lettered", || async { db.outbox.queue_stats().await.unwrap().dead_letters == 1 })
-            .await;
+        let error = until("the failure recorded", || async {
+            let dead = db.outbox.dead_letters(10).await.unwrap();
+            match dead.first() {
+                Some(dead) => Some(dead.last_error.clone()),
+                None => db.outbox.pending_errors(5).await.unwrap().into_iter().next().map(|e| e.error),
+            }
+        })
+        .await;
         relay.stop().await;
-        let dead = db.outbox.dead_letters(10).await.unwrap();
-        let error = &dead[0].last_error;
         assert!(!error.contains("s3cret-pw") && !error.contains("t0ken-value"), "{error}");
         assert!(error.contains("user:***@") && error.contains("token=***"), "{error}");
-        db.client().await.batch_execute("delete from outbox_relay.dead_letters").await.unwrap();
+        db.client()
+            .await
+            .batch_execute("delete from outbox_relay.dead_letters; delete from outbox_relay.parked")
+            .await
+            .unwrap();
     }
 }
 
@@ -231,6 +240,21 @@ async fn failures_say_whether_they_are_refusals_overload_or_answers() {
     let refused = HttpSink::new(&format!("http://{closed}/"), Duration::from_secs(5)).unwrap().handle(&event).await;
     let refused = refused.unwrap_err();
     assert!(refused.is_refused() && !refused.is_overload() && refused.may_be_an_outage(), "{refused:?}");
+    assert!(refused.is_unreached(), "a refused connection never reached the destination: {refused:?}");
+    // A receiver that accepts the connection and closes it before any response.
+    let closing = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = closing.local_addr().unwrap();
+    let closer = tokio::spawn(async move {
+        loop {
+            if let Ok((connection, _)) = closing.accept().await {
+                drop(connection);
+            }
+        }
+    });
+    let closed = HttpSink::new(&format!("http://{at}/"), Duration::from_secs(5)).unwrap().handle(&event).await;
+    closer.abort();
+    let closed = closed.unwrap_err();
+    assert!(closed.is_unreached() && !closed.is_refused() && closed.may_be_an_outage(), "{closed:?}");
 
     let addr = serve(
         Router::new()
@@ -249,10 +273,12 @@ async fn failures_say_whether_they_are_refusals_overload_or_answers() {
     };
     let slow = fail("/slow").await;
     assert!(slow.is_overload() && slow.may_be_an_outage() && !slow.is_refused(), "{slow:?}");
+    assert!(!slow.is_unreached(), "a request that timed out once sent may have been taken: {slow:?}");
     let limited = fail("/429").await;
     assert!(limited.is_overload() && !limited.may_be_an_outage(), "{limited:?}");
     let unavailable = fail("/503").await;
     assert!(unavailable.is_overload() && unavailable.may_be_an_outage(), "{unavailable:?}");
     let broken = fail("/500").await;
     assert!(!broken.is_overload() && broken.may_be_an_outage() && !broken.is_refused(), "{broken:?}");
+    assert!(!broken.is_unreached() && !unavailable.is_unreached() && !limited.is_unreached(), "answers");
 }
