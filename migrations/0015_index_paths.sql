@@ -17,6 +17,11 @@
 --   4 minutes of a hold), also where no event is ever marked processed. It reads the processed
 --   events through an index of their own, empty when events are deleted as they are delivered.
 --
+-- Relays of an earlier version do not state that condition: once this migration is applied,
+-- their claims read new events through the primary key (the whole outbox, each claim) until they
+-- are restarted with this version. Apply it with the new relays (`run --migrate`, or `migrate`
+-- right before them) and replace the old ones promptly.
+--
 -- On a large outbox, building the indexes holds writers back for as long as it takes; to avoid
 -- that, build them beforehand with CREATE INDEX CONCURRENTLY under the names and definitions
 -- below (this migration then finds them in place).

@@ -12,10 +12,12 @@
 //! no attempt is consumed and nothing is dead-lettered by the outage.
 //!
 //! A destination that never answers (connection refused, reset or closed before a response, a
-//! name that does not resolve, a failed handshake: [`DeliveryError::unreached`](super::DeliveryError::unreached)) opens it sooner:
-//! once an event fails that way again with only such failures since the streak began, every
-//! event the relay could try has failed (a few keys, each head waiting for its retry), however
-//! fewer than the threshold they are. Those failures never count an attempt either.
+//! name that does not resolve, a failed handshake: [`unreached`]) opens it sooner: once an event
+//! fails that way again with only such failures since the streak began, every event the relay
+//! could try has failed (a few keys, each head waiting for its retry), however fewer than the
+//! threshold they are. Those failures never count an attempt either.
+//!
+//! [`unreached`]: super::DeliveryError::unreached
 //!
 //! Failures of events refused for good (permanent), failures the sink marks as answered (the
 //! destination is up but cannot take this event yet: an unroutable RabbitMQ message, a subject

@@ -37,11 +37,11 @@ async fn refuse_change_while_served(db: &impl Db, name: &str, was: &str, pattern
     let application = application.map_or(String::new(), |a| format!("{a}, "));
     Err(crate::error::Error::config(format!(
         "destination {name} is served by a connected relay with the pattern {was} ({relay}{application}listener backend \
-         pid {}, from {}), and this relay's route gives it the pattern {pattern}: the two relays' claims would move \
+         pid {pid}, from {}), and this relay's route gives it the pattern {pattern}: the two relays' claims would move \
          the destination's one position past the events the other pattern wants, and those would be delivered \
          nowhere. Stop the relays that serve {name} first (SIGTERM), or give the changed route a new destination \
-         name (see \"Changing a route\" in docs/operations.md)",
-        pid,
+         name (see \"Changing a route\" in docs/operations.md); a relay whose host went away keeps its connection \
+         until PostgreSQL notices, and `select pg_terminate_backend({pid})` ends it",
         row.get::<_, String>("client"),
     )))
 }
