@@ -255,8 +255,8 @@ const DATABASE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5)
 /// checked), waiting for it while it cannot be reached (refused, timed out, starting up, out of
 /// connection slots), unless `exit_at_once`: a relay started beside its database, or by a
 /// supervisor while the database is down, starts delivering once it answers, without a restart.
-/// False when `shutdown` came first. Any other answer (migrations missing, a wrong password, no
-/// such database) is an error at once.
+/// False when `shutdown` came first. Any other answer (a wrong password, no such database), and
+/// any failure of the migrations or of the check once it answers, is an error at once.
 async fn wait_for_database(
     db: &Database,
     outbox: &Outbox,
@@ -268,11 +268,17 @@ async fn wait_for_database(
     let mut failures: u32 = 0;
     let mut said = None;
     loop {
-        let ready = if migrate { outbox.migrate().await.map(drop) } else { outbox.check_schema().await };
-        let e = match ready {
+        // Only reaching it is waited for: a migration or a check that fails or times out on a
+        // database that answers is an error (run again, a migration would start over).
+        let e = match outbox.ping().await {
             Ok(()) => {
                 if failures > 0 {
                     tracing::info!(database = %db, "the database answers; the relay starts");
+                }
+                if migrate {
+                    outbox.migrate().await?;
+                } else {
+                    outbox.check_schema().await?;
                 }
                 return Ok(true);
             }

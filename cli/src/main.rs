@@ -475,8 +475,6 @@ fn exit_code(error: &CliError) -> ExitCode {
     if bad_arguments(&**error) { ExitCode::from(2) } else { ExitCode::FAILURE }
 }
 
-/// Parses the arguments, runs the command, and turns its error into one line and exit code 1
-/// (2 for bad arguments).
 /// Writes one line of the command's output (see [`out!`]).
 pub(crate) fn print_out(line: std::fmt::Arguments<'_>) {
     use std::io::Write;
@@ -489,6 +487,8 @@ pub(crate) fn print_out(line: std::fmt::Arguments<'_>) {
     }
 }
 
+/// Parses the arguments, runs the command, and turns its error into one line and exit code 1
+/// (2 for bad arguments).
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

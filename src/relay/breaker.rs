@@ -11,8 +11,8 @@
 //! that succeeds **closes** the breaker and every worker resumes at full speed. While it is open
 //! no attempt is consumed and nothing is dead-lettered by the outage.
 //!
-//! A destination that never answers (connection refused, reset or closed before a response, a
-//! name that does not resolve, a failed handshake: [`unreached`]) opens it sooner: once an event
+//! A destination that cannot be reached (a connection refused, a name that does not resolve, a
+//! failed connect or handshake: [`unreached`]) opens it sooner: once an event
 //! fails that way again with only such failures since the streak began, every event the relay
 //! could try has failed (a few keys, each head waiting for its retry), however fewer than the
 //! threshold they are. Those failures never count an attempt either.
@@ -39,8 +39,8 @@ pub(crate) enum Seen {
     Answered,
     /// A transient failure of this event.
     Failed(i64),
-    /// A failure of this event in which the destination never answered (refused, reset, no
-    /// route, a failed handshake).
+    /// A failure of this event in which no connection could be made (refused, no route, a
+    /// failed handshake).
     Unreached(i64),
 }
 
@@ -162,7 +162,7 @@ impl Breaker {
                 if self.threshold == 0 {
                     return (Verdict::Closed, None);
                 }
-                // An event the destination never answered, failing again with no success in
+                // An event that could not reach the destination, failing again with no success in
                 // between: every event the relay could try has failed that way, however few.
                 let mut around = false;
                 for result in results {

@@ -81,29 +81,28 @@ impl DeliveryError {
     /// The destination refused the connection: nothing listens there now (a receiver not yet
     /// started, or restarting). Asking again costs nothing, so the open outage breaker probes
     /// again at its shortest interval (`breaker_probe_min`) instead of doubling it: the relay
-    /// delivers soon after the receiver opens its port. A refused connection is
-    /// [`DeliveryError::unreached`] too.
+    /// delivers soon after the receiver opens its port.
     #[must_use]
     pub fn refused(mut self) -> Self {
         self.refused = true;
-        self.unreached = true;
         self
     }
 
-    /// The destination never answered the request: the connection was refused, reset or closed
-    /// before any response, its name did not resolve, or the connect or the TLS handshake failed
-    /// or timed out. Such a failure says nothing of the event: the attempt is not counted toward
-    /// `max_attempts` (an outage never sends an event to the dead letters), the event is tried
-    /// again after `breaker_probe_min` at least, and the outage breaker opens once every event
-    /// it could try has failed this way, however few they are. (A request that timed out after
-    /// it was sent may have been taken: it is not one of these.)
+    /// The request never reached the destination: no connection could be made (refused, a name
+    /// that did not resolve, a failed or timed-out connect or TLS handshake). Such a failure says
+    /// nothing of the event: the attempt is not counted toward `max_attempts` (an outage never
+    /// sends an event to the dead letters), the event is tried again after `breaker_probe_min` at
+    /// least, and the outage breaker opens once every event it could try has failed this way,
+    /// however few they are. A failure once the request was on its way (a timeout, a connection
+    /// reset or closed before the response) is not one of these: the event itself may be the
+    /// cause (a body the receiver cannot take), and it must still reach the dead letters.
     #[must_use]
     pub fn unreached(mut self) -> Self {
         self.unreached = true;
         self
     }
 
-    /// Whether the destination never answered ([`DeliveryError::unreached`]).
+    /// Whether the request never reached the destination ([`DeliveryError::unreached`]).
     pub fn is_unreached(&self) -> bool {
         self.unreached && !self.permanent && !self.answered
     }

@@ -68,11 +68,11 @@ impl Outcomes {
         Some(delay)
     }
 
-    /// Records a failure in which the destination never answered: a retry after backoff (at
-    /// least `breaker_probe_min`), the attempt given back. Returns the retry delay.
+    /// Records a failure in which the request never reached the destination: a retry after
+    /// backoff (at least `breaker_probe_min`), the attempt given back. Returns the retry delay.
     fn unreached(&mut self, config: &RelayConfig, event: &Event, e: &DeliveryError) -> Duration {
         let delay = backoff(config, event, e).max(config.breaker_probe_min);
-        let error = format!("the destination never answered; the attempt was not counted: {}", e.message());
+        let error = format!("the destination could not be reached; the attempt was not counted: {}", e.message());
         self.push(event, Outcome::Retry { delay, error, counted: false });
         delay
     }

@@ -203,7 +203,8 @@ impl Handler for HttpSink {
         let response = request.body(body).send().await.map_err(|e| {
             let timed_out = e.is_timeout();
             let refused = connection_refused(&e);
-            let unreached = never_answered(&e);
+            // (no connection made: refused, DNS, the connect or TLS handshake)
+            let unreached = e.is_connect();
             let what = if timed_out { "timed out" } else { "failed" };
             // reqwest's message names the URL in full: say it ourselves, redacted.
             let error = DeliveryError::transient(format!(
@@ -298,26 +299,6 @@ fn connection_refused(error: &reqwest::Error) -> bool {
     crate::error::causes(error)
         .filter_map(|e| e.downcast_ref::<std::io::Error>())
         .any(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
-}
-
-/// Whether the receiver never answered the request: the connect failed (refused, a name that
-/// did not resolve, the TLS handshake, the connect timeout), or the connection was reset or
-/// closed before any response. A request that timed out once sent is not one of these: the
-/// receiver may have taken it.
-fn never_answered(error: &reqwest::Error) -> bool {
-    error.is_connect()
-        || crate::error::causes(error).any(|cause| {
-            cause.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_incomplete_message)
-                || cause.downcast_ref::<std::io::Error>().is_some_and(|io| {
-                    matches!(
-                        io.kind(),
-                        std::io::ErrorKind::ConnectionReset
-                            | std::io::ErrorKind::ConnectionAborted
-                            | std::io::ErrorKind::BrokenPipe
-                            | std::io::ErrorKind::UnexpectedEof
-                    )
-                })
-        })
 }
 
 /// The answers that say the destination (or a gateway before it) takes too much at once.
