@@ -68,26 +68,47 @@ fn sample(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
-#[tokio::test]
-async fn readyz_follows_a_database_outage_both_ways() {
-    let mut pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
+/// A private PostgreSQL of the test's own (to stop and start), migrated, and its URL.
+async fn migrated_private_cluster() -> (EmbeddedPostgres, String) {
+    let pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
         .await
         .unwrap()
         .unwrap_or_else(|e| panic!("cannot start a private PostgreSQL: {e}"));
     let url = pg.url();
     let migrated = cli(&url, &["migrate"]).await;
     assert!(migrated.status.success(), "{}", stderr(&migrated));
+    (pg, url)
+}
+
+/// `pg` stopped (fast: its clients disconnected).
+async fn stopped(mut pg: EmbeddedPostgres) -> EmbeddedPostgres {
+    tokio::task::spawn_blocking(move || {
+        pg.stop(StopMode::Fast).unwrap();
+        pg
+    })
+    .await
+    .unwrap()
+}
+
+/// `pg` started again on its port.
+async fn started_again(mut pg: EmbeddedPostgres) -> EmbeddedPostgres {
+    tokio::task::spawn_blocking(move || {
+        pg.start_again().unwrap();
+        pg
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn readyz_follows_a_database_outage_both_ways() {
+    let (pg, url) = migrated_private_cluster().await;
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let relay = spawn_run(&url, &["--sink", "stdout", "--http", &format!("127.0.0.1:{port}")]);
     assert_eq!(until_status(&format!("{base}/readyz"), 200).await, r#"{"ready":true}"#);
 
-    let pg = tokio::task::spawn_blocking(move || {
-        pg.stop(StopMode::Fast).unwrap();
-        pg
-    })
-    .await
-    .unwrap();
+    let pg = stopped(pg).await;
     let body = until_status(&format!("{base}/readyz"), 503).await;
     let body: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(body["ready"], false);
@@ -97,13 +118,7 @@ async fn readyz_follows_a_database_outage_both_ways() {
     let (_, metrics) = get(&format!("{base}/metrics")).await.unwrap();
     assert_eq!(sample(&metrics, "outbox_relay_database_up"), Some(0.0), "{metrics}");
 
-    let mut pg = pg;
-    let pg = tokio::task::spawn_blocking(move || {
-        pg.start_again().unwrap();
-        pg
-    })
-    .await
-    .unwrap();
+    let pg = started_again(pg).await;
     until_status(&format!("{base}/readyz"), 200).await;
     assert_eq!(terminate(relay).await, Some(0));
     drop(pg);
@@ -115,19 +130,8 @@ async fn readyz_follows_a_database_outage_both_ways() {
 /// supervisor. `--exit-on-database-error` keeps that behaviour for those who want it.
 #[tokio::test]
 async fn a_relay_started_before_its_database_waits_and_delivers_once_it_is_up() {
-    let mut pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
-        .await
-        .unwrap()
-        .unwrap_or_else(|e| panic!("cannot start a private PostgreSQL: {e}"));
-    let url = pg.url();
-    let migrated = cli(&url, &["migrate"]).await;
-    assert!(migrated.status.success(), "{}", stderr(&migrated));
-    let mut pg = tokio::task::spawn_blocking(move || {
-        pg.stop(StopMode::Fast).unwrap();
-        pg
-    })
-    .await
-    .unwrap();
+    let (pg, url) = migrated_private_cluster().await;
+    let pg = stopped(pg).await;
 
     let refused = cli(&url, &["run", "--sink", "stdout", "--exit-on-database-error"]).await;
     assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
@@ -158,12 +162,7 @@ async fn a_relay_started_before_its_database_waits_and_delivers_once_it_is_up() 
     .expect("the relay says that it waits for the database");
     // The database comes up a few seconds after the relay.
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
-    pg = tokio::task::spawn_blocking(move || {
-        pg.start_again().unwrap();
-        pg
-    })
-    .await
-    .unwrap();
+    let pg = started_again(pg).await;
     let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(connection);
     let id: i64 = client

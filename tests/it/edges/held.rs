@@ -29,6 +29,20 @@ async fn sweep(client: &tokio_postgres::Client, from: &Cursor) -> Cursor {
     (row.get("next_xid"), row.get("next_id"), row.get("owed"))
 }
 
+/// Sweeps from the first row until the cursor stops moving; returns where it stopped.
+async fn caught_up(client: &tokio_postgres::Client) -> Cursor {
+    let mut from: Cursor = ("0".to_string(), 0, Vec::new());
+    for _ in 0..20 {
+        let next = sweep(client, &from).await;
+        let moved = (&next.0, next.1) != (&from.0, from.1);
+        from = next;
+        if !moved {
+            break;
+        }
+    }
+    from
+}
+
 /// 3,000 events delivered and deleted while another session holds a transaction with an id
 /// open: vacuum can remove none of them. Once the sweeps have caught up, a sweep reads a handful
 /// of the outbox's rows and index entries. Its cursor used to stop at the oldest transaction
@@ -56,15 +70,7 @@ async fn a_sweep_reads_no_row_deleted_under_a_held_transaction() {
     })
     .await;
     client.batch_execute("set plan_cache_mode = force_generic_plan; set enable_seqscan = off").await.unwrap();
-    let mut from: Cursor = ("0".to_string(), 0, Vec::new());
-    for _ in 0..20 {
-        let next = sweep(&client, &from).await;
-        let moved = (&next.0, next.1) != (&from.0, from.1);
-        from = next;
-        if !moved {
-            break;
-        }
-    }
+    let from = caught_up(&client).await;
     client.batch_execute("begin").await.unwrap();
     let before: i64 = client.query_one(OUTBOX_TUPLES_READ, &[]).await.unwrap().get(0);
     sweep(&client, &from).await;
@@ -196,15 +202,7 @@ async fn statements_by_id_read_a_few_entries_after_the_outbox_was_analyzed_empty
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 0}))).await.unwrap();
     reading(&client, CLAIM, &claim).await;
     reading(&client, FINISH, &[&"default", &vec![id], &true]).await;
-    let mut from: Cursor = ("0".to_string(), 0, Vec::new());
-    for _ in 0..20 {
-        let next = sweep(&client, &from).await;
-        let moved = (&next.0, next.1) != (&from.0, from.1);
-        from = next;
-        if !moved {
-            break;
-        }
-    }
+    let from = caught_up(&client).await;
     let mut reads = Vec::new();
     // A claim, and its delivery recorded.
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 1}))).await.unwrap();
