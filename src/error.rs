@@ -23,7 +23,8 @@ pub enum ErrorKind {
     Config,
     /// A value could not be converted to or from JSON.
     Json,
-    /// The database role lacks a privilege the operation needs.
+    /// The database role lacks a privilege the operation needs, or a sink's broker refused the
+    /// login.
     Permission,
 }
 

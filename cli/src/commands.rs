@@ -216,7 +216,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     let mut routes = Vec::with_capacity(destinations.len());
     let mut shown = Vec::with_capacity(destinations.len());
     for destination in destinations {
-        let (route, described) = destination.route().await?;
+        let (route, described) = destination.route(args.exit_on_sink_error).await?;
         routes.push(route);
         shown.push(described);
     }

@@ -322,6 +322,12 @@ pub(crate) struct RunArgs {
     /// (migrations not applied, a wrong password, no such database) ends the command either way.
     #[arg(long)]
     exit_on_database_error: bool,
+    /// Exit at once (status 1) when a sink's broker (NATS, RabbitMQ, Kafka) does not answer at
+    /// start. By default the relay starts without it: that destination's events wait (spending
+    /// no attempt) and it connects at a later delivery, as after an outage, while the other
+    /// destinations deliver. A broker that refuses the login ends the command either way.
+    #[arg(long)]
+    exit_on_sink_error: bool,
     /// Serve /metrics, /healthz, /readyz and the console here: an IP address and a port, e.g.
     /// 127.0.0.1:9187 (off by default).
     #[arg(long, value_name = "ADDR")]

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
+use pg_outbox_relay::sink::{ConnectSink, Deferred, EventFormat, Secret, Sink};
 use pg_outbox_relay::{DEFAULT_DESTINATION, Route};
 use serde::Deserialize;
 
@@ -44,10 +44,25 @@ pub(crate) struct Destination {
 
 impl Destination {
     /// Connects its sink (a bad spec is refused before anything touches the database) and makes
-    /// its route.
-    pub(crate) async fn route(self) -> Result<(Route<Sink>, String), CliError> {
+    /// its route. A broker that does not answer makes a sink connected at a later delivery
+    /// (unless `exit_if_away`): one destination away does not stop the others.
+    pub(crate) async fn route(self, exit_if_away: bool) -> Result<(Route<Sink>, String), CliError> {
         let sink = match crate::sinks::connect(&self.sink, &self.options).await {
             Ok(sink) => sink,
+            Err(error) if !exit_if_away && is_away(&error) => {
+                tracing::warn!(
+                    destination = %self.name,
+                    error = %error,
+                    "the destination does not answer; the relay starts without it: its events wait, spending no attempt, \
+                     and it is connected at a later delivery (--exit-on-sink-error exits instead)"
+                );
+                let (spec, options) = (self.sink.clone(), self.options.clone());
+                let connect: ConnectSink = Box::new(move || {
+                    let (spec, options) = (spec.clone(), options.clone());
+                    Box::pin(async move { crate::sinks::connect(&spec, &options).await })
+                });
+                Sink::Deferred(Deferred::new(&self.sink, connect))
+            }
             // `--sink`'s error as it was; a route's names the route.
             Err(error) if self.name == DEFAULT_DESTINATION && self.pattern == "#" => return Err(error),
             Err(error) => return Err(AtDestination { name: self.name, error }.into()),
@@ -65,6 +80,12 @@ impl Destination {
         }
         Ok((route, shown))
     }
+}
+
+/// Whether a sink's error says that its broker does not answer (rather than a bad spec or a
+/// refused login).
+fn is_away(error: &CliError) -> bool {
+    error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(|e| e.kind() == pg_outbox_relay::ErrorKind::Connect)
 }
 
 /// A destination's sink that cannot be had, naming the destination; its exit code is the

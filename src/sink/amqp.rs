@@ -120,10 +120,9 @@ impl AmqpSink {
                 } else {
                     self.hide(&text)
                 };
-                return Err(Error::new(
-                    ErrorKind::Connect,
-                    format!("cannot connect to RabbitMQ at {}: {why}", self.shown),
-                ));
+                // A refused login is the operator's to fix, not an outage to wait out.
+                let kind = if text.contains("ACCESS_REFUSED") { ErrorKind::Permission } else { ErrorKind::Connect };
+                return Err(Error::new(kind, format!("cannot connect to RabbitMQ at {}: {why}", self.shown)));
             }
             Err(_) => {
                 return Err(Error::new(

@@ -15,6 +15,7 @@ mod amqp;
 mod cloudevents;
 #[cfg(feature = "http")]
 mod conventions;
+mod deferred;
 #[cfg(feature = "http")]
 mod http;
 #[cfg(feature = "kafka")]
@@ -33,6 +34,7 @@ pub use self::amqp::{AmqpSink, AmqpSinkBuilder};
 pub use self::cloudevents::DEFAULT_CLOUDEVENTS_SOURCE;
 #[cfg(feature = "http")]
 pub use self::conventions::SigningSecret;
+pub use self::deferred::{ConnectSink, Deferred};
 #[cfg(feature = "http")]
 pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_UUID_HEADER, HttpSink, HttpSinkBuilder, TOPIC_HEADER};
 #[cfg(feature = "kafka")]
@@ -128,6 +130,8 @@ pub enum Sink {
     /// A Kafka message per event, acknowledged by every in-sync replica.
     #[cfg(feature = "kafka")]
     Kafka(KafkaSink),
+    /// A sink whose destination did not answer at start, connected at a later delivery.
+    Deferred(Deferred),
 }
 
 impl Sink {
@@ -182,6 +186,7 @@ impl Sink {
             Sink::Amqp(s) => s.shown.clone(),
             #[cfg(feature = "kafka")]
             Sink::Kafka(s) => s.shown.clone(),
+            Sink::Deferred(s) => s.describe().to_string(),
         }
     }
 }
@@ -198,6 +203,7 @@ impl Handler for Sink {
             Sink::Amqp(s) => s.handle(event).await,
             #[cfg(feature = "kafka")]
             Sink::Kafka(s) => s.handle(event).await,
+            Sink::Deferred(s) => s.handle(event).await,
         }
     }
 
@@ -212,21 +218,31 @@ impl Handler for Sink {
             Sink::Amqp(s) => s.handle_batch(events, slots).await,
             #[cfg(feature = "kafka")]
             Sink::Kafka(s) => s.handle_batch(events, slots).await,
+            Sink::Deferred(s) => s.handle_batch(events, slots).await,
         }
     }
 }
 
-/// A sink spec as it may be shown: redacted when it is a URL; a spec that does not parse as one
-/// is shown only when it cannot hold credentials (no `@`).
+/// A sink spec as it may be shown, quoted: redacted when it is a URL; a spec that does not parse
+/// as one is shown only when it cannot hold credentials (no `@`).
 fn describe_spec(spec: &str) -> String {
+    match shown_spec(spec) {
+        Ok(shown) => format!("{shown:?}"),
+        Err(placeholder) => placeholder,
+    }
+}
+
+/// A sink spec as it may be shown (see [`describe_spec`]); `Err` with a placeholder when it cannot
+/// be shown.
+pub(crate) fn shown_spec(spec: &str) -> Result<String, String> {
     #[cfg(any(feature = "http", feature = "nats", feature = "amqp"))]
     if let Ok(url) = ::url::Url::parse(spec) {
-        return format!("{:?}", url::redact(&url));
+        return Ok(url::redact(&url));
     }
     if spec.contains('@') {
-        "(a sink spec with credentials that does not parse)".to_string()
+        Err("(a sink spec with credentials that does not parse)".to_string())
     } else {
-        format!("{spec:?}")
+        Ok(spec.to_string())
     }
 }
 

@@ -1,8 +1,8 @@
 //! NATS JetStream: one acknowledged publish per event, deduplicated by the event's uuid.
 
-use async_nats::HeaderMap;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::{self};
+use async_nats::{ConnectErrorKind, HeaderMap};
 
 use std::time::Duration;
 
@@ -65,10 +65,14 @@ impl NatsSinkBuilder {
         super::check_timeout(timeout)?;
         let client =
             async_nats::ConnectOptions::new().connection_timeout(timeout).connect(url.as_str()).await.map_err(|e| {
-                Error::new(
-                    ErrorKind::Connect,
-                    format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)),
-                )
+                // A refused login is the operator's to fix, not an outage to wait out.
+                let kind = match e.kind() {
+                    ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => {
+                        ErrorKind::Permission
+                    }
+                    _ => ErrorKind::Connect,
+                };
+                Error::new(kind, format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)))
             })?;
         let mut jetstream = jetstream::new(client);
         jetstream.set_timeout(timeout);

@@ -58,19 +58,48 @@ impl Nats {
                         "this test needs NATS with JetStream: nats-server is not on PATH and NATS_URL is not set ({INSTALL})"
                     )
                 };
-                let (url, private) = start(&binary).unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
+                let (url, private) =
+                    start(&binary, None).unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
                 Nats { url, _private: Some(private) }
             }
         }
     }
 }
 
-/// Starts `nats-server -js` on a free port (another one if that got taken meanwhile).
-fn start(binary: &std::path::Path) -> Result<(String, Private), String> {
+/// A private `nats-server -js` of one test, on a port the test chose (a destination that comes
+/// up after the relay); stopped when dropped.
+pub struct LateNats {
+    /// `nats://127.0.0.1:PORT`.
+    pub url: String,
+    private: Private,
+}
+
+impl LateNats {
+    /// Starts `nats-server -js` on `port`; fails the test when it cannot.
+    pub fn start_on(port: u16) -> LateNats {
+        let Some(binary) = find_program("nats-server") else {
+            panic!("this test needs nats-server on PATH ({INSTALL})")
+        };
+        let (url, private) = start(&binary, Some(port)).unwrap_or_else(|e| panic!("could not start nats-server: {e}"));
+        LateNats { url, private }
+    }
+}
+
+impl Drop for LateNats {
+    fn drop(&mut self) {
+        let _ = self.private._server.kill();
+        let _ = self.private._server.wait();
+        let _ = std::fs::remove_dir_all(&self.private._dir);
+    }
+}
+
+/// Starts `nats-server -js` on `port`, or on a free port (another one if that got taken
+/// meanwhile).
+fn start(binary: &std::path::Path, port: Option<u16>) -> Result<(String, Private), String> {
     let dir = private_dir("nats")?;
     let mut last_error = String::new();
     for _ in 0..3 {
-        let port = free_port();
+        let port = port.unwrap_or_else(free_port);
         let log = std::fs::File::create(dir.join("log")).map_err(|e| format!("creating its log: {e}"))?;
         let mut server = Command::new(binary)
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])

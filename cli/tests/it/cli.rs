@@ -309,7 +309,7 @@ async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
         (vec!["run", "--sink", "stdout", "--workers", "0"], "--workers"),
         (vec!["run", "--sink", "stdout", "--backoff-base", "1h", "--backoff-max", "1s"], "--backoff-max"),
         (
-            vec!["run", "--sink", "nats://127.0.0.1:1", "--timeout", "500ms"],
+            vec!["run", "--sink", "nats://127.0.0.1:1", "--timeout", "500ms", "--exit-on-sink-error"],
             "cannot connect to NATS at nats://127.0.0.1:1",
         ),
         (vec!["status", "--json", "--bogus"], "--bogus"),

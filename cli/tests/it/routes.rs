@@ -162,3 +162,70 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
         assert!(stderr(&out).contains(expected), "{args:?}: {}", stderr(&out));
     }
 }
+
+mod needs_nats {
+    use super::*;
+    use crate::cli::unique;
+    use crate::nats::LateNats;
+    use crate::relay_support::{HttpReceiver, free_port};
+
+    /// A destination whose broker does not answer at start holds only its own events, spending
+    /// no attempt, while the others deliver; it is connected (its stream created) at a delivery
+    /// once the broker answers, without a restart (issue 40, item 3). Before, the command exited
+    /// 1 at start and delivered nothing anywhere.
+    #[tokio::test]
+    async fn a_broker_away_at_start_holds_only_its_events_and_is_connected_once_it_answers() {
+        let db = TestDb::new().await;
+        let receiver = HttpReceiver::start().await;
+        let port = free_port();
+        let prefix = unique("late");
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("relay.toml");
+        let file = format!(
+            "[[destination]]\nname = \"ok\"\npattern = \"order.#\"\nsink = \"{}\"\n\n\
+             [[destination]]\nname = \"away\"\npattern = \"mail.#\"\nsink = \"nats://127.0.0.1:{port}\"\n\
+             subject_prefix = \"{prefix}\"\ncreate_stream = \"{prefix}\"\ntimeout = \"1s\"\n",
+            receiver.url()
+        );
+        std::fs::write(&config, file).unwrap();
+        let args = ["--config", config.to_str().unwrap(), "--max-attempts", "2", "--backoff-base", "20ms"];
+        let child = spawn_run(&db.url, &args);
+        for n in 0..20 {
+            publish(&db, "order.placed", json!({"n": n})).await;
+            db.outbox
+                .publish(&pg_outbox_relay::NewEvent::new("mail.send", json!({"n": n})).key(format!("to-{}", n % 4)))
+                .await
+                .unwrap();
+        }
+        eventually("the orders delivered", || async { receiver.accepted() == 20 }).await;
+        let client = db.client().await;
+        let tried = "select count(*), coalesce(max(attempts), 0) from outbox_relay.parked
+                      where destination = 'away' and last_error like '%cannot connect to NATS%'";
+        eventually("the mail tried and waiting", || async {
+            client.query_one(tried, &[]).await.unwrap().get::<_, i64>(0) >= 4
+        })
+        .await;
+        // Several rounds of tries (2 attempts would have buried the heads of the 4 keys).
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let row = client.query_one(tried, &[]).await.unwrap();
+        assert_eq!(row.get::<_, i32>(1), 0, "no attempt spent while the broker was away");
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+
+        let nats = LateNats::start_on(port);
+        let waiting = "select count(*) from outbox_relay.parked where destination = 'away'";
+        eventually("the mail delivered once the broker answers", || async {
+            client.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0
+                && db.outbox.queue_stats().await.unwrap().pending == 0
+        })
+        .await;
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+        let output = crate::binary::terminate_with_output(child).await;
+        let logs = String::from_utf8_lossy(&output.stderr);
+        assert!(logs.contains("the destination does not answer; the relay starts without it"), "{logs}");
+        assert!(logs.contains("the destination answers; delivering to it"), "{logs}");
+        let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+        let mut stream = js.get_stream(&prefix).await.expect("the stream created once the broker answered");
+        assert_eq!(stream.info().await.unwrap().state.messages, 20, "each mail once");
+        assert_eq!(receiver.counts().values().filter(|&&n| n != 1).count(), 0, "each order once");
+    }
+}

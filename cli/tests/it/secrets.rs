@@ -149,7 +149,11 @@ async fn sink_credentials_never_appear_in_the_binary_output() {
         let out = stdout(&cli(&db.url, args).await);
         assert!(!out.contains("hook-s3cret") && !out.contains("t0ken"), "{args:?}: {out}");
     }
-    let nats = cli(&db.url, &["run", "--sink", "nats://nats-user:nats-s3cret@127.0.0.1:1", "--timeout", "500ms"]).await;
+    let nats = cli(
+        &db.url,
+        &["run", "--sink", "nats://nats-user:nats-s3cret@127.0.0.1:1", "--timeout", "500ms", "--exit-on-sink-error"],
+    )
+    .await;
     let err = stderr(&nats);
     assert!(err.contains("cannot connect to NATS at nats://nats-user:***@127.0.0.1:1"), "{err}");
     assert!(!err.contains("nats-s3cret"), "{err}");

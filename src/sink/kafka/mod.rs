@@ -105,12 +105,14 @@ impl KafkaSink {
             .map_err(|e| Error::new(ErrorKind::Connect, format!("asking Kafka for its metadata failed: {e}")))?;
         asked.map_err(|e| {
             let why = self.context.last_error().unwrap_or_else(|| e.to_string());
-            let refused = if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Authentication) || why.contains("SASL") {
-                " (the broker refused the login)"
-            } else {
-                ""
-            };
-            Error::new(ErrorKind::Connect, format!("cannot connect to Kafka at {}{refused}: {why}", self.shown))
+            // A refused login is the operator's to fix, not an outage to wait out.
+            let (kind, refused) =
+                if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Authentication) || why.contains("SASL") {
+                    (ErrorKind::Permission, " (the broker refused the login)")
+                } else {
+                    (ErrorKind::Connect, "")
+                };
+            Error::new(kind, format!("cannot connect to Kafka at {}{refused}: {why}", self.shown))
         })
     }
 
