@@ -2,6 +2,7 @@
 
 use pg_outbox_relay::sink::{EventFormat, Secret};
 
+use crate::route_flags::RouteFlags;
 use crate::sinks::{KafkaOptions, SinkOptions, kafka_properties};
 use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
 
@@ -126,6 +127,71 @@ async fn migrate(db: &Database) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The sink settings `args` give (the defaults of every destination, or one route's own).
+fn sink_options(args: &RunArgs) -> Result<SinkOptions, CliError> {
+    let mut headers = Vec::with_capacity(args.headers.len());
+    for header in &args.headers {
+        // Split here, not in clap: its errors would show the value (a token, say).
+        let Some((name, value)) = header.expose().split_once(':') else {
+            return Err(UsageError("a --header must look like 'Name: value' (one had no colon)".into()).into());
+        };
+        headers.push((name.trim().to_string(), Secret::new(value.trim())));
+    }
+    Ok(SinkOptions {
+        timeout: args.timeout,
+        subject_prefix: args.subject_prefix.clone(),
+        create_stream: args.create_stream.clone(),
+        exchange: args.exchange.clone(),
+        signing_secrets: args.signing_secrets.clone(),
+        format: match args.format {
+            FormatArg::Raw => EventFormat::Raw,
+            FormatArg::Cloudevents => EventFormat::CloudEventsBinary,
+            FormatArg::CloudeventsStructured => EventFormat::CloudEventsStructured,
+        },
+        cloudevents_source: args.cloudevents_source.clone(),
+        headers,
+        kafka: KafkaOptions {
+            topic: args.kafka_topic.clone(),
+            tls: args.kafka_tls,
+            ca_file: args.kafka_ca_file.clone(),
+            sasl_mechanism: args.kafka_sasl_mechanism,
+            username: args.kafka_username.clone(),
+            password: args.kafka_password.clone(),
+            properties: kafka_properties(&args.kafka_properties)?,
+        },
+    })
+}
+
+/// Gives the route the settings of the flags that followed it (see `route_flags.rs`).
+fn apply_route_flags(route: &mut crate::routes::Destination, flags: &RouteFlags) -> Result<(), CliError> {
+    let own = sink_options(&flags.args)?;
+    let options = &mut route.options;
+    for id in &flags.given {
+        match id.as_str() {
+            "timeout" => options.timeout = own.timeout,
+            "subject_prefix" => options.subject_prefix = own.subject_prefix.clone(),
+            "create_stream" => options.create_stream = own.create_stream.clone(),
+            "exchange" => options.exchange = own.exchange.clone(),
+            "signing_secrets" => options.signing_secrets = own.signing_secrets.clone(),
+            "format" => options.format = own.format,
+            "cloudevents_source" => options.cloudevents_source = own.cloudevents_source.clone(),
+            "headers" => options.headers = own.headers.clone(),
+            "kafka_topic" => options.kafka.topic = own.kafka.topic.clone(),
+            "kafka_tls" => options.kafka.tls = own.kafka.tls,
+            "kafka_ca_file" => options.kafka.ca_file = own.kafka.ca_file.clone(),
+            "kafka_username" => options.kafka.username = own.kafka.username.clone(),
+            "kafka_password" => options.kafka.password = own.kafka.password.clone(),
+            "kafka_sasl_mechanism" => options.kafka.sasl_mechanism = own.kafka.sasl_mechanism,
+            "kafka_properties" => options.kafka.properties = own.kafka.properties.clone(),
+            "concurrency" => route.concurrency = Some(flags.args.concurrency),
+            "fixed_concurrency" => route.fixed_concurrency = Some(flags.args.fixed_concurrency),
+            "rate_limit" => route.rate_limit = flags.args.rate_limit,
+            other => unreachable!("{other} is not a per-route flag"),
+        }
+    }
+    Ok(())
+}
+
 async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     let shutdown = shutdown_signal()?;
     if args.backoff_max < args.backoff_base {
@@ -171,37 +237,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         ..RelayConfig::default()
     };
     config.validate()?;
-    let mut headers = Vec::with_capacity(args.headers.len());
-    for header in &args.headers {
-        // Split here, not in clap: its errors would show the value (a token, say).
-        let Some((name, value)) = header.expose().split_once(':') else {
-            return Err(UsageError("a --header must look like 'Name: value' (one had no colon)".into()).into());
-        };
-        headers.push((name.trim().to_string(), Secret::new(value.trim())));
-    }
-    let defaults = SinkOptions {
-        timeout: args.timeout,
-        subject_prefix: args.subject_prefix,
-        create_stream: args.create_stream,
-        exchange: args.exchange,
-        signing_secrets: args.signing_secrets,
-        format: match args.format {
-            FormatArg::Raw => EventFormat::Raw,
-            FormatArg::Cloudevents => EventFormat::CloudEventsBinary,
-            FormatArg::CloudeventsStructured => EventFormat::CloudEventsStructured,
-        },
-        cloudevents_source: args.cloudevents_source,
-        headers,
-        kafka: KafkaOptions {
-            topic: args.kafka_topic,
-            tls: args.kafka_tls,
-            ca_file: args.kafka_ca_file,
-            sasl_mechanism: args.kafka_sasl_mechanism,
-            username: args.kafka_username,
-            password: args.kafka_password,
-            properties: kafka_properties(&args.kafka_properties)?,
-        },
-    };
+    let defaults = sink_options(&args)?;
     let mut destinations = Vec::new();
     if let Some(sink) = args.sink {
         destinations.push(crate::routes::single(sink, defaults.clone()));
@@ -209,9 +245,14 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     if let Some(path) = &args.config {
         destinations.extend(crate::routes::read_file(path, &defaults)?);
     }
+    let mut routes_given = Vec::with_capacity(args.route.len());
     for spec in &args.route {
-        destinations.push(crate::routes::parse_route(spec, &defaults)?);
+        routes_given.push(crate::routes::parse_route(spec, &defaults)?);
     }
+    for flags in &args.route_flags {
+        apply_route_flags(&mut routes_given[flags.route], flags)?;
+    }
+    destinations.extend(routes_given);
     // The sinks first: a bad spec is refused before anything touches the database.
     let mut routes = Vec::with_capacity(destinations.len());
     let mut shown = Vec::with_capacity(destinations.len());

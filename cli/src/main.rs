@@ -17,6 +17,7 @@ mod commands;
 mod console;
 mod demo;
 mod http;
+mod route_flags;
 mod routes;
 mod sinks;
 mod telemetry;
@@ -328,6 +329,9 @@ pub(crate) struct RunArgs {
     /// destinations deliver. A broker that refuses the login ends the command either way.
     #[arg(long)]
     exit_on_sink_error: bool,
+    /// The flags given after each `--route`, which apply to it alone (see `route_flags.rs`).
+    #[arg(skip)]
+    route_flags: Vec<route_flags::RouteFlags>,
     /// Serve /metrics, /healthz, /readyz and the console here: an IP address and a port, e.g.
     /// 127.0.0.1:9187 (off by default).
     #[arg(long, value_name = "ADDR")]
@@ -496,7 +500,7 @@ pub(crate) fn print_out(line: std::fmt::Arguments<'_>) {
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1
 /// (2 for bad arguments).
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match route_flags::parse(std::env::args_os().collect()) {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
             // --help and --version

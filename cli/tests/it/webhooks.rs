@@ -139,4 +139,52 @@ mod needs_python {
             assert!(!logs.contains(secret), "{secret} in the logs:\n{logs}");
         }
     }
+
+    /// Flags that follow a `--route` are that route's own (issue 40, item 7): two HTTP routes with
+    /// their own secret, format and header, and a stdout route beside them that a signing secret
+    /// given to every route would have made a usage error; a flag before the first route applies to
+    /// all. Before, every flag applied to every route, so such a command was refused.
+    #[tokio::test]
+    async fn flags_after_a_route_are_its_own_so_mixed_routes_need_no_file() {
+        let db = TestDb::new().await;
+        let (erp, erp_seen) = receiver().await;
+        let (crm, crm_seen) = receiver().await;
+        let erp_route = format!("erp=order.#={erp}");
+        let crm_route = format!("crm=order.#={crm}");
+        let mut child = Command::new(BIN)
+            .args(["run", "--timeout", "5s", "--route", &erp_route, "--signing-secret", SECRET_A])
+            .args(["--header", "X-Route: erp", "--route", &crm_route, "--format", "cloudevents", "--signing-secret"])
+            .args([SECRET_B, "--route", "audit=#=stdout"])
+            .env("DATABASE_URL", &db.url)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let id = publish(&db, "order.placed", json!({"n": 1})).await;
+        let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("the audit line").unwrap().unwrap();
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&line).unwrap()["id"], json!(id));
+        eventually("both receivers got the order", || async {
+            erp_seen.lock().unwrap().len() == 1 && crm_seen.lock().unwrap().len() == 1
+        })
+        .await;
+        let (erp_headers, erp_body) = erp_seen.lock().unwrap()[0].clone();
+        let (crm_headers, crm_body) = crm_seen.lock().unwrap()[0].clone();
+        assert_eq!(verify(SECRET_A, &erp_headers, &erp_body), "ok", "erp signs with its own secret");
+        assert_ne!(verify(SECRET_B, &erp_headers, &erp_body), "ok", "and not with crm's");
+        assert_eq!(verify(SECRET_B, &crm_headers, &crm_body), "ok", "crm signs with its own secret");
+        assert_eq!(erp_headers["x-route"], "erp");
+        assert!(!crm_headers.contains_key("x-route"), "a header given after erp's route is erp's only");
+        assert!(crm_headers.contains_key("ce-id") && !erp_headers.contains_key("ce-id"), "crm's format is its own");
+        let output = terminate_with_output(child).await;
+        assert!(output.status.success(), "{}", stderr(&output));
+
+        // A flag that fits no sink of the route it follows names that route.
+        let out = cli(&db.url, &["run", "--route", "audit=#=stdout", "--signing-secret", SECRET_A]).await;
+        assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+        assert!(stderr(&out).contains("destination \"audit\": signing secrets"), "{}", stderr(&out));
+        assert!(!stderr(&out).contains(SECRET_A), "{}", stderr(&out));
+    }
 }
