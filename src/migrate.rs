@@ -58,6 +58,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration { version: 13, name: "event_headers", sql: include_str!("../migrations/0013_event_headers.sql") },
     Migration { version: 14, name: "storage_edges", sql: include_str!("../migrations/0014_storage_edges.sql") },
     Migration { version: 15, name: "index_paths", sql: include_str!("../migrations/0015_index_paths.sql") },
+    Migration {
+        version: 16,
+        name: "destination_expiry",
+        sql: include_str!("../migrations/0016_destination_expiry.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -264,6 +264,22 @@ fn register_destinations(registry: &mut Registry, destinations: &[DestinationSta
         &by_name,
         |d| d.relays as f64,
     );
+    gauges(
+        registry,
+        "outbox_relay_destination_unserved_seconds",
+        "How long no relay has served a registered destination (0 while one does)",
+        &by_name,
+        |d| d.unserved.map_or(0.0, |u| u.as_secs_f64()),
+    );
+    let expiring: Vec<(String, &DestinationStats)> =
+        by_name.iter().filter(|(_, d)| d.expires_in.is_some()).map(|(name, d)| (name.clone(), *d)).collect();
+    gauges(
+        registry,
+        "outbox_relay_destination_expires_in_seconds",
+        "How long until a destination no relay serves expires (its waiting events then go to its dead letters)",
+        &expiring,
+        |d| d.expires_in.map_or(0.0, |e| e.as_secs_f64()),
+    );
 }
 
 /// The figures of this process's relay, per destination.

@@ -116,6 +116,15 @@ pub struct DestinationStats {
     /// destination); its pattern is then empty and its events wait until a relay registers it or
     /// it is dropped.
     pub registered: bool,
+    /// How long no relay has served it: `None` while a connected relay delivers to it (and for a
+    /// name no relay registered). In JSON, in milliseconds (`unserved_ms`).
+    #[serde(rename = "unserved_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub unserved: Option<Duration>,
+    /// How long until it expires if no relay serves it (`RelayConfig::destination_expiry`):
+    /// `None` while a relay serves it or when it never expires. In JSON, in milliseconds
+    /// (`expires_in_ms`).
+    #[serde(rename = "expires_in_ms", serialize_with = "crate::timestamp::serialize_millis")]
+    pub expires_in: Option<Duration>,
 }
 
 /// An event in the dead letters.

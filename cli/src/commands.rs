@@ -233,6 +233,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         },
         retention: args.retention,
         idempotency_retention: args.idempotency_retention,
+        destination_expiry: args.destination_expiry,
         shutdown_grace: args.shutdown_grace,
         ..RelayConfig::default()
     };
@@ -398,7 +399,7 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
 /// The destinations as a table.
 fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
     out!(
-        "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  position moved",
+        "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {:<16}  served",
         "destination",
         "pattern",
         "new",
@@ -407,13 +408,23 @@ fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
         "in flight",
         "dead",
         "attempts",
-        "relays"
+        "relays",
+        "position moved"
     );
     for d in destinations {
-        let moved = d.position_age.map_or("-".to_string(), |age| format!("{} ago", humantime::format_duration(age)));
+        let rounded = crate::console::rounded;
+        let moved = d.position_age.map_or("-".to_string(), |age| format!("{} ago", rounded(age)));
+        let served = match (d.relays, d.unserved, d.expires_in) {
+            (1.., _, _) => "now".to_string(),
+            (_, Some(unserved), Some(expires)) => {
+                format!("{} ago, expires in {}", rounded(unserved), rounded(expires))
+            }
+            (_, Some(unserved), None) => format!("{} ago", rounded(unserved)),
+            (_, None, _) => "never".to_string(),
+        };
         let paused = if d.paused { "  PAUSED" } else { "" };
         out!(
-            "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved}{paused}",
+            "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved:<16}  {served}{paused}",
             crate::one_line(&d.name),
             if d.registered { crate::one_line(&d.pattern) } else { "(not registered)".to_string() },
             d.new,

@@ -141,9 +141,13 @@ pub(crate) fn destination_warnings(destinations: &[pg_outbox_relay::DestinationS
                 d.name, d.name
             ));
         } else if d.relays == 0 && waiting > 0 {
+            let since = d.unserved.map_or(String::new(), |u| format!(" (none has for {})", rounded(u)));
+            let expiry = d.expires_in.map_or(String::new(), |e| {
+                format!("; it expires in {}, and what waits for it then goes to its dead letters", rounded(e))
+            });
             warnings.push(format!(
-                "destination {}: {waiting} events wait for it and no relay delivers to it (if it is gone, \
-                 `outbox-relay destinations drop {}` stops it keeping them)",
+                "destination {}: {waiting} events wait for it and no relay delivers to it{since}{expiry} (if it is \
+                 gone, `outbox-relay destinations drop {}` stops it keeping them)",
                 d.name, d.name
             ));
         }
@@ -155,6 +159,18 @@ pub(crate) fn destination_warnings(destinations: &[pg_outbox_relay::DestinationS
         }
     }
     warnings
+}
+
+/// `d` as a person reads it: to the second below an hour, to the minute below a day, to the hour
+/// beyond.
+pub(crate) fn rounded(d: Duration) -> String {
+    let secs = d.as_secs();
+    let unit = match secs {
+        0..3600 => 1,
+        3600..86_400 => 60,
+        _ => 3600,
+    };
+    humantime::format_duration(Duration::from_secs(secs / unit * unit)).to_string()
 }
 
 /// A ready event waiting this long makes a warning.

@@ -245,6 +245,11 @@ pub(crate) struct RunArgs {
     /// Delete idempotency receipts older than this (0s to 100 years).
     #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     idempotency_retention: Duration,
+    /// A destination of this relay that no relay serves for this long expires: what waits for it
+    /// goes to its dead letters, and it no longer keeps events in the outbox (0s: never; up to
+    /// 100 years). Warned of in the log, `status` and the metrics from half of it.
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+    destination_expiry: Duration,
     /// How long a claimed event belongs to its worker before another may take it (100ms to 1 day).
     #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_LEASE, RelayConfig::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
     lease: Duration,

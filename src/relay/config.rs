@@ -64,6 +64,13 @@ pub struct RelayConfig {
     /// Idempotency receipts older than this are deleted by the janitor; a key may be reused after
     /// that. Defaults to 7 days.
     pub idempotency_retention: Duration,
+    /// A destination of this relay that no relay then serves for this long expires: a janitor
+    /// moves what waits for it to its dead letters and drops it, so that a route that is gone
+    /// (a mistyped name, a test run) does not keep events in the outbox for good. Stored with the
+    /// destination when it is registered (the last relay to register it sets it); warned of in
+    /// the log, `status` and the metrics once half of it has passed. Zero: never. Defaults to 7
+    /// days. Needs a janitor (`janitor_interval` not zero) in some relay.
+    pub destination_expiry: Duration,
     /// Time between janitor passes; zero turns the janitor off. Defaults to 60 s.
     pub janitor_interval: Duration,
     /// Rows one janitor statement deletes at most, to keep locks short. Defaults to 1000.
@@ -136,6 +143,8 @@ impl RelayConfig {
     pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
     /// Default age after which processed events are deleted.
     pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default time without a relay after which a destination expires.
+    pub const DEFAULT_DESTINATION_EXPIRY: Duration = Duration::from_secs(7 * 24 * 3600);
     /// Default age after which idempotency receipts are deleted.
     pub const DEFAULT_IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
     /// Default interval between janitor passes.
@@ -215,6 +224,7 @@ impl Default for RelayConfig {
             completion: Completion::default(),
             retention: RelayConfig::DEFAULT_RETENTION,
             idempotency_retention: RelayConfig::DEFAULT_IDEMPOTENCY_RETENTION,
+            destination_expiry: RelayConfig::DEFAULT_DESTINATION_EXPIRY,
             janitor_interval: RelayConfig::DEFAULT_JANITOR_INTERVAL,
             janitor_batch: RelayConfig::DEFAULT_JANITOR_BATCH,
             shutdown_grace: RelayConfig::DEFAULT_SHUTDOWN_GRACE,
@@ -260,6 +270,7 @@ impl RelayConfig {
             ("backoff_max", self.backoff_max, Duration::from_millis(1), RelayConfig::MAX_BACKOFF),
             ("retention", self.retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
             ("idempotency_retention", self.idempotency_retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
+            ("destination_expiry", self.destination_expiry, Duration::ZERO, RelayConfig::MAX_RETENTION),
             ("janitor_interval", self.janitor_interval, Duration::ZERO, RelayConfig::MAX_JANITOR_INTERVAL),
             ("shutdown_grace", self.shutdown_grace, Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE),
             ("reconnect_max", self.reconnect_max, RelayConfig::MIN_RECONNECT_MAX, RelayConfig::MAX_RECONNECT_MAX),

@@ -1,6 +1,11 @@
 //! The janitor: deletes processed events and idempotency receipts past their retention, and the
-//! marks of relays that crashed.
+//! marks of relays that crashed; records which destinations relays serve, warns of those no relay
+//! has served for half their expiry, and expires those past it.
 
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::RelayPool;
@@ -13,10 +18,22 @@ pub(crate) struct Janitor {
     pub(crate) config: RelayConfig,
 }
 
+/// How often the janitor warns again of one destination that no relay serves.
+const AGING_WARNING_EVERY: Duration = Duration::from_secs(3600);
+
 impl Janitor {
     pub(crate) async fn run(self, stop: CancellationToken) {
         let config = &self.config;
+        // A short expiry is checked more often than the janitor's interval.
+        let interval = match config.destination_expiry {
+            expiry if expiry.is_zero() => config.janitor_interval,
+            expiry => config.janitor_interval.min(expiry / 4).max(Duration::from_millis(100)),
+        };
+        let mut warned: HashMap<String, Instant> = HashMap::new();
         loop {
+            if let Err(e) = self.destinations(&mut warned).await {
+                tracing::warn!(error = %e, "janitor could not look at the destinations; trying again next interval");
+            }
             let pass = async {
                 let client = self.pool.client().await?;
                 let report = crate::admin::cleanup(
@@ -39,8 +56,49 @@ impl Janitor {
             }
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(config.janitor_interval) => {}
+                _ = tokio::time::sleep(interval) => {}
             }
         }
     }
+
+    /// Marks the destinations that connected relays serve, warns (at most hourly) of those no
+    /// relay has served for half their expiry, and expires those past it.
+    async fn destinations(&self, warned: &mut HashMap<String, Instant>) -> crate::error::Result<()> {
+        let mut client = self.pool.client().await?;
+        let aging = sql::destinations_served(&*client).await?;
+        warned.retain(|name, _| aging.iter().any(|a| &a.name == name));
+        for destination in aging {
+            let (unserved, expiry) = (whole(destination.unserved), whole(destination.expiry));
+            if destination.unserved < destination.expiry {
+                if warned.get(&destination.name).is_none_or(|at| at.elapsed() >= AGING_WARNING_EVERY) {
+                    tracing::warn!(
+                        destination = %destination.name,
+                        unserved = %humantime::format_duration(unserved),
+                        expires_in = %humantime::format_duration(whole(destination.expiry - destination.unserved)),
+                        "no relay has served this destination for half its expiry or more: once it expires, what \
+                         waits for it goes to its dead letters (start a relay with its route, or drop it)"
+                    );
+                    warned.insert(destination.name, Instant::now());
+                }
+                continue;
+            }
+            match sql::expire_destination(&mut client, &destination.name).await? {
+                sql::Dropped::Done(buried) => tracing::warn!(
+                    destination = %destination.name,
+                    unserved = %humantime::format_duration(unserved),
+                    expiry = %humantime::format_duration(expiry),
+                    dead_lettered = buried,
+                    "destination expired: no relay served it for its expiry; what waited for it is in its dead letters \
+                     (`outbox-relay dead-letters retry` sends it again once a relay serves the destination)"
+                ),
+                sql::Dropped::Unknown | sql::Dropped::Served(_) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `d` in whole seconds, as the logs show it.
+fn whole(d: Duration) -> Duration {
+    Duration::from_secs(d.as_secs())
 }

@@ -222,7 +222,7 @@ impl<H: Handler> Relay<H> {
         // Every destination registered before any claims: new ones start at one same position.
         let mut shutdown = std::pin::pin!(shutdown);
         let registered = tokio::select! {
-            registered = register(&pool, &routes, &metrics, config.completion == Completion::Delete) => Some(registered),
+            registered = register(&pool, &routes, &metrics, config.completion == Completion::Delete, config.destination_expiry) => Some(registered),
             () = &mut shutdown => None,
         };
         let registered = match registered.transpose() {
@@ -279,6 +279,7 @@ async fn register<H>(
     routes: &[Route<H>],
     metrics: &[Arc<RelayMetrics>],
     delete: bool,
+    expiry: std::time::Duration,
 ) -> Result<Vec<sql::Destination>> {
     let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
     let all: Vec<sql::ToRegister<'_>> = routes
@@ -291,7 +292,7 @@ async fn register<H>(
         let registered = async {
             // Positions from another cluster (a restored dump) are replaced before any claim.
             rebase::check(pool, metrics).await?;
-            sql::register_destinations(&mut pool.client().await?, &all, delete).await
+            sql::register_destinations(&mut pool.client().await?, &all, delete, expiry).await
         };
         match registered.await {
             Ok(registered) => {
@@ -371,6 +372,14 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
     ];
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);
+    }
+    if !config.janitor_interval.is_zero() && !config.destination_expiry.is_zero() {
+        // The janitor expires destinations as `destinations drop` drops them.
+        needed.extend([
+            ("outbox_relay.destinations", "DELETE"),
+            ("outbox_relay.positions", "DELETE"),
+            ("outbox_relay.pauses", "DELETE"),
+        ]);
     }
     let (missing, role) = sql::missing_privileges(&*client, &needed).await?;
     if !missing.is_empty() {

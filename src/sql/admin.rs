@@ -346,13 +346,19 @@ select d.name, d.pattern,
        (select coalesce(max(x.attempts), 0) from outbox_relay.parked x where x.destination = d.name) as max_attempts,
        (case when p.at is not null then (least(greatest(extract(epoch from now()) - extract(epoch from p.at), -9e12), 9e12) * 1000)::int8 end) as position_age_ms,
        exists (select 1 from outbox_relay.pauses s where s.destination in ('', d.name) and s.topic = '') as paused,
-       (select count(*) from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
-         where r.destination = d.name and a.datname = current_database()) as relays,
-       d.registered
-  from (select name, pattern, topic_regex, true as registered from outbox_relay.destinations
+       s.relays, d.registered,
+       (case when s.relays = 0 and d.served_at is not null
+             then (greatest(extract(epoch from now() - d.served_at), 0) * 1000)::int8 end) as unserved_ms,
+       (case when s.relays = 0 and d.expire_after is not null
+             then (greatest(extract(epoch from d.served_at + d.expire_after - now()), 0) * 1000)::int8 end)
+         as expires_in_ms
+  from (select name, pattern, topic_regex, true as registered, served_at, expire_after from outbox_relay.destinations
         union all
-        select distinct x.destination, '', null, false from outbox_relay.parked x
+        select distinct x.destination, '', null, false, null::timestamptz, null::interval from outbox_relay.parked x
          where not exists (select 1 from outbox_relay.destinations r where r.name = x.destination)) d
+  cross join lateral (
+        select count(*) as relays from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
+         where r.destination = d.name and a.datname = current_database()) s
   left join lateral (
         select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p on true
@@ -376,6 +382,8 @@ pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::
             paused: r.get("paused"),
             relays: r.get("relays"),
             registered: r.get("registered"),
+            unserved: crate::timestamp::millis(r.get("unserved_ms")),
+            expires_in: crate::timestamp::millis(r.get("expires_in_ms")),
         })
         .collect())
 }

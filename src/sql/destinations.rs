@@ -142,6 +142,7 @@ pub(crate) async fn register_destinations(
     client: &mut deadpool_postgres::Object,
     all: &[ToRegister<'_>],
     delete: bool,
+    expiry: std::time::Duration,
 ) -> Result<Vec<Registered>> {
     let fail = |e| crate::error::Error::database("registering the destinations", e);
     let tx = client.transaction().await.map_err(fail)?;
@@ -198,9 +199,19 @@ pub(crate) async fn register_destinations(
             new,
         });
     }
+    let names: Vec<&str> = all.iter().map(|to| to.name).collect();
+    let expiry = expiry.as_secs_f64();
+    count(&tx, DESTINATIONS_SERVED_FROM_NOW, &[&names, &expiry], "registering the destinations").await?;
     tx.commit().await.map_err(fail)?;
     Ok(registered)
 }
+
+/// The destinations `$1` are served from now on, and expire after `$2` seconds without a relay
+/// (0: never).
+const DESTINATIONS_SERVED_FROM_NOW: &str = "\
+update outbox_relay.destinations
+   set served_at = now(), expire_after = case when $2::float8 > 0 then make_interval(secs => $2::float8) end
+ where name = any($1::text[])";
 
 /// Registers `to` again after it was dropped while this relay served it (`destinations drop`
 /// right after a crash restart of the server, before the relay's listener was back): it starts
@@ -296,7 +307,8 @@ pub(crate) async fn sweep_outbox(db: &impl Db, from: &SweepFrom, batch: i64, del
     })
 }
 
-/// The dead letters of a destination that is dropped: what waited for it is kept, saying why.
+/// The dead letters of a destination that is dropped: what waited for it is kept, saying why
+/// (`$2`).
 const DESTINATION_DROP_PARKED: &str = "\
 with moved as (
     delete from outbox_relay.parked where destination = $1
@@ -304,9 +316,63 @@ with moved as (
 )
 insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
 select $1, id, uuid, topic, key, payload, headers, created_at, attempts,
-       'the destination was dropped while the event waited for it' || coalesce(' (last error: ' || last_error || ')', '')
+       $2::text || coalesce(' (last error: ' || last_error || ')', '')
   from moved
 on conflict (destination, id) do nothing";
+
+/// The dead letters of an expired destination's new events (those its pattern matches that its
+/// position has not passed), saying why (`$2`): they would be finished once the other
+/// destinations pass them, delivered nowhere.
+const DESTINATION_BURY_NEW: &str = "\
+insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+select d.name, e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, 0, $2::text
+  from outbox_relay.destinations d
+  cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+  join outbox_relay.outbox e
+    on e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+   and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+            or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))
+ where d.name = $1
+on conflict (destination, id) do nothing";
+
+/// Whether the destination `$1` is still expired (locked until the drop commits): no relay
+/// served it for its `expire_after`; and that span, in seconds.
+const DESTINATION_STILL_EXPIRED: &str = "\
+select extract(epoch from expire_after)::float8 from outbox_relay.destinations
+ where name = $1 and expire_after is not null and served_at < now() - expire_after
+   for update";
+
+/// Marks every destination a connected relay delivers to as served now.
+const DESTINATIONS_SERVED_NOW: &str = "\
+update outbox_relay.destinations d set served_at = now()
+ where exists (select 1 from outbox_relay.relays r join pg_stat_activity a on a.pid = r.listener_pid
+                where r.destination = d.name and a.datname = current_database())";
+
+/// The destinations no relay has served for half their expiry or more: name, seconds since a
+/// relay served it, seconds of its expiry.
+const DESTINATIONS_AGING: &str = "\
+select name, extract(epoch from now() - served_at)::float8, extract(epoch from expire_after)::float8
+  from outbox_relay.destinations
+ where expire_after is not null and served_at < now() - expire_after / 2
+ order by name";
+
+/// A destination no relay has served for half its expiry or more.
+pub(crate) struct Aging {
+    pub(crate) name: String,
+    pub(crate) unserved: std::time::Duration,
+    pub(crate) expiry: std::time::Duration,
+}
+
+/// Marks the destinations connected relays deliver to as served now; returns those no relay has
+/// served for half their expiry or more.
+pub(crate) async fn destinations_served(db: &impl Db) -> Result<Vec<Aging>> {
+    count(db, DESTINATIONS_SERVED_NOW, &[], "marking the served destinations").await?;
+    let rows = all_rows(db, DESTINATIONS_AGING, &[], "reading the destinations no relay serves").await?;
+    let seconds = |s: f64| std::time::Duration::from_secs_f64(s.max(0.0));
+    Ok(rows.iter().map(|r| Aging { name: r.get(0), unserved: seconds(r.get(1)), expiry: seconds(r.get(2)) }).collect())
+}
 
 const DESTINATION_DROP_POSITIONS: &str = "delete from outbox_relay.positions where destination = $1";
 
@@ -357,23 +423,51 @@ pub(crate) enum Dropped {
 /// for it (what was parked for it goes to its dead letters), and its position no longer holds the
 /// outbox's rows back (the last destination's becomes the origin).
 pub(crate) async fn drop_destination(client: &mut deadpool_postgres::Object, name: &str) -> Result<Dropped> {
-    let tx = client.transaction().await.map_err(|e| crate::error::Error::database("dropping a destination", e))?;
-    count(&tx, DESTINATIONS_LOCK, &[], "dropping a destination").await?;
-    let relays: Vec<i32> = one(&tx, DESTINATION_RELAYS, &[&name], "dropping a destination").await?.get(0);
+    drop_or_expire(client, name, false).await
+}
+
+/// Drops the destination `name` if it is still expired and no connected relay delivers to it,
+/// moving what waits for it (its parked events and the new events its position has not passed)
+/// to its dead letters; `Unknown` when it is not (served again, or dropped meanwhile).
+pub(crate) async fn expire_destination(client: &mut deadpool_postgres::Object, name: &str) -> Result<Dropped> {
+    drop_or_expire(client, name, true).await
+}
+
+async fn drop_or_expire(client: &mut deadpool_postgres::Object, name: &str, expire: bool) -> Result<Dropped> {
+    let doing = if expire { "expiring a destination" } else { "dropping a destination" };
+    let tx = client.transaction().await.map_err(|e| crate::error::Error::database(doing, e))?;
+    count(&tx, DESTINATIONS_LOCK, &[], doing).await?;
+    let relays: Vec<i32> = one(&tx, DESTINATION_RELAYS, &[&name], doing).await?.get(0);
     if !relays.is_empty() {
         return Ok(Dropped::Served(relays));
     }
-    one(&tx, DESTINATION_WAIT_FOR_CLAIM, &[&name], "dropping a destination").await?;
-    count(&tx, ORIGIN_MOVE, &[&name], "dropping a destination").await?;
-    let registered = count(&tx, DESTINATION_DELETE, &[&name], "dropping a destination").await? > 0;
+    let mut buried = 0;
+    let why = if expire {
+        let Some(row) = all_rows(&tx, DESTINATION_STILL_EXPIRED, &[&name], doing).await?.into_iter().next() else {
+            return Ok(Dropped::Unknown);
+        };
+        let expiry = std::time::Duration::from_secs(row.get::<_, f64>(0).max(0.0) as u64);
+        let why = format!(
+            "the destination expired: no relay served it for {} (destination_expiry)",
+            humantime::format_duration(expiry)
+        );
+        one(&tx, DESTINATION_WAIT_FOR_CLAIM, &[&name], doing).await?;
+        buried += count(&tx, DESTINATION_BURY_NEW, &[&name, &why], doing).await?;
+        format!("{why}; the event waited for it")
+    } else {
+        one(&tx, DESTINATION_WAIT_FOR_CLAIM, &[&name], doing).await?;
+        "the destination was dropped while the event waited for it".to_string()
+    };
+    count(&tx, ORIGIN_MOVE, &[&name], doing).await?;
+    let registered = count(&tx, DESTINATION_DELETE, &[&name], doing).await? > 0;
     // Parked events of a name no longer registered (a destination of the migration, a retried
     // dead letter of a dropped one) go too.
-    let buried = count(&tx, DESTINATION_DROP_PARKED, &[&name], "dropping a destination").await?;
+    buried += count(&tx, DESTINATION_DROP_PARKED, &[&name, &why], doing).await?;
     if !registered && buried == 0 {
         return Ok(Dropped::Unknown);
     }
-    count(&tx, DESTINATION_DROP_POSITIONS, &[&name], "dropping a destination").await?;
-    count(&tx, DESTINATION_DROP_PAUSES, &[&name], "dropping a destination").await?;
-    tx.commit().await.map_err(|e| crate::error::Error::database("dropping a destination", e))?;
+    count(&tx, DESTINATION_DROP_POSITIONS, &[&name], doing).await?;
+    count(&tx, DESTINATION_DROP_PAUSES, &[&name], doing).await?;
+    tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
     Ok(Dropped::Done(buried))
 }

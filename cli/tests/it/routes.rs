@@ -163,6 +163,69 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
     }
 }
 
+/// A destination no relay serves expires after its `--destination-expiry` (issue 40, item 6): a
+/// short run with a mistyped route registered `typo`, which then kept every later event in the
+/// outbox after the real relay had delivered them. `status` and `destinations list` say how long
+/// it has gone unserved and when it expires; once it has, what waited for it is in its dead
+/// letters (nothing lost) and the outbox lets the events go.
+#[tokio::test]
+async fn a_destination_no_relay_serves_expires_into_its_dead_letters() {
+    let db = TestDb::new().await;
+    let expiry = ["--destination-expiry", "8s"];
+    let mut typo = spawn_run(&db.url, &[&["--route", "typo=order.#=stdout"][..], &expiry].concat());
+    let mut lines = BufReader::new(typo.stdout.take().unwrap()).lines();
+    publish(&db, "order.placed", json!({"n": 0})).await;
+    tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("typo delivers").unwrap().unwrap();
+    assert_eq!(terminate(typo).await, Some(0));
+    let mut ids = Vec::new();
+    for n in 1..=10 {
+        ids.push(publish(&db, "order.placed", json!({"n": n})).await);
+    }
+    let text = stdout(&cli(&db.url, &["status"]).await);
+    assert!(
+        text.contains("destination typo: 10 events wait for it and no relay delivers to it (none has for"),
+        "{text}"
+    );
+    assert!(text.contains("it expires in"), "{text}");
+    let text = stdout(&cli(&db.url, &["destinations", "list"]).await);
+    assert!(text.lines().any(|l| l.starts_with("typo ") && l.contains("ago, expires in")), "{text}");
+
+    let mut real = spawn_run(&db.url, &[&["--route", "real=order.#=stdout"][..], &expiry].concat());
+    let mut lines = BufReader::new(real.stdout.take().unwrap()).lines();
+    for _ in 0..10 {
+        tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("real delivers").unwrap().unwrap();
+    }
+    eventually("typo expired", || async {
+        let out = cli(&db.url, &["destinations", "list", "--json"]).await;
+        let list: Value = serde_json::from_str(&stdout(&out)).unwrap();
+        list.as_array().unwrap().iter().all(|d| d["name"] != json!("typo"))
+    })
+    .await;
+    let client = db.client().await;
+    let buried: Vec<i64> = client
+        .query(
+            "select id from outbox_relay.dead_letters where destination = 'typo'
+                and last_error like 'the destination expired: no relay served it for 8s%' order by id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(buried, ids, "every event that waited for typo is in its dead letters");
+    let waiting = "select count(*) from outbox_relay.outbox where processed_at is null";
+    eventually("the outbox lets the events go", || async {
+        client.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0
+    })
+    .await;
+    let text = stdout(&cli(&db.url, &["destinations", "list"]).await);
+    assert!(text.lines().any(|l| l.starts_with("real ") && l.ends_with("now")), "{text}");
+    let output = crate::binary::terminate_with_output(real).await;
+    let logs = String::from_utf8_lossy(&output.stderr);
+    assert!(logs.contains("destination expired") && logs.contains("dead_lettered=10"), "{logs}");
+}
+
 mod needs_nats {
     use super::*;
     use crate::cli::unique;
