@@ -1,10 +1,10 @@
 //! The body of each command.
 
-use pg_outbox_relay::sink::{EventFormat, Secret};
+use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
 
 use crate::route_flags::RouteFlags;
 use crate::sinks::{KafkaOptions, SinkOptions, kafka_properties};
-use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig};
+use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig, Route};
 
 use crate::{
     Cli, CliError, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RunArgs, UsageError,
@@ -193,7 +193,7 @@ fn apply_route_flags(route: &mut crate::routes::Destination, flags: &RouteFlags)
 }
 
 async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
-    let shutdown = shutdown_signal()?;
+    let mut signals = Signals::install()?;
     if args.backoff_max < args.backoff_base {
         return Err(UsageError(format!(
             "--backoff-max ({}) is shorter than --backoff-base ({})",
@@ -239,22 +239,56 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     };
     config.validate()?;
     let defaults = sink_options(&args)?;
+    // The sinks first: a bad spec is refused before anything touches the database.
+    let (routes, shown) = routes_of(&args, &defaults).await?;
+    let outbox = Outbox::connect_lazy(db.url.clone(), config.workers + 2)?.with_timeout(db.timeout);
+    let relay = Relay::with_routes(&outbox, config.clone(), routes)?;
+    let stop_http = tokio_util::sync::CancellationToken::new();
+    let console = match args.http {
+        Some(addr) => {
+            let metrics = relay.destination_metrics();
+            let (listener, console) = crate::http::bind(addr, &outbox, Some(metrics), args.http_token.clone()).await?;
+            Some((tokio::spawn(crate::http::serve(listener, console.clone(), stop_http.clone())), console))
+        }
+        None => None,
+    };
+    let started = {
+        let stopped = signals.stopped("the relay waits for its database; SIGHUP reloads --config once it delivers");
+        let mut stopped = std::pin::pin!(stopped);
+        wait_for_database(db, &outbox, args.migrate, args.exit_on_database_error, stopped.as_mut()).await
+    };
+    let reload = Reload { args: &args, defaults: &defaults, outbox: &outbox, config: &config };
+    let ran = match started {
+        Ok(true) => reload.deliver(relay, shown, &mut signals, console.as_ref().map(|(_, c)| &**c)).await,
+        Ok(false) => Ok(()),
+        Err(e) => Err(e),
+    };
+    stop_http.cancel();
+    if let Some((server, _)) = console {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), server).await;
+    }
+    ran?;
+    Ok(())
+}
+
+/// The routes `args` give (`--sink`, the `--config` file as it reads now, `--route` with the
+/// flags that follow each), their sinks connected, and each as the log shows it.
+async fn routes_of(args: &RunArgs, defaults: &SinkOptions) -> Result<(Vec<Route<Sink>>, Vec<String>), CliError> {
     let mut destinations = Vec::new();
-    if let Some(sink) = args.sink {
-        destinations.push(crate::routes::single(sink, defaults.clone()));
+    if let Some(sink) = &args.sink {
+        destinations.push(crate::routes::single(sink.clone(), defaults.clone()));
     }
     if let Some(path) = &args.config {
-        destinations.extend(crate::routes::read_file(path, &defaults)?);
+        destinations.extend(crate::routes::read_file(path, defaults)?);
     }
     let mut routes_given = Vec::with_capacity(args.route.len());
     for spec in &args.route {
-        routes_given.push(crate::routes::parse_route(spec, &defaults)?);
+        routes_given.push(crate::routes::parse_route(spec, defaults)?);
     }
     for flags in &args.route_flags {
         apply_route_flags(&mut routes_given[flags.route], flags)?;
     }
     destinations.extend(routes_given);
-    // The sinks first: a bad spec is refused before anything touches the database.
     let mut routes = Vec::with_capacity(destinations.len());
     let mut shown = Vec::with_capacity(destinations.len());
     for destination in destinations {
@@ -262,32 +296,72 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         routes.push(route);
         shown.push(described);
     }
-    let outbox = Outbox::connect_lazy(db.url.clone(), config.workers + 2)?.with_timeout(db.timeout);
-    let relay = Relay::with_routes(&outbox, config, routes)?;
-    let stop_http = tokio_util::sync::CancellationToken::new();
-    let server = match args.http {
-        Some(addr) => {
-            let metrics = relay.destination_metrics();
-            let (listener, console) = crate::http::bind(addr, &outbox, Some(metrics), args.http_token).await?;
-            Some(tokio::spawn(crate::http::serve(listener, console, stop_http.clone())))
+    Ok((routes, shown))
+}
+
+/// What `run` needs to make a relay again when SIGHUP asks it to read `--config` again.
+struct Reload<'a> {
+    args: &'a RunArgs,
+    defaults: &'a SinkOptions,
+    outbox: &'a Outbox,
+    config: &'a RelayConfig,
+}
+
+impl Reload<'_> {
+    /// Delivers with `relay` until SIGINT or SIGTERM. On SIGHUP with `--config`, reads the file
+    /// again; when it makes a relay (every route valid, every sink built), the running relay
+    /// stops as at SIGTERM (it lets its deliveries finish and records them: nothing is delivered
+    /// twice) and the new one takes over, its counters in `console`. A file that does not make
+    /// one is logged and changes nothing.
+    async fn deliver(
+        &self,
+        mut relay: Relay<Sink>,
+        mut shown: Vec<String>,
+        signals: &mut Signals,
+        console: Option<&crate::http::Console>,
+    ) -> Result<(), CliError> {
+        loop {
+            let reload = if self.args.config.is_some() { ", reload --config with SIGHUP" } else { "" };
+            tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM{reload}");
+            let mut next = None;
+            let until = async {
+                loop {
+                    if let Asked::Stop = signals.next().await {
+                        return;
+                    }
+                    if self.args.config.is_none() {
+                        tracing::warn!("{SIGHUP_IGNORED}");
+                        continue;
+                    }
+                    match self.relay().await {
+                        Ok(made) => {
+                            next = Some(made);
+                            return;
+                        }
+                        Err(e) => tracing::error!(
+                            error = %crate::one_line(&e.to_string()),
+                            "SIGHUP: --config was not reloaded; the relay goes on with the routes it has"
+                        ),
+                    }
+                }
+            };
+            relay.run(until).await?;
+            let Some((new, new_shown)) = next else {
+                return Ok(());
+            };
+            if let Some(console) = console {
+                console.set_destinations(new.destination_metrics());
+            }
+            tracing::info!("SIGHUP: --config reloaded; the relay with the new routes takes over");
+            (relay, shown) = (new, new_shown);
         }
-        None => None,
-    };
-    let mut shutdown = std::pin::pin!(shutdown);
-    let ran = match wait_for_database(db, &outbox, args.migrate, args.exit_on_database_error, shutdown.as_mut()).await {
-        Ok(true) => {
-            tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM");
-            relay.run(shutdown).await.map_err(CliError::from)
-        }
-        Ok(false) => Ok(()),
-        Err(e) => Err(e),
-    };
-    stop_http.cancel();
-    if let Some(server) = server {
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(3), server).await;
     }
-    ran?;
-    Ok(())
+
+    /// A relay with the routes of the file as it reads now.
+    async fn relay(&self) -> Result<(Relay<Sink>, Vec<String>), CliError> {
+        let (routes, shown) = routes_of(self.args, self.defaults).await?;
+        Ok((Relay::with_routes(self.outbox, self.config.clone(), routes)?, shown))
+    }
 }
 
 /// The longest pause between two tries of a database that cannot be reached at start.
@@ -438,27 +512,59 @@ fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
     }
 }
 
-/// Installs the SIGINT and SIGTERM handlers now (a signal that arrives later, even before the
-/// relay runs, is not lost to the default action) and returns a future that resolves on the first.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?;
-    let mut terminate = signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?;
-    // SIGHUP (systemd's ExecReload, logrotate scripts, a closed terminal) used to end the process
-    // as SIGKILL does: its claims stayed leased and were delivered again after a restart.
-    let mut hangup = signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
-    Ok(async move {
-        loop {
-            tokio::select! {
-                _ = interrupt.recv() => return tracing::info!("SIGINT received"),
-                _ = terminate.recv() => return tracing::info!("SIGTERM received"),
-                _ = hangup.recv() => tracing::warn!(
-                    "SIGHUP received and ignored: the relay goes on with the settings it started with (it does not \
-                     reload them; to apply a change, stop it with SIGTERM, which redelivers nothing, and start it again)"
-                ),
-            }
+/// What a signal asks of `run`.
+enum Asked {
+    /// SIGINT, SIGTERM: stop gracefully.
+    Stop,
+    /// SIGHUP: read `--config` again.
+    Reload,
+}
+
+/// What SIGHUP does without a configuration file to read again.
+const SIGHUP_IGNORED: &str = "SIGHUP received and ignored: the relay goes on with the settings it started with (it reloads \
+     only a --config file; to apply a change of flags, stop it with SIGTERM, which redelivers nothing, and start it again)";
+
+/// The signals a long-running command handles, installed at once (one that arrives later, even
+/// before the relay runs, is not lost to the default action). SIGHUP (systemd's ExecReload,
+/// logrotate scripts, a closed terminal) used to end the process as SIGKILL does: its claims
+/// stayed leased and were delivered again after a restart.
+struct Signals {
+    interrupt: tokio::signal::unix::Signal,
+    terminate: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Signals, CliError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Signals {
+            interrupt: signal(SignalKind::interrupt()).map_err(|e| format!("cannot handle SIGINT: {e}"))?,
+            terminate: signal(SignalKind::terminate()).map_err(|e| format!("cannot handle SIGTERM: {e}"))?,
+            hangup: signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?,
+        })
+    }
+
+    /// The next signal, logged.
+    async fn next(&mut self) -> Asked {
+        tokio::select! {
+            _ = self.interrupt.recv() => { tracing::info!("SIGINT received"); Asked::Stop }
+            _ = self.terminate.recv() => { tracing::info!("SIGTERM received"); Asked::Stop }
+            _ = self.hangup.recv() => { tracing::info!("SIGHUP received"); Asked::Reload }
         }
-    })
+    }
+
+    /// Resolves on SIGINT or SIGTERM; a SIGHUP meanwhile is logged with `why` it changes nothing.
+    async fn stopped(&mut self, why: &str) {
+        while let Asked::Reload = self.next().await {
+            tracing::warn!("SIGHUP ignored: {why}");
+        }
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM (see [`Signals`]).
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>, CliError> {
+    let mut signals = Signals::install()?;
+    Ok(async move { signals.stopped("this command has nothing to reload").await })
 }
 
 /// How many of the most common errors of pending events `status` shows.

@@ -68,14 +68,14 @@ pub(crate) async fn summary(console: &Console) -> pg_outbox_relay::Result<Summar
             latency_p99_ms: ms(s.latency_p99),
         }
     };
-    let relay = console.relay.as_deref().map(relay_summary);
+    let relay = console.relay().as_deref().map(relay_summary);
+    let counters = console.destinations();
     let destinations: Vec<DestinationSummary> = outbox
         .destinations()
         .await?
         .into_iter()
         .map(|stats| {
-            let relay =
-                console.destinations.iter().find(|(name, _)| *name == stats.name).map(|(_, m)| relay_summary(m));
+            let relay = counters.iter().find(|(name, _)| *name == stats.name).map(|(_, m)| relay_summary(m));
             DestinationSummary { stats, relay }
         })
         .collect();
@@ -183,7 +183,7 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
     let _ = write!(
         html,
         "<body data-relay=\"{}\"><header><h1>outbox-relay</h1><span>{}</span></header>\n<main>\n",
-        console.relay.is_some(),
+        console.has_relay,
         escape(&console.outbox.url().to_string())
     );
     if let Some(done) = done {
@@ -204,7 +204,7 @@ pub(crate) async fn page(console: &Console, lookup: Option<&str>, done: Option<&
             );
         }
     }
-    if console.relay.is_some() {
+    if console.has_relay {
         html.push_str("<section><h2>Commit to delivery</h2><canvas id=\"latency\" width=\"720\" height=\"160\" aria-label=\"latency chart\"></canvas><p class=\"legend\"><span class=\"p50\">p50</span> and <span class=\"p99\">p99</span> of recent deliveries (ms) over the last ten minutes, sampled every 2 s; <span id=\"rate\">-</span> events/s now</p></section>\n");
     }
     render_lookup(&mut html, console, lookup).await;

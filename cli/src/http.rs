@@ -53,12 +53,13 @@ fn check_token(token: &Secret) -> Result<(), crate::UsageError> {
 /// What every request handler reads.
 pub(crate) struct Console {
     pub(crate) outbox: Outbox,
-    exporter: Exporter,
-    /// The first destination's counters (the only one's, with a single sink): the console's
-    /// summary and chart.
-    pub(crate) relay: Option<Arc<RelayMetrics>>,
-    /// Every destination's counters, by name.
-    pub(crate) destinations: Vec<(String, Arc<RelayMetrics>)>,
+    /// The outbox the metrics read (without the console's shorter timeout).
+    exported: Outbox,
+    /// Whether the console serves a relay (`run --http`), not only the database (`console`).
+    pub(crate) has_relay: bool,
+    /// Every destination's counters, by name: the relay's now (a reload of `--config` replaces
+    /// them).
+    destinations: std::sync::RwLock<Vec<(String, Arc<RelayMetrics>)>>,
     /// The CSRF token of this process, in every form.
     pub(crate) csrf: String,
     token: Option<Secret>,
@@ -74,6 +75,24 @@ pub(crate) struct Console {
     done: std::sync::Mutex<std::collections::VecDeque<(u64, String)>>,
     /// The relay's latency and rate, every [`SAMPLE_EVERY`], for the console's chart.
     pub(crate) history: std::sync::Mutex<std::collections::VecDeque<Sample>>,
+}
+
+impl Console {
+    /// Every destination's counters, by name.
+    pub(crate) fn destinations(&self) -> Vec<(String, Arc<RelayMetrics>)> {
+        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// The first destination's counters (the only one's, with a single sink): the console's
+    /// summary and chart.
+    pub(crate) fn relay(&self) -> Option<Arc<RelayMetrics>> {
+        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).first().map(|(_, m)| m.clone())
+    }
+
+    /// The counters of the relay that took over (a reload of `--config`).
+    pub(crate) fn set_destinations(&self, destinations: Vec<(String, Arc<RelayMetrics>)>) {
+        *self.destinations.write().unwrap_or_else(std::sync::PoisonError::into_inner) = destinations;
+    }
 }
 
 /// How often the chart's history is sampled, and how many samples it keeps (ten minutes).
@@ -108,14 +127,12 @@ pub(crate) async fn bind(
     let listener =
         tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen for HTTP on {addr}: {e}"))?;
     let loopback = addr.ip().is_loopback();
-    let destinations = destinations.unwrap_or_default();
-    let exporter = Exporter::new(outbox).with_destinations(destinations.clone());
-    let relay = destinations.first().map(|(_, metrics)| metrics.clone());
+    let has_relay = destinations.as_ref().is_some_and(|d| !d.is_empty());
     let console = Console {
         outbox: outbox.clone().with_timeout(outbox.timeout().min(CONSOLE_DB_TIMEOUT)),
-        exporter,
-        relay,
-        destinations,
+        exported: outbox.clone(),
+        has_relay,
+        destinations: std::sync::RwLock::new(destinations.unwrap_or_default()),
         csrf: format!("{:032x}", rand::random::<u128>()),
         session: format!("{:032x}", rand::random::<u128>()),
         token_required: token.is_some(),
@@ -135,8 +152,9 @@ pub(crate) async fn bind(
 }
 
 /// Samples the relay's latency and delivery rate for the chart, until `stop`.
-async fn sample(console: Arc<Console>, relay: Arc<RelayMetrics>, stop: CancellationToken) {
-    let mut last = relay.snapshot().delivered;
+async fn sample(console: Arc<Console>, stop: CancellationToken) {
+    let delivered = |console: &Console| console.relay().map_or(0, |relay| relay.snapshot().delivered);
+    let mut last = delivered(&console);
     let mut ticks = tokio::time::interval(SAMPLE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     ticks.tick().await;
@@ -145,6 +163,7 @@ async fn sample(console: Arc<Console>, relay: Arc<RelayMetrics>, stop: Cancellat
             _ = stop.cancelled() => return,
             _ = ticks.tick() => {}
         }
+        let Some(relay) = console.relay() else { continue };
         let s = relay.snapshot();
         let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1000.0);
         let at_ms =
@@ -161,8 +180,8 @@ async fn sample(console: Arc<Console>, relay: Arc<RelayMetrics>, stop: Cancellat
 
 /// Serves until `stop`.
 pub(crate) async fn serve(listener: tokio::net::TcpListener, console: Arc<Console>, stop: CancellationToken) {
-    if let Some(relay) = console.relay.clone() {
-        tokio::spawn(sample(console.clone(), relay, stop.clone()));
+    if console.has_relay {
+        tokio::spawn(sample(console.clone(), stop.clone()));
     }
     let pages = Router::new()
         .route("/", get(console_page))
@@ -316,12 +335,13 @@ fn loopback_host(host: &str) -> bool {
 }
 
 async fn metrics(State(console): State<Arc<Console>>) -> Response {
-    ([(header::CONTENT_TYPE, CONTENT_TYPE)], console.exporter.encode().await).into_response()
+    let exporter = Exporter::new(&console.exported).with_destinations(console.destinations());
+    ([(header::CONTENT_TYPE, CONTENT_TYPE)], exporter.encode().await).into_response()
 }
 
 /// Liveness: the process serves, and its relay (if it runs one) has not stopped.
 async fn healthz(State(console): State<Arc<Console>>) -> Response {
-    match console.destinations.iter().find(|(_, relay)| !relay.snapshot().running) {
+    match console.destinations().iter().find(|(_, relay)| !relay.snapshot().running) {
         Some((name, _)) => (
             StatusCode::SERVICE_UNAVAILABLE,
             axum::Json(
@@ -338,7 +358,7 @@ async fn readyz(State(console): State<Arc<Console>>) -> Response {
     let reason = match tokio::time::timeout(READY_TIMEOUT, console.outbox.ping()).await {
         Err(_) => Some(format!("the database did not answer within {READY_TIMEOUT:?}")),
         Ok(Err(e)) => Some(format!("the database does not answer: {}", crate::one_line(&e.to_string()))),
-        Ok(Ok(())) => match console.destinations.iter().find(|(_, relay)| !relay.snapshot().listening) {
+        Ok(Ok(())) => match console.destinations().iter().find(|(_, relay)| !relay.snapshot().listening) {
             Some((name, _)) => {
                 Some(format!("the relay's listener for destination {name} is not listening (it reconnects)"))
             }

@@ -34,6 +34,8 @@ const LONG_PATIENCE: Duration = Duration::from_secs(90);
 struct SlowReceiver {
     seen: Arc<Mutex<HashMap<i64, usize>>>,
     requests: Arc<AtomicUsize>,
+    /// The requests per value of their `x-version` header (a route's setting that a reload changes).
+    versions: Arc<Mutex<HashMap<String, usize>>>,
 }
 
 /// A slow receiver on a free port, and `events` pending events of `topic` for it; returns the
@@ -63,6 +65,8 @@ async fn slow_hook(State(receiver): State<SlowReceiver>, headers: HeaderMap) -> 
         return StatusCode::BAD_REQUEST;
     };
     *receiver.seen.lock().unwrap().entry(id).or_default() += 1;
+    let version = headers.get("x-version").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
+    *receiver.versions.lock().unwrap().entry(version).or_default() += 1;
     receiver.requests.fetch_add(1, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(30)).await;
     StatusCode::OK
@@ -76,11 +80,16 @@ struct RelayProcess {
 
 impl RelayProcess {
     fn spawn(url: &str, args: &[&str]) -> RelayProcess {
+        Self::spawn_logging(url, args, "warn")
+    }
+
+    /// With the log at `level` (`RUST_LOG`).
+    fn spawn_logging(url: &str, args: &[&str], level: &str) -> RelayProcess {
         let mut child = Command::new(BIN)
             .arg("run")
             .args(args)
             .env("DATABASE_URL", url)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", level)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -301,4 +310,67 @@ async fn sighup_mid_backlog_is_logged_and_changes_nothing() {
     assert_eq!(seen.len() as i64, EVENTS, "every event arrived");
     let twice: Vec<i64> = seen.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
     assert!(twice.is_empty(), "events received twice after a SIGHUP: {twice:?}");
+}
+
+/// SIGHUP with `--config` reads the file again (issue 40, item 5): in the middle of a backlog to
+/// a slow receiver, a file that does not parse changes nothing (logged), and a changed file (a
+/// header added to the route) is applied: the running relay stops as at SIGTERM, recording its
+/// deliveries in flight, and one with the new routes takes over. Every event arrives exactly
+/// once, and the requests after the reload carry the new header.
+#[tokio::test]
+async fn sighup_reloads_a_changed_config_mid_backlog_and_delivers_nothing_twice() {
+    const EVENTS: i64 = 200;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.reload", EVENTS).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    let file = |version: &str| {
+        format!(
+            "[[destination]]\nname = \"default\"\npattern = \"#\"\nsink = \"{sink}\"\nheaders = {{ X-Version = \"{version}\" }}\n"
+        )
+    };
+    std::fs::write(&config, file("1")).unwrap();
+    let path = config.to_str().unwrap();
+    // (at most 2 requests at once: the backlog lasts about 3 s, the reloads happen in it)
+    let args = ["--config", path, "--workers", "2", "--batch-size", "10", "--completion", "mark", "--concurrency", "2"];
+    let relay = RelayProcess::spawn_logging(&db.url, &args, "info");
+    let requests = receiver.requests.clone();
+    let delivered = |n: usize| {
+        let requests = requests.clone();
+        move || {
+            let done = requests.load(Ordering::SeqCst);
+            async move { done >= n }
+        }
+    };
+    eventually("the relay delivered 30 events", delivered(30)).await;
+    std::fs::write(&config, "[[destination]]\nname = \"default\"\npattern = ").unwrap();
+    relay.send("-HUP");
+    eventually("the bad file refused", || async { relay.log().contains("--config was not reloaded") }).await;
+    std::fs::write(&config, file("2")).unwrap();
+    relay.send("-HUP");
+    eventually("the new file applied", || async { relay.log().contains("--config reloaded") }).await;
+    // Events written after the reload go through the new route.
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'fault.reload', '{}' from generate_series(1, 10)",
+            &[],
+        )
+        .await
+        .unwrap();
+    eventually_within("the relay processed every event", LONG_PATIENCE, || async { waiting(&client).await == 0 }).await;
+    let log = relay.log();
+    let status = relay.signal("-TERM").await;
+    assert_eq!(status.code(), Some(0), "{status:?}; its log:\n{log}");
+    let seen = receiver.seen.lock().unwrap().clone();
+    assert_eq!(seen.len() as i64, EVENTS + 10, "every event arrived");
+    let twice: Vec<i64> = seen.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
+    assert!(twice.is_empty(), "events received twice across the reloads: {twice:?}; log:\n{log}");
+    let versions = receiver.versions.lock().unwrap().clone();
+    assert!(versions.get("1").is_some_and(|n| *n >= 30), "{versions:?}");
+    assert!(
+        versions.get("2").is_some_and(|n| *n > 10),
+        "the reloaded header is sent, for some of the backlog too (the reload happened in it): {versions:?}"
+    );
+    assert_eq!(versions.get("none"), None, "{versions:?}");
 }
