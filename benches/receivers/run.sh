@@ -58,6 +58,12 @@ else
     start=$(date +%s.%N)
     start_relay "$@"
 fi
+# The events not recorded delivered yet: outbox rows not passed, and copies parked for the
+# destination (a retry, or a claim's lease: its outbox rows are finished when it is leased).
+unrecorded() {
+    psql -XAtq "$db" -c "select count(*) from (select id from outbox_relay.outbox where processed_at is null
+                         union select id from outbox_relay.parked where destination = 'default') w"
+}
 # KILL_AFTER=N kills the relay with SIGKILL once the receiver accepted N requests, notes what the
 # receiver had accepted that the database had not recorded, and starts a second relay.
 killed='{}'
@@ -67,12 +73,12 @@ if [ -n "${KILL_AFTER:-}" ]; then
     kill -9 "${pids[-1]}"
     wait "${pids[-1]}" 2>/dev/null || true
     at_kill=$(accepted)
-    pending=$(psql -XAtq "$db" -c 'select count(*) from outbox_relay.outbox where processed_at is null')
+    pending=$(unrecorded)
     killed="{\"accepted_at_kill\": $at_kill, \"accepted_unrecorded_at_kill\": $((at_kill + pending - events))}"
     cp "$work/log" "$work/log.killed"
     start_relay "$@"
 fi
-until [ "$(psql -XAtq "$db" -c 'select count(*) from outbox_relay.outbox where processed_at is null')" = 0 ]; do sleep 0.02; done
+until [ "$(unrecorded)" = 0 ]; do sleep 0.02; done
 end=$(date +%s.%N)
 stats=$(curl -sf "http://127.0.0.1:$port/stats")
 opened=$(grep -c "the destination looks down" "$work/log" || true)

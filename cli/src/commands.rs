@@ -234,6 +234,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         retention: args.retention,
         idempotency_retention: args.idempotency_retention,
         destination_expiry: args.destination_expiry,
+        record_every: args.record_every,
         shutdown_grace: args.shutdown_grace,
         ..RelayConfig::default()
     };

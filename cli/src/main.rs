@@ -245,6 +245,11 @@ pub(crate) struct RunArgs {
     /// Delete idempotency receipts older than this (0s to 100 years).
     #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     idempotency_retention: Duration,
+    /// How often the events of a claim still in delivery that are delivered already are
+    /// recorded (0s to 1m; 0s: once the whole claim is delivered), so that a relay killed in a
+    /// slow delivery sends again only what was in flight.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true, default_value = "20ms")]
+    record_every: Duration,
     /// A destination of this relay that no relay serves for this long expires: what waits for it
     /// goes to its dead letters, and it no longer keeps events in the outbox (0s: never; up to
     /// 100 years). Warned of in the log, `status` and the metrics from half of it.

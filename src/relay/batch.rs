@@ -82,9 +82,11 @@ impl<H: Handler> Batches<H> {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
                 outcomes.release_all(&events);
             } else {
-                let delivery = self.delivery.deliver(&events);
+                let progress = Arc::default();
+                let delivery = self.delivery.deliver(&events, &progress);
                 tokio::pin!(delivery);
-                match self.leases.keep_while(delivery, &mut held, &claimed, &parked, token, claimed_at).await {
+                let kept = self.leases.keep_while(delivery, &mut held, &claimed, &parked, token, claimed_at, &progress);
+                match kept.await {
                     // Cut off at shutdown: the events go back, the attempt not counted.
                     None => outcomes.release_all(&events),
                     Some(results) => self.judge.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,

@@ -71,6 +71,13 @@ pub struct RelayConfig {
     /// the log, `status` and the metrics once half of it has passed. Zero: never. Defaults to 7
     /// days. Needs a janitor (`janitor_interval` not zero) in some relay.
     pub destination_expiry: Duration,
+    /// How often the events of a claim still in delivery that are delivered already are
+    /// recorded (a held claim is leased then, its other events staying this claim's), so that a
+    /// relay killed in the middle of a slow delivery sends again only what was in flight or
+    /// finished in the last moments, not its whole claims. A claim delivered within it is
+    /// recorded once, with nothing leased. Zero: only once the whole claim is delivered.
+    /// Defaults to 20 ms.
+    pub record_every: Duration,
     /// Time between janitor passes; zero turns the janitor off. Defaults to 60 s.
     pub janitor_interval: Duration,
     /// Rows one janitor statement deletes at most, to keep locks short. Defaults to 1000.
@@ -143,6 +150,8 @@ impl RelayConfig {
     pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
     /// Default age after which processed events are deleted.
     pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default time between recordings of a claim in delivery.
+    pub const DEFAULT_RECORD_EVERY: Duration = Duration::from_millis(20);
     /// Default time without a relay after which a destination expires.
     pub const DEFAULT_DESTINATION_EXPIRY: Duration = Duration::from_secs(7 * 24 * 3600);
     /// Default age after which idempotency receipts are deleted.
@@ -225,6 +234,7 @@ impl Default for RelayConfig {
             retention: RelayConfig::DEFAULT_RETENTION,
             idempotency_retention: RelayConfig::DEFAULT_IDEMPOTENCY_RETENTION,
             destination_expiry: RelayConfig::DEFAULT_DESTINATION_EXPIRY,
+            record_every: RelayConfig::DEFAULT_RECORD_EVERY,
             janitor_interval: RelayConfig::DEFAULT_JANITOR_INTERVAL,
             janitor_batch: RelayConfig::DEFAULT_JANITOR_BATCH,
             shutdown_grace: RelayConfig::DEFAULT_SHUTDOWN_GRACE,
@@ -271,6 +281,7 @@ impl RelayConfig {
             ("retention", self.retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
             ("idempotency_retention", self.idempotency_retention, Duration::ZERO, RelayConfig::MAX_RETENTION),
             ("destination_expiry", self.destination_expiry, Duration::ZERO, RelayConfig::MAX_RETENTION),
+            ("record_every", self.record_every, Duration::ZERO, RelayConfig::MAX_HOLD),
             ("janitor_interval", self.janitor_interval, Duration::ZERO, RelayConfig::MAX_JANITOR_INTERVAL),
             ("shutdown_grace", self.shutdown_grace, Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE),
             ("reconnect_max", self.reconnect_max, RelayConfig::MIN_RECONNECT_MAX, RelayConfig::MAX_RECONNECT_MAX),

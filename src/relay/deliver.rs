@@ -3,11 +3,12 @@
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 
 use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 
-use super::handler::{DeliveryError, Handler, Slots, panicked};
+use super::handler::{DeliveryError, Handler, Progress, Slots, panicked};
 use crate::event::Event;
 
 /// What handing events to the handler needs.
@@ -29,7 +30,8 @@ impl<H: Handler> Delivery<H> {
     /// Hands `events` to the handler in rounds. The first round has every event without a key
     /// and the first of each key; each next round the next event of every key whose last one was
     /// delivered. `None` when the shutdown's abort cut the delivery off.
-    pub(crate) async fn deliver(&self, events: &[Event]) -> Option<Results> {
+    pub(crate) async fn deliver(&self, events: &[Event], progress: &Arc<Progress>) -> Option<Results> {
+        let slots = self.slots.reporting(progress.clone());
         tracing::trace!(events = events.len(), "delivering");
         let rounds = rounds_by_key(events);
         let run = async {
@@ -45,10 +47,10 @@ impl<H: Handler> Delivery<H> {
                     break;
                 }
                 let delivered = if now.len() == events.len() {
-                    self.hand_over(events).await
+                    self.hand_over(events, &slots).await
                 } else {
                     let part: Vec<Event> = now.iter().map(|&i| events[i].clone()).collect();
-                    self.hand_over(&part).await
+                    self.hand_over(&part, &slots).await
                 };
                 for (&i, result) in now.iter().zip(delivered) {
                     if let (Err(_), Some(key)) = (&result, &events[i].key) {
@@ -68,20 +70,20 @@ impl<H: Handler> Delivery<H> {
     /// One call of the handler: one result per event, a panic failing them all. With the
     /// `opentelemetry` feature, each event that carries a trace context is sent in a span of its
     /// own, whose context it carries to the receiver.
-    async fn hand_over(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
+    async fn hand_over(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
         #[cfg(feature = "opentelemetry")]
         {
             let (sends, traced) = crate::trace::Sends::start(events, &self.to);
-            let results = self.call(traced.as_deref().unwrap_or(events)).await;
+            let results = self.call(traced.as_deref().unwrap_or(events), slots).await;
             sends.finish(&results);
             results
         }
         #[cfg(not(feature = "opentelemetry"))]
-        self.call(events).await
+        self.call(events, slots).await
     }
 
-    async fn call(&self, events: &[Event]) -> Vec<Result<(), DeliveryError>> {
-        let delivery = AssertUnwindSafe(self.handler.handle_batch(events, &self.slots)).catch_unwind();
+    async fn call(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
+        let delivery = AssertUnwindSafe(self.handler.handle_batch(events, slots)).catch_unwind();
         let mut results = match delivery.await {
             Ok(results) => results,
             Err(panic) => {

@@ -174,6 +174,7 @@ impl<H: Handler> Engine<H> {
                 hold: config.effective_hold(),
                 delete,
                 work: shared.work.clone(),
+                record_every: config.record_every,
             },
             delivery: deliver::Delivery {
                 handler,

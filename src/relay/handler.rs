@@ -219,6 +219,7 @@ pub trait Handler: Send + Sync + 'static {
                 let delivery = std::panic::AssertUnwindSafe(self.handle(event)).catch_unwind().await;
                 let result = delivery.unwrap_or_else(|panic| Err(panicked(&*panic)));
                 slot.done(&result);
+                slots.finished(event, &result);
                 result
             })
             .buffered(events.len().max(1))
@@ -234,6 +235,21 @@ pub trait Handler: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct Slots {
     inner: Arc<SlotsInner>,
+    /// Where the deliveries of the batch these slots were handed with are reported as they end.
+    progress: Option<Arc<Progress>>,
+}
+
+/// The events of a batch delivered so far, not yet taken for recording (see [`Slots::finished`]).
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    delivered: Mutex<Vec<i64>>,
+}
+
+impl Progress {
+    /// The ids delivered since the last call.
+    pub(crate) fn take(&self) -> Vec<i64> {
+        std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    }
 }
 
 #[derive(Debug)]
@@ -295,6 +311,25 @@ impl Slots {
                 state: Mutex::new(state),
                 metrics,
             }),
+            progress: None,
+        }
+    }
+
+    /// These slots, reporting the deliveries that end to `progress`.
+    pub(crate) fn reporting(&self, progress: Arc<Progress>) -> Slots {
+        Slots { inner: self.inner.clone(), progress: Some(progress) }
+    }
+
+    /// Tells the relay that `event`, of the batch being handled, is delivered (`result` is `Ok`)
+    /// before the rest of the batch is: the relay records it within moments
+    /// ([`RelayConfig::record_every`](super::RelayConfig::record_every)) rather than with the
+    /// whole batch, so that a crash delivers again only what was in flight. The default
+    /// [`Handler::handle_batch`] calls it for every event; a handler that overrides it may, for
+    /// each event the destination has durably taken. A failure is not reported: it is recorded
+    /// with the batch.
+    pub fn finished(&self, event: &Event, result: &Result<(), DeliveryError>) {
+        if let (Some(progress), Ok(())) = (&self.progress, result) {
+            progress.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).push(event.id);
         }
     }
 

@@ -12,6 +12,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::RelayPool;
+use super::handler::Progress;
 use super::held::Held;
 use crate::error::Result;
 use crate::sql;
@@ -29,12 +30,16 @@ pub(crate) struct Leases {
     pub(crate) delete: bool,
     /// "There may be events": wakes a worker once a lease frees the new events' lock.
     pub(crate) work: Arc<Notify>,
+    /// How often what a claim in delivery has delivered so far is recorded (zero: at its end).
+    pub(crate) record_every: Duration,
 }
 
 impl Leases {
-    /// Waits for `delivery`, keeping its events this claim's for as long as it runs. `claimed`:
-    /// the ids and attempts of every event of the claim, `parked`: those claimed from the parked
-    /// events.
+    /// Waits for `delivery`, keeping its events this claim's for as long as it runs, and every
+    /// `record_every` records those of its events that `progress` says are delivered (a held
+    /// claim is leased then). `claimed`: the ids and attempts of every event of the claim,
+    /// `parked`: those claimed from the parked events.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn keep_while<F: std::future::Future + Unpin>(
         &self,
         mut delivery: F,
@@ -43,12 +48,15 @@ impl Leases {
         parked: &HashSet<i64>,
         token: i64,
         claimed_at: Instant,
+        progress: &Progress,
     ) -> F::Output {
         let renew_every = self.lease / 2;
         // With `hold` zero the claim was leased when it was claimed.
         let mut next = claimed_at + if held.is_some() { self.hold } else { renew_every };
         let mut leased = held.is_none();
-        let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        let mut ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        let recording = !self.record_every.is_zero();
+        let mut next_record = claimed_at + self.record_every;
         loop {
             tokio::select! {
                 done = &mut delivery => return done,
@@ -60,6 +68,36 @@ impl Leases {
                     }
                     next = Instant::now() + renew_every;
                 }
+                () = tokio::time::sleep_until(next_record), if recording => {
+                    next_record = Instant::now() + self.record_every;
+                    let delivered = progress.take();
+                    if delivered.is_empty() {
+                        continue;
+                    }
+                    if let Some(claim) = held.take() {
+                        leased = self.lease(claim, claimed, parked, token).await;
+                        next = Instant::now() + renew_every;
+                    }
+                    if leased {
+                        self.record_delivered(&delivered, token).await;
+                        let delivered: HashSet<i64> = delivered.into_iter().collect();
+                        ids.retain(|id| !delivered.contains(id));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records `delivered`, events of a leased claim still in delivery, by the lease's token.
+    /// A failure is only logged: the claim's outcome, recorded once it is all delivered, says
+    /// the same.
+    async fn record_delivered(&self, delivered: &[i64], token: i64) {
+        let recorded =
+            async { sql::complete_parked(&*self.pool.client().await?, &self.to, delivered, Some(token)).await };
+        match recorded.await {
+            Ok(_) => tracing::trace!(events = delivered.len(), "recorded what a claim in delivery delivered so far"),
+            Err(e) => {
+                tracing::debug!(error = %e, events = delivered.len(), "recording what a claim in delivery delivered so far failed; it is recorded with the claim")
             }
         }
     }
