@@ -191,7 +191,9 @@ pub trait Handler: Send + Sync + 'static {
     fn handle(&self, event: &Event) -> impl Future<Output = Result<(), DeliveryError>> + Send;
 
     /// Delivers a batch, returning one result per event, in the order of `events`; the relay
-    /// records them together once the future completes.
+    /// records them once the future completes, and, once the claim is leased, the events reported
+    /// delivered with [`Slots::finished`] before (every
+    /// [`RelayConfig::record_every`](super::RelayConfig::record_every)).
     ///
     /// The relay never hands a batch two events of one key (a claim may hold several; they are
     /// handed over in rounds, a key's next event only once the one before it was delivered), so
@@ -321,7 +323,8 @@ impl Slots {
     }
 
     /// Tells the relay that `event`, of the batch being handled, is delivered (`result` is `Ok`)
-    /// before the rest of the batch is: the relay records it within moments
+    /// before the rest of the batch is: once the batch's claim is leased (its delivery outlived
+    /// [`RelayConfig::hold`](super::RelayConfig::hold)) the relay records it within moments
     /// ([`RelayConfig::record_every`](super::RelayConfig::record_every)) rather than with the
     /// whole batch, so that a crash delivers again only what was in flight. The default
     /// [`Handler::handle_batch`] calls it for every event; a handler that overrides it may, for

@@ -35,9 +35,9 @@ pub(crate) struct Leases {
 }
 
 impl Leases {
-    /// Waits for `delivery`, keeping its events this claim's for as long as it runs, and every
-    /// `record_every` records those of its events that `progress` says are delivered (a held
-    /// claim is leased then). `claimed`: the ids and attempts of every event of the claim,
+    /// Waits for `delivery`, keeping its events this claim's for as long as it runs, and, once
+    /// the claim is leased, records every `record_every` those of its events that `progress`
+    /// says are delivered. `claimed`: the ids and attempts of every event of the claim,
     /// `parked`: those claimed from the parked events.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn keep_while<F: std::future::Future + Unpin>(
@@ -68,17 +68,13 @@ impl Leases {
                     }
                     next = Instant::now() + renew_every;
                 }
-                () = tokio::time::sleep_until(next_record), if recording => {
+                // A held claim's deliveries wait for its commit (leasing it only to record them
+                // would cost the lease's writes, and a key's later events their parking, for
+                // every delivery that outlives `record_every`).
+                () = tokio::time::sleep_until(next_record), if recording && leased && held.is_none() => {
                     next_record = Instant::now() + self.record_every;
                     let delivered = progress.take();
-                    if delivered.is_empty() {
-                        continue;
-                    }
-                    if let Some(claim) = held.take() {
-                        leased = self.lease(claim, claimed, parked, token).await;
-                        next = Instant::now() + renew_every;
-                    }
-                    if leased {
+                    if !delivered.is_empty() {
                         self.record_delivered(&delivered, token).await;
                         let delivered: HashSet<i64> = delivered.into_iter().collect();
                         ids.retain(|id| !delivered.contains(id));

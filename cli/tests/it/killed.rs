@@ -224,12 +224,13 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
-/// Fault: `outbox-relay run` with its default claims (2 workers, 500 events each) killed with
-/// SIGKILL in the middle of a backlog to a slow receiver (30 ms a request, 8 at once). The
-/// deliveries of a claim still in delivery are recorded every `--record-every` (20 ms), so what
-/// arrives twice is bounded by what was in flight at the kill (8 requests, and those that ended
-/// in the last moments), not by the claims (issue 40, item 9): before, the 200 events the
-/// receiver had accepted of the first claims all arrived again.
+/// Fault: `outbox-relay run` with claims of 500 events, leased after 20 ms (`--hold 20ms`, a 2 s
+/// lease), killed with SIGKILL in the middle of a backlog to a slow receiver (30 ms a request, 8
+/// at once). A leased claim's deliveries are recorded every `--record-every` (20 ms) as they end,
+/// so what arrives twice is bounded by what was in flight at the kill (8 requests, and those that
+/// ended in the last moments), not by the claims (issue 40, item 9): before, a leased claim was
+/// recorded once all delivered, and the 200 events the receiver had accepted of the claims in
+/// delivery all arrived again.
 #[tokio::test]
 async fn a_relay_killed_in_a_slow_delivery_sends_again_about_what_was_in_flight() {
     const EVENTS: i64 = 600;
@@ -238,7 +239,19 @@ async fn a_relay_killed_in_a_slow_delivery_sends_again_about_what_was_in_flight(
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.kill", EVENTS).await;
     let concurrency = CONCURRENCY.to_string();
-    let args = ["--sink", &sink, "--concurrency", &concurrency, "--fixed-concurrency", "--completion", "mark"];
+    let args = [
+        "--sink",
+        &sink,
+        "--concurrency",
+        &concurrency,
+        "--fixed-concurrency",
+        "--completion",
+        "mark",
+        "--hold",
+        "20ms",
+        "--lease",
+        "2s",
+    ];
     let first = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
     eventually("the first relay delivered 200 events", || {
