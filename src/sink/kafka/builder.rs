@@ -100,7 +100,7 @@ pub struct KafkaSinkBuilder {
 
 impl KafkaSinkBuilder {
     /// The topic template: `{topic}` stands for the event's topic. Defaults to
-    /// [`DEFAULT_KAFKA_TOPIC`] (the event's topic itself).
+    /// [`DEFAULT_KAFKA_TOPIC`](crate::sink::DEFAULT_KAFKA_TOPIC) (the event's topic itself).
     pub fn topic(mut self, template: impl Into<String>) -> Self {
         self.topic = template.into();
         self
@@ -120,7 +120,7 @@ impl KafkaSinkBuilder {
     }
 
     /// How long connecting and each acknowledgement may take (librdkafka's
-    /// `message.timeout.ms`; 1 ms to [`MAX_TIMEOUT`](super::MAX_TIMEOUT)). Defaults to 10 s.
+    /// `message.timeout.ms`; 1 ms to [`MAX_TIMEOUT`](crate::sink::MAX_TIMEOUT)). Defaults to 10 s.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
