@@ -241,7 +241,8 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     config.validate()?;
     let defaults = sink_options(&args)?;
     // The sinks first: a bad spec is refused before anything touches the database.
-    let (routes, shown) = routes_of(&args, &defaults).await?;
+    let destinations = destinations_of(&args, &defaults)?;
+    let (routes, shown) = routes_of(destinations.clone(), args.exit_on_sink_error).await?;
     let outbox = Outbox::connect_lazy(db.url.clone(), config.workers + 2)?.with_timeout(db.timeout);
     let relay = Relay::with_routes(&outbox, config.clone(), routes)?;
     let stop_http = tokio_util::sync::CancellationToken::new();
@@ -254,13 +255,17 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         None => None,
     };
     let started = {
-        let stopped = signals.stopped("the relay waits for its database; SIGHUP reloads --config once it delivers");
+        let stopped =
+            signals.stopped("the relay waits for its database (SIGHUP reloads --config only once it delivers)");
         let mut stopped = std::pin::pin!(stopped);
         wait_for_database(db, &outbox, args.migrate, args.exit_on_database_error, stopped.as_mut()).await
     };
     let reload = Reload { args: &args, defaults: &defaults, outbox: &outbox, config: &config };
     let ran = match started {
-        Ok(true) => reload.deliver(relay, shown, &mut signals, console.as_ref().map(|(_, c)| &**c)).await,
+        Ok(true) => {
+            let running = Running { relay, shown, destinations, previous: None };
+            reload.deliver(running, &mut signals, console.as_ref().map(|(_, c)| &**c)).await
+        }
         Ok(false) => Ok(()),
         Err(e) => Err(e),
     };
@@ -272,9 +277,9 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The routes `args` give (`--sink`, the `--config` file as it reads now, `--route` with the
-/// flags that follow each), their sinks connected, and each as the log shows it.
-async fn routes_of(args: &RunArgs, defaults: &SinkOptions) -> Result<(Vec<Route<Sink>>, Vec<String>), CliError> {
+/// The destinations `args` give: `--sink`, the `--config` file as it reads now, `--route` with
+/// the flags that follow each.
+fn destinations_of(args: &RunArgs, defaults: &SinkOptions) -> Result<Vec<crate::routes::Destination>, CliError> {
     let mut destinations = Vec::new();
     if let Some(sink) = &args.sink {
         destinations.push(crate::routes::single(sink.clone(), defaults.clone()));
@@ -290,10 +295,18 @@ async fn routes_of(args: &RunArgs, defaults: &SinkOptions) -> Result<(Vec<Route<
         apply_route_flags(&mut routes_given[flags.route], flags)?;
     }
     destinations.extend(routes_given);
+    Ok(destinations)
+}
+
+/// The routes of `destinations`, their sinks connected, and each as the log shows it.
+async fn routes_of(
+    destinations: Vec<crate::routes::Destination>,
+    exit_on_sink_error: bool,
+) -> Result<(Vec<Route<Sink>>, Vec<String>), CliError> {
     let mut routes = Vec::with_capacity(destinations.len());
     let mut shown = Vec::with_capacity(destinations.len());
     for destination in destinations {
-        let (route, described) = destination.route(args.exit_on_sink_error).await?;
+        let (route, described) = destination.route(exit_on_sink_error).await?;
         routes.push(route);
         shown.push(described);
     }
@@ -308,22 +321,34 @@ struct Reload<'a> {
     config: &'a RelayConfig,
 }
 
+/// A relay about to run, what it was made of, and, after a reload, what the relay before it was
+/// made of (to go back to if the new routes are refused when they register).
+struct Running {
+    relay: Relay<Sink>,
+    shown: Vec<String>,
+    destinations: Vec<crate::routes::Destination>,
+    previous: Option<Vec<crate::routes::Destination>>,
+}
+
 impl Reload<'_> {
-    /// Delivers with `relay` until SIGINT or SIGTERM. On SIGHUP with `--config`, reads the file
-    /// again; when it makes a relay (every route valid, every sink built), the running relay
-    /// stops as at SIGTERM (it lets its deliveries finish and records them: nothing is delivered
-    /// twice) and the new one takes over, its counters in `console`. A file that does not make
-    /// one is logged and changes nothing.
+    /// Delivers until SIGINT or SIGTERM. On SIGHUP with `--config`, reads the file again; when
+    /// it makes a relay (every route valid, every sink built), the running relay stops as at
+    /// SIGTERM (it lets its deliveries finish and records them: nothing is delivered twice) and
+    /// the new one takes over, its counters in `console`. A file that does not make one is logged
+    /// and changes nothing; new routes refused when they register (a pattern change of a
+    /// destination another process serves) are logged, and the routes before them run again.
     async fn deliver(
         &self,
-        mut relay: Relay<Sink>,
-        mut shown: Vec<String>,
+        mut running: Running,
         signals: &mut Signals,
         console: Option<&crate::http::Console>,
     ) -> Result<(), CliError> {
         loop {
             let reload = if self.args.config.is_some() { ", reload --config with SIGHUP" } else { "" };
-            tracing::info!(destinations = %shown.join("; "), "delivering; stop with SIGINT or SIGTERM{reload}");
+            tracing::info!(destinations = %running.shown.join("; "), "delivering; stop with SIGINT or SIGTERM{reload}");
+            if let Some(console) = console {
+                console.set_destinations(running.relay.destination_metrics());
+            }
             let mut next = None;
             let until = async {
                 loop {
@@ -334,7 +359,18 @@ impl Reload<'_> {
                         tracing::warn!("{SIGHUP_IGNORED}");
                         continue;
                     }
-                    match self.relay().await {
+                    // A SIGTERM while the new sinks connect stops the relay at once.
+                    let made = tokio::select! {
+                        made = self.relay() => made,
+                        asked = signals.next() => match asked {
+                            Asked::Stop => return,
+                            Asked::Reload => {
+                                tracing::warn!("SIGHUP received while --config was being read again; send it again once it is");
+                                continue;
+                            }
+                        },
+                    };
+                    match made {
                         Ok(made) => {
                             next = Some(made);
                             return;
@@ -346,22 +382,32 @@ impl Reload<'_> {
                     }
                 }
             };
-            relay.run(until).await?;
-            let Some((new, new_shown)) = next else {
-                return Ok(());
+            let ran = running.relay.run(until).await;
+            running = match (ran, next, running.previous) {
+                (Ok(()), None, _) => return Ok(()),
+                (Ok(()), Some((relay, shown, destinations)), _) => {
+                    tracing::info!("SIGHUP: --config reloaded; the relay with the new routes takes over");
+                    Running { relay, shown, destinations, previous: Some(running.destinations) }
+                }
+                (Err(e), _, Some(previous)) if e.kind() == pg_outbox_relay::ErrorKind::Config => {
+                    tracing::error!(
+                        error = %crate::one_line(&e.to_string()),
+                        "SIGHUP: the reloaded routes were refused; the relay goes on with the routes it had"
+                    );
+                    let (routes, shown) = routes_of(previous.clone(), self.args.exit_on_sink_error).await?;
+                    let relay = Relay::with_routes(self.outbox, self.config.clone(), routes)?;
+                    Running { relay, shown, destinations: previous, previous: None }
+                }
+                (Err(e), _, _) => return Err(e.into()),
             };
-            if let Some(console) = console {
-                console.set_destinations(new.destination_metrics());
-            }
-            tracing::info!("SIGHUP: --config reloaded; the relay with the new routes takes over");
-            (relay, shown) = (new, new_shown);
         }
     }
 
-    /// A relay with the routes of the file as it reads now.
-    async fn relay(&self) -> Result<(Relay<Sink>, Vec<String>), CliError> {
-        let (routes, shown) = routes_of(self.args, self.defaults).await?;
-        Ok((Relay::with_routes(self.outbox, self.config.clone(), routes)?, shown))
+    /// A relay with the routes of the file as it reads now, and what it was made of.
+    async fn relay(&self) -> Result<(Relay<Sink>, Vec<String>, Vec<crate::routes::Destination>), CliError> {
+        let destinations = destinations_of(self.args, self.defaults)?;
+        let (routes, shown) = routes_of(destinations.clone(), self.args.exit_on_sink_error).await?;
+        Ok((Relay::with_routes(self.outbox, self.config.clone(), routes)?, shown, destinations))
     }
 }
 
@@ -728,4 +774,25 @@ fn list_ids(ids: &[i64]) -> String {
     let shown: Vec<String> = ids.iter().take(20).map(i64::to_string).collect();
     let more = if ids.len() > 20 { format!(" and {} more", ids.len() - 20) } else { String::new() };
     format!(": {}{more}", shown.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every per-route flag has its place in a route (none reaches the `unreachable!`).
+    #[test]
+    fn every_per_route_flag_applies_to_a_route() {
+        let parsed = || {
+            let argv = ["outbox-relay", "run", "--route", "a=#=stdout"].map(std::ffi::OsString::from).to_vec();
+            let Command::Run(args) = crate::route_flags::parse(argv).unwrap().command else { panic!("run") };
+            args
+        };
+        let args = parsed();
+        let defaults = sink_options(&args).unwrap();
+        let mut route = crate::routes::parse_route("a=#=stdout", &defaults).unwrap();
+        let given = crate::route_flags::PER_ROUTE.iter().map(|id| id.to_string()).collect();
+        let flags = crate::route_flags::RouteFlags { route: 0, given, args: parsed() };
+        apply_route_flags(&mut route, &flags).unwrap();
+    }
 }

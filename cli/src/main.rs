@@ -179,7 +179,8 @@ pub(crate) struct RunArgs {
     /// A destination: the events whose topic PATTERN matches go to SINK (repeatable; each event
     /// to every route that matches). NAME=PATTERN=SINK, or PATTERN=SINK to name it after its
     /// pattern. Patterns: words split on '.', '*' one word, '#' zero or more (order.*, order.#,
-    /// #). The sink options below apply to every route.
+    /// #). The sink options below given after a --route apply to it alone; given before the
+    /// first, to every route.
     #[arg(long, value_name = "NAME=PATTERN=SINK")]
     route: Vec<String>,
     /// A TOML file of destinations ([[destination]] with name, pattern, sink, and optionally

@@ -31,7 +31,7 @@ use crate::sinks::{KafkaOptions, SinkOptions};
 use crate::{CliError, UsageError};
 
 /// One destination as the command line or the file gives it, before its sink is connected.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Destination {
     pub(crate) name: String,
     pub(crate) pattern: String,

@@ -252,6 +252,11 @@ impl Progress {
     pub(crate) fn take(&self) -> Vec<i64> {
         std::mem::take(&mut *self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
     }
+
+    /// Gives back ids taken that could not be recorded.
+    pub(crate) fn put_back(&self, ids: Vec<i64>) {
+        self.delivered.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).extend(ids);
+    }
 }
 
 #[derive(Debug)]

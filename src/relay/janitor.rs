@@ -18,6 +18,9 @@ pub(crate) struct Janitor {
     pub(crate) config: RelayConfig,
 }
 
+/// The longest a relay runs before it expires destinations (see `Janitor::destinations`).
+const EXPIRY_GRACE_MAX: Duration = Duration::from_secs(3600);
+
 /// How often the janitor warns again of one destination that no relay serves.
 const AGING_WARNING_EVERY: Duration = Duration::from_secs(3600);
 
@@ -30,8 +33,9 @@ impl Janitor {
             expiry => config.janitor_interval.min(expiry / 4).max(Duration::from_millis(100)),
         };
         let mut warned: HashMap<String, Instant> = HashMap::new();
+        let started = Instant::now();
         loop {
-            if let Err(e) = self.destinations(&mut warned).await {
+            if let Err(e) = self.destinations(&mut warned, started.elapsed()).await {
                 tracing::warn!(error = %e, "janitor could not look at the destinations; trying again next interval");
             }
             let pass = async {
@@ -62,10 +66,16 @@ impl Janitor {
     }
 
     /// Marks the destinations that connected relays serve, warns (at most hourly) of those no
-    /// relay has served for half their expiry, and expires those past it.
-    async fn destinations(&self, warned: &mut HashMap<String, Instant>) -> crate::error::Result<()> {
+    /// relay has served for half their expiry, and expires those past it. A relay with no
+    /// expiry of its own (`destination_expiry` zero) only marks. A relay that has run for less
+    /// than a destination's expiry (an hour at most) does not expire it: after an outage of every
+    /// relay, the first one back leaves the others the time to come back too.
+    async fn destinations(&self, warned: &mut HashMap<String, Instant>, running: Duration) -> crate::error::Result<()> {
         let mut client = self.pool.client().await?;
         let aging = sql::destinations_served(&*client).await?;
+        if self.config.destination_expiry.is_zero() {
+            return Ok(());
+        }
         warned.retain(|name, _| aging.iter().any(|a| &a.name == name));
         for destination in aging {
             let (unserved, expiry) = (whole(destination.unserved), whole(destination.expiry));
@@ -80,6 +90,9 @@ impl Janitor {
                     );
                     warned.insert(destination.name, Instant::now());
                 }
+                continue;
+            }
+            if running < destination.expiry.min(EXPIRY_GRACE_MAX) {
                 continue;
             }
             match sql::expire_destination(&mut client, &destination.name).await? {

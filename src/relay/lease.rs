@@ -74,26 +74,34 @@ impl Leases {
                 () = tokio::time::sleep_until(next_record), if recording && leased && held.is_none() => {
                     next_record = Instant::now() + self.record_every;
                     let delivered = progress.take();
-                    if !delivered.is_empty() {
-                        self.record_delivered(&delivered, token).await;
+                    if delivered.is_empty() {
+                        continue;
+                    }
+                    if self.record_delivered(&delivered, token).await {
                         let delivered: HashSet<i64> = delivered.into_iter().collect();
                         ids.retain(|id| !delivered.contains(id));
+                    } else {
+                        // Still leased (renewed with the rest), tried again at the next turn.
+                        progress.put_back(delivered);
                     }
                 }
             }
         }
     }
 
-    /// Records `delivered`, events of a leased claim still in delivery, by the lease's token.
-    /// A failure is only logged: the claim's outcome, recorded once it is all delivered, says
-    /// the same.
-    async fn record_delivered(&self, delivered: &[i64], token: i64) {
+    /// Records `delivered`, events of a leased claim still in delivery, by the lease's token;
+    /// returns whether it did.
+    async fn record_delivered(&self, delivered: &[i64], token: i64) -> bool {
         let recorded =
             async { sql::complete_parked(&*self.pool.client().await?, &self.to, delivered, Some(token)).await };
         match recorded.await {
-            Ok(_) => tracing::trace!(events = delivered.len(), "recorded what a claim in delivery delivered so far"),
+            Ok(_) => {
+                tracing::trace!(events = delivered.len(), "recorded what a claim in delivery delivered so far");
+                true
+            }
             Err(e) => {
-                tracing::debug!(error = %e, events = delivered.len(), "recording what a claim in delivery delivered so far failed; it is recorded with the claim")
+                tracing::debug!(error = %e, events = delivered.len(), "recording what a claim in delivery delivered so far failed; trying again");
+                false
             }
         }
     }

@@ -70,6 +70,8 @@ impl NatsSinkBuilder {
                     ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => {
                         ErrorKind::Permission
                     }
+                    // A URL that does not parse, a TLS setup that cannot work: the spec is wrong.
+                    ConnectErrorKind::ServerParse | ConnectErrorKind::Tls => ErrorKind::Config,
                     _ => ErrorKind::Connect,
                 };
                 Error::new(kind, format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)))
