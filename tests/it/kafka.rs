@@ -246,7 +246,11 @@ mod needs_kafka {
         assert!(!shown.contains("wrong-staple"), "{shown}");
         let error = wrong.connect().await.unwrap_err();
         let text = error.to_string();
-        assert_eq!(error.kind(), pg_outbox_relay::ErrorKind::Connect);
+        assert_eq!(
+            error.kind(),
+            pg_outbox_relay::ErrorKind::Permission,
+            "a refused login is the operator's to fix, not an outage"
+        );
         assert!(text.contains("refused the login") && text.contains(&kafka.url()), "{text}");
         assert!(!text.contains("wrong-staple") && !text.contains("right-horse"), "{text}");
 
