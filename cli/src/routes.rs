@@ -85,7 +85,7 @@ impl Destination {
 /// Whether a sink's error says that its broker does not answer (rather than a bad spec or a
 /// refused login).
 fn is_away(error: &CliError) -> bool {
-    error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(|e| e.kind() == pg_outbox_relay::ErrorKind::Connect)
+    error.downcast_ref::<pg_outbox_relay::Error>().is_some_and(pg_outbox_relay::Error::is_connect)
 }
 
 /// A destination's sink that cannot be had, naming the destination; its exit code is the

@@ -9,7 +9,6 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 
 use super::Sink;
-use crate::error::ErrorKind;
 use crate::event::Event;
 use crate::relay::{DeliveryError, Handler, Slots};
 
@@ -82,7 +81,7 @@ impl Deferred {
                 Ok(&**self.ready.get_or_init(|| Box::new(sink)))
             }
             Err(e) => {
-                let away = e.downcast_ref::<crate::Error>().is_some_and(|e| e.kind() == ErrorKind::Connect);
+                let away = e.downcast_ref::<crate::Error>().is_some_and(crate::Error::is_connect);
                 let error = DeliveryError::transient(e.to_string());
                 let error = if away { error.unreached() } else { error };
                 tracing::debug!(sink = %self.shown, error = %e, "the destination still does not answer");

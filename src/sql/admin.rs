@@ -330,13 +330,11 @@ pub(crate) async fn look_up(db: &impl Db, id: Option<i64>, key: Option<&str>, li
 }
 
 /// Every registered destination with its pattern and what waits for it.
-const DESTINATION_STATS: &str = "\
-select d.name, d.pattern,
-       (select count(*) from outbox_relay.outbox e
-         where e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
-           and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
-                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot))))
-         as new,
+const DESTINATION_STATS: &str = concat!(
+    "select d.name, d.pattern,
+       (select count(*) from outbox_relay.outbox e where ",
+    waiting_for_destination!(),
+    ") as new,
        (select count(*) from outbox_relay.parked x where x.destination = d.name and x.available_at <= now()) as due,
        (select count(*) from outbox_relay.parked x
          where x.destination = d.name and x.available_at > now() and x.lease_token is null) as delayed,
@@ -362,7 +360,8 @@ select d.name, d.pattern,
   left join lateral (
         select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p on true
- order by d.name";
+ order by d.name"
+);
 
 /// Every registered destination, by name.
 pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::DestinationStats>> {

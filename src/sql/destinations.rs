@@ -323,19 +323,19 @@ on conflict (destination, id) do nothing";
 /// The dead letters of an expired destination's new events (those its pattern matches that its
 /// position has not passed), saying why (`$2`): they would be finished once the other
 /// destinations pass them, delivered nowhere.
-const DESTINATION_BURY_NEW: &str = "\
-insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+const DESTINATION_BURY_NEW: &str = concat!(
+    "insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
 select d.name, e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, 0, $2::text
   from outbox_relay.destinations d
   cross join lateral (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p
-  join outbox_relay.outbox e
-    on e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
-   and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
-            or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))
+  join outbox_relay.outbox e on ",
+    waiting_for_destination!(),
+    "
  where d.name = $1
-on conflict (destination, id) do nothing";
+on conflict (destination, id) do nothing"
+);
 
 /// Whether the destination `$1` is still expired (locked until the drop commits): no relay
 /// served it for its `expire_after`; and that span, in seconds.

@@ -6,6 +6,17 @@
 //! caller owns runs it unprepared ([`Unprepared`]: parse, bind and execute in one round trip,
 //! nothing left behind on the caller's connection). Errors name what was being done.
 
+/// The outbox rows `e` that wait for destination `d` whose position is `p` (its newest row): not
+/// finished, matched by its pattern, and not passed by its position. (`finish.sql` and
+/// `sweep.sql` state the same test of a position.)
+macro_rules! waiting_for_destination {
+    () => {
+        "e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+           and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
+                    or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))"
+    };
+}
+
 mod admin;
 mod claim;
 mod destinations;
