@@ -63,6 +63,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "destination_expiry",
         sql: include_str!("../migrations/0016_destination_expiry.sql"),
     },
+    Migration { version: 17, name: "early_deliveries", sql: include_str!("../migrations/0017_early_deliveries.sql") },
 ];
 
 /// What a migration run did.

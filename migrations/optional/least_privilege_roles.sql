@@ -68,6 +68,8 @@ grant select, update on outbox_relay.installation to outbox_relayer;
 -- destination is parked, claimed with row locks, and recorded there.
 grant select, insert, update, delete on outbox_relay.destinations to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.parked to outbox_relayer;
+-- Deliveries of a claim still in delivery (migration 0017), recorded as they end.
+grant select, insert, update, delete on outbox_relay.early_deliveries to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
 -- Pauses: the relay reads them; `outbox-relay pause` and `resume` write them.
 grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;

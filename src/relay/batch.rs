@@ -77,6 +77,8 @@ impl<H: Handler> Batches<H> {
             ..
         } = batch;
         let breaker = self.breaker();
+        // Events of the held claim recorded in `early_deliveries` while it delivered.
+        let mut early = Vec::new();
         if !events.is_empty() {
             if !probe && breaker.is_open() {
                 // Claimed while the breaker was opening: the outage covers it, nothing is tried.
@@ -85,10 +87,13 @@ impl<H: Handler> Batches<H> {
                 let progress = Arc::default();
                 let delivery = self.delivery.deliver(&events, &progress);
                 tokio::pin!(delivery);
-                let kept = self.leases.keep_while(delivery, &mut held, &claimed, &parked, token, claimed_at, &progress);
+                let kept = self
+                    .leases
+                    .keep_while(delivery, &mut held, &claimed, &parked, token, claimed_at, &progress, &mut early);
                 match kept.await {
-                    // Cut off at shutdown: the events go back, the attempt not counted.
-                    None => outcomes.release_all(&events),
+                    // Cut off at shutdown: the events go back, the attempt not counted, but
+                    // for those already recorded delivered beside the held claim.
+                    None => outcomes.release_all_but(&events, &early),
                     Some(results) => self.judge.judge(&events, &ages, claimed_at, results, probe, &mut outcomes).await,
                 }
             }
@@ -99,7 +104,7 @@ impl<H: Handler> Batches<H> {
         // A leased batch's events were parked: later events of their keys, claimed meanwhile,
         // were parked behind them, and wait for a claim of parked events once these are done.
         let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
-        self.recorder.record(held, token, outcomes, &parked).await;
+        self.recorder.record(held, token, outcomes, &parked, !early.is_empty()).await;
         if parked_keyed || released || leased_keyed {
             // A parked key's next event is its head now, or events were given back, due at once:
             // a worker that found nothing while this batch held them may be waiting already.

@@ -205,6 +205,13 @@ impl Claims {
                 return Ok(None);
             }
             self.metrics.claimed(claimed.rows.len(), claimed_at - started);
+            if claimed.early > 0 {
+                tracing::info!(
+                    events = claimed.early,
+                    "events delivered by a claim that never committed (its relay stopped in the middle of the delivery) \
+                     are recorded as delivered, not sent again"
+                );
+            }
             if claimed.parked_all {
                 self.timer.parked_taken(news);
             }
@@ -325,7 +332,7 @@ impl Claims {
         {
             // Every claim leased at once: the new events' lock is free as soon as the lease
             // commits.
-            leases.lease(claim, &batch.claimed(), &batch.parked, token).await;
+            leases.lease(claim, &batch.claimed(), &batch.parked, token, &[]).await;
         }
         tracing::debug!(count, probe, held = held.is_some(), "claimed events");
         batch.held = held;

@@ -71,12 +71,12 @@ pub struct RelayConfig {
     /// the log, `status` and the metrics once half of it has passed. Zero: never. Defaults to 7
     /// days. Needs a janitor (`janitor_interval` not zero) in some relay.
     pub destination_expiry: Duration,
-    /// How often the events of a leased claim (one whose delivery outlived `hold`) that are
-    /// delivered already are recorded, while the rest of it is still in delivery, so that a relay
-    /// killed then sends again only what was in flight or finished in the last moments, not its
-    /// whole claim. A held claim is recorded when it commits. Zero: a claim is recorded once it
-    /// is all delivered. Defaults to 20 ms. (A short `hold` extends the bound to every claim
-    /// that outlives it, at the cost of its lease: see docs/guarantees.md.)
+    /// How often the events of a claim that are delivered already are recorded, while the rest
+    /// of it is still in delivery, so that a relay killed then sends again only what was in
+    /// flight or finished in the last moments, not its whole claim: a held claim's, from another
+    /// connection, beside its open transaction (migration 0017; its commit, or after a crash the
+    /// next claim, records them delivered); a leased one's by its token. Zero: a claim is
+    /// recorded once it is all delivered. Defaults to 20 ms. See docs/guarantees.md.
     pub record_every: Duration,
     /// Time between janitor passes; zero turns the janitor off. Defaults to 60 s.
     pub janitor_interval: Duration,

@@ -328,8 +328,7 @@ impl Slots {
     }
 
     /// Tells the relay that `event`, of the batch being handled, is delivered (`result` is `Ok`)
-    /// before the rest of the batch is: once the batch's claim is leased (its delivery outlived
-    /// [`RelayConfig::hold`](super::RelayConfig::hold)) the relay records it within moments
+    /// before the rest of the batch is: the relay records it within moments
     /// ([`RelayConfig::record_every`](super::RelayConfig::record_every)) rather than with the
     /// whole batch, so that a crash delivers again only what was in flight. The default
     /// [`Handler::handle_batch`] calls it for every event; a handler that overrides it may, for

@@ -17,6 +17,19 @@ use super::held::Held;
 use crate::error::Result;
 use crate::sql;
 
+/// Runs `work` while `delivery` goes on (its requests are not held up by the database's round
+/// trip): `work`'s output, and the delivery's, when it ended meanwhile.
+async fn beside<F: std::future::Future + Unpin, T>(
+    delivery: &mut F,
+    work: impl std::future::Future<Output = T>,
+) -> (T, Option<F::Output>) {
+    let work = std::pin::pin!(work);
+    match futures::future::select(delivery, work).await {
+        futures::future::Either::Left((done, work)) => (work.await, Some(done)),
+        futures::future::Either::Right((output, _)) => (output, None),
+    }
+}
+
 /// Leases a destination's claims and renews them.
 pub(crate) struct Leases {
     pub(crate) pool: RelayPool,
@@ -35,10 +48,12 @@ pub(crate) struct Leases {
 }
 
 impl Leases {
-    /// Waits for `delivery`, keeping its events this claim's for as long as it runs, and, once
-    /// the claim is leased, records every `record_every` those of its events that `progress`
-    /// says are delivered. `claimed`: the ids and attempts of every event of the claim,
-    /// `parked`: those claimed from the parked events.
+    /// Waits for `delivery`, keeping its events this claim's for as long as it runs, and records
+    /// every `record_every` those of its events that `progress` says are delivered: while the
+    /// claim is held, from another connection into `early_deliveries` (their ids then added to
+    /// `early`, for the claim's commit to record); once it is leased, by the lease's token.
+    /// `claimed`: the ids and attempts of every event of the claim, `parked`: those claimed from
+    /// the parked events.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn keep_while<F: std::future::Future + Unpin>(
         &self,
@@ -49,6 +64,7 @@ impl Leases {
         token: i64,
         claimed_at: Instant,
         progress: &Progress,
+        early: &mut Vec<i64>,
     ) -> F::Output {
         let renew_every = self.lease / 2;
         // With `hold` zero the claim was leased when it was claimed.
@@ -62,27 +78,44 @@ impl Leases {
                 done = &mut delivery => return done,
                 () = tokio::time::sleep_until(next) => {
                     match held.take() {
-                        Some(claim) => leased = self.lease(claim, claimed, parked, token).await,
+                        Some(claim) => {
+                            leased = self.lease(claim, claimed, parked, token, early).await;
+                            // Recorded by the lease: nothing more to renew, or to record at the end.
+                            let recorded: HashSet<i64> = std::mem::take(early).into_iter().collect();
+                            ids.retain(|id| !recorded.contains(id));
+                        }
                         None if leased => leased = self.renew(&ids, token).await,
                         None => {}
                     }
                     next = Instant::now() + renew_every;
                 }
-                // A held claim's deliveries wait for its commit (leasing it only to record them
-                // would cost the lease's writes, and a key's later events their parking, for
-                // every delivery that outlives `record_every`).
-                () = tokio::time::sleep_until(next_record), if recording && leased && held.is_none() => {
+                // A held claim's deliveries are written beside it, committed at once, and
+                // recorded as delivered by its commit (or, after a crash, by the next claim);
+                // leasing it to record them would cost the lease's writes, and a key's later
+                // events their parking, for every delivery that outlives `record_every`. A claim
+                // whose lease failed has no transaction left to record them in.
+                () = tokio::time::sleep_until(next_record), if recording && (held.is_some() || leased) => {
                     next_record = Instant::now() + self.record_every;
                     let delivered = progress.take();
                     if delivered.is_empty() {
                         continue;
                     }
-                    if self.record_delivered(&delivered, token).await {
-                        let delivered: HashSet<i64> = delivered.into_iter().collect();
-                        ids.retain(|id| !delivered.contains(id));
+                    let (recorded, done) = if held.is_some() {
+                        beside(&mut delivery, self.record_early(&delivered, token)).await
                     } else {
-                        // Still leased (renewed with the rest), tried again at the next turn.
-                        progress.put_back(delivered);
+                        beside(&mut delivery, self.record_delivered(&delivered, token)).await
+                    };
+                    match (recorded, held.is_some()) {
+                        (true, true) => early.extend(delivered),
+                        (true, false) => {
+                            let delivered: HashSet<i64> = delivered.into_iter().collect();
+                            ids.retain(|id| !delivered.contains(id));
+                        }
+                        // Still held or leased (renewed with the rest), tried again at the next turn.
+                        (false, _) => progress.put_back(delivered),
+                    }
+                    if let Some(done) = done {
+                        return done;
                     }
                 }
             }
@@ -101,6 +134,23 @@ impl Leases {
             }
             Err(e) => {
                 tracing::debug!(error = %e, events = delivered.len(), "recording what a claim in delivery delivered so far failed; trying again");
+                false
+            }
+        }
+    }
+
+    /// Records `delivered`, events of a held claim still in delivery, in `early_deliveries`;
+    /// returns whether it did.
+    async fn record_early(&self, delivered: &[i64], token: i64) -> bool {
+        let recorded =
+            async { sql::record_early_deliveries(&*self.pool.client().await?, &self.to, token, delivered).await };
+        match recorded.await {
+            Ok(_) => {
+                tracing::trace!(events = delivered.len(), "recorded what a held claim delivered so far");
+                true
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, events = delivered.len(), "recording what a held claim delivered so far failed; trying again");
                 false
             }
         }
@@ -133,15 +183,25 @@ impl Leases {
 
     /// Turns a held claim into a lease under `token` and commits it; the delivery goes on: the
     /// parked events are leased, the new ones copied into the parked events under the lease
-    /// (their outbox rows then finished, as far as this destination goes). Returns whether the
-    /// lease was written.
-    pub(crate) async fn lease(&self, held: Held, claimed: &[(i64, i32)], parked: &HashSet<i64>, token: i64) -> bool {
+    /// (their outbox rows then finished, as far as this destination goes). The events `early`
+    /// recorded as delivered already are recorded so in the same transaction, not leased.
+    /// Returns whether the lease was written.
+    pub(crate) async fn lease(
+        &self,
+        held: Held,
+        claimed: &[(i64, i32)],
+        parked: &HashSet<i64>,
+        token: i64,
+        early: &[i64],
+    ) -> bool {
         let (lease, to, delete) = (self.lease, self.to.as_str(), self.delete);
         let had_new_lock = held.has_new_lock();
+        let done: HashSet<i64> = early.iter().copied().collect();
         let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
         let (was_parked, new): (Vec<i64>, Vec<i64>) = ids.iter().partition(|id| parked.contains(id));
+        let (parked_done, was_parked): (Vec<i64>, Vec<i64>) = was_parked.into_iter().partition(|id| done.contains(id));
         let mut copies = sql::Copies::default();
-        for (id, attempt) in claimed.iter().filter(|(id, _)| !parked.contains(id)) {
+        for (id, attempt) in claimed.iter().filter(|(id, _)| !parked.contains(id) && !done.contains(id)) {
             // The attempt is counted, as the parked events' lease counts it.
             copies.push(*id, lease, None, *attempt);
         }
@@ -150,9 +210,17 @@ impl Leases {
             if !was_parked.is_empty() {
                 writes.push(Box::pin(sql::lease_held_parked(db, to, &was_parked, lease, token)));
             }
-            if !new.is_empty() {
+            if !copies.ids.is_empty() {
                 writes.push(Box::pin(sql::park_new_events(db, to, &copies, Some(token))));
+            }
+            if !new.is_empty() {
                 writes.push(Box::pin(sql::finish_new_events(db, to, &new, delete)));
+            }
+            if !parked_done.is_empty() {
+                writes.push(Box::pin(sql::complete_parked(db, to, &parked_done, None)));
+            }
+            if !early.is_empty() {
+                writes.push(Box::pin(sql::forget_early_deliveries(db, to, token)));
             }
             futures::future::try_join_all(writes).await.map(drop)
         });

@@ -86,7 +86,16 @@ impl Outcomes {
     }
 
     pub(crate) fn release_all(&mut self, events: &[Event]) {
-        self.events.extend(events.iter().map(|e| (e.id, e.attempts, Outcome::Released)));
+        self.release_all_but(events, &[]);
+    }
+
+    /// Gives `events` back but for those `delivered` already.
+    pub(crate) fn release_all_but(&mut self, events: &[Event], delivered: &[i64]) {
+        let delivered: std::collections::HashSet<i64> = delivered.iter().copied().collect();
+        self.events.extend(events.iter().map(|e| {
+            let outcome = if delivered.contains(&e.id) { Outcome::Delivered } else { Outcome::Released };
+            (e.id, e.attempts, outcome)
+        }));
     }
 
     pub(crate) fn count(&self, wanted: impl Fn(&Outcome) -> bool) -> usize {

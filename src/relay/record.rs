@@ -38,10 +38,19 @@ impl Recorder {
     /// failure here ends its transaction, so its events are claimable again at once; a leased
     /// one's is retried a few times and then left to the lease. Either way the events are
     /// delivered again, which at-least-once delivery allows. `parked`: the ids claimed from the
-    /// parked events.
-    pub(crate) async fn record(&self, held: Option<Held>, token: i64, outcomes: Outcomes, parked: &HashSet<i64>) {
+    /// parked events; `early`: whether the held claim recorded some of them in
+    /// `early_deliveries` as they were delivered (those records go with its commit).
+    pub(crate) async fn record(
+        &self,
+        held: Option<Held>,
+        token: i64,
+        outcomes: Outcomes,
+        parked: &HashSet<i64>,
+        early: bool,
+    ) {
         let leased = held.is_none();
-        let writes = Writes::of(&outcomes, |id| leased || parked.contains(&id));
+        let mut writes = Writes::of(&outcomes, |id| leased || parked.contains(&id));
+        writes.early = (early && !leased).then_some(token);
         let recorded = match held {
             Some(held) => self.commit(held, &writes, outcomes.events.len()).await,
             None => self.by_token(token, &writes, outcomes.events.len()).await,
@@ -107,6 +116,9 @@ struct Writes {
     /// Parked events that wait again: retries and events given back.
     parked_waiting: sql::Copies,
     parked_buried: (Vec<i64>, Vec<String>, Vec<i32>),
+    /// The token of the held claim that recorded events early (`early_deliveries`): its
+    /// records go.
+    early: Option<i64>,
 }
 
 impl Writes {
@@ -176,6 +188,9 @@ async fn write(
     if !w.parked_buried.0.is_empty() {
         let (ids, errors, attempts) = &w.parked_buried;
         writes.push(Box::pin(sql::bury_parked(db, to, ids, errors, attempts, token)));
+    }
+    if let Some(claim) = w.early {
+        writes.push(Box::pin(sql::forget_early_deliveries(db, to, claim)));
     }
     futures::future::try_join_all(writes).await.map(drop)
 }

@@ -151,6 +151,10 @@ parked as (
     on conflict (destination, id) do nothing
     returning id
 ),
+-- A revived event is sent again, even where a claim that never committed had delivered it.
+forgotten as (
+    delete from outbox_relay.early_deliveries x using revived r where x.destination = r.destination and r.id = any(x.ids)
+),
 unrouted as (
     insert into outbox_relay.outbox (id, uuid, topic, key, payload, headers, created_at)
     select id, uuid, topic, key, payload, headers, created_at from revived where destination = ''

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
-use super::outcomes::{Copies, finish_new_events, park_new_events};
+use super::outcomes::{Copies, complete_parked, early_deliveries_passed, finish_new_events, park_new_events};
 use super::{Db, Replanned, all};
 use crate::error::Result;
 use crate::payload::Payload;
@@ -121,6 +121,10 @@ pub(crate) struct Claimed {
     pub(crate) foreign_position: bool,
     /// The destination has no position (it was dropped while this relay served it).
     pub(crate) unregistered: bool,
+    /// Events a claim that did not commit had delivered (`early_deliveries`: its relay was
+    /// killed in the middle of the delivery), recorded as delivered in this claim's transaction
+    /// instead of being handed over again.
+    pub(crate) early: usize,
 }
 
 /// How many times a claim of new events reads the position at most. A read that another claim's
@@ -182,7 +186,8 @@ async fn claim_new(
                 claimed.unregistered = row.get::<_, Option<bool>>("unregistered").unwrap_or(false);
                 continue;
             };
-            fresh.push((claimed_row(row, id, false), row.get::<_, Option<bool>>("ready").unwrap_or(false)));
+            let (ready, done) = (row.get::<_, Option<bool>>("ready"), row.get::<_, Option<bool>>("done"));
+            fresh.push((claimed_row(row, id, false), ready.unwrap_or(false), done.unwrap_or(false)));
         }
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
@@ -191,7 +196,14 @@ async fn claim_new(
         // A key whose event waits holds its later ones back too (they are in id order).
         let mut waiting_keys: HashSet<String> = HashSet::new();
         let mut park = Copies::default();
-        for (row, ready) in fresh {
+        let mut early = Vec::new();
+        for (row, ready, done) in fresh {
+            if done {
+                // Delivered by a claim that did not commit, in its key's order (a claim sends a
+                // key's later event only once the earlier ones are delivered): recorded below.
+                early.push(row.id);
+                continue;
+            }
             let wait = match &row.key {
                 None => !ready,
                 Some(key) => {
@@ -214,6 +226,12 @@ async fn claim_new(
             finish_new_events(db, &to.name, &park.ids, turn.delete).await?;
             claimed.parked_new = true;
         }
+        if !early.is_empty() {
+            // Passed by the position like the rest: nothing waits for this destination.
+            finish_new_events(db, &to.name, &early, turn.delete).await?;
+            early_deliveries_passed(db, &to.name, &early).await?;
+            claimed.early += early.len();
+        }
         // The position moved but the claim returns no event (all parked, or the end of a cut
         // delta): its transaction must commit, and there may be more.
         claimed.changed |= moved && claimed.rows.is_empty();
@@ -235,25 +253,38 @@ async fn claim_parked(
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
         [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name, &turn.bytes];
     let rows = all(&Replanned(db), CLAIM_PARKED, &params, "claiming parked events").await?;
-    let before = claimed.rows.len();
+    let mut taken = 0;
     let mut cut = false;
+    let mut early = Vec::new();
     for row in &rows {
         let Some(id) = row.get::<_, Option<i64>>("id") else {
             claimed.walked_to = Some(row.get("walked_to"));
             cut = row.get::<_, Option<bool>>("cut").unwrap_or(false);
             continue;
         };
+        taken += 1;
+        let done = row.get::<_, Option<bool>>("done").unwrap_or(false);
         let row = claimed_row(row, id, true);
         claimed.parked_keyed |= row.key.is_some();
-        claimed.rows.push(row);
+        if done {
+            // Delivered by a claim that did not commit: recorded below, not handed over.
+            early.push(row.id);
+        } else {
+            claimed.rows.push(row);
+        }
+    }
+    if !early.is_empty() {
+        complete_parked(db, &to.name, &early, None).await?;
+        early_deliveries_passed(db, &to.name, &early).await?;
+        claimed.early += early.len();
+        // Its transaction must commit, though the claim may hand nothing over.
+        claimed.changed = true;
     }
     // All it could: a walk that began at the first key and reached the last took less than the
     // limit. (One that began after a key and reached the last has not looked at the keys before
     // it: the next claim walks from the first.)
-    claimed.parked_all = !cut
-        && ((claimed.rows.len() - before) as i64) < limit
-        && claimed.walked_to == Some(None)
-        && turn.walk_after.is_empty();
+    claimed.parked_all =
+        !cut && (taken as i64) < limit && claimed.walked_to == Some(None) && turn.walk_after.is_empty();
     Ok(())
 }
 

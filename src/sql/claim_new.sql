@@ -94,7 +94,9 @@ moved as (
 -- clock after the snapshot: a writer that began after this transaction and committed before its
 -- snapshot has an `available_at` past now()), not paused, not behind an event of its key parked
 -- for this destination, not held by an earlier dead letter of its key at this destination (with
--- $2). Then one marker row (id null): how long until the destination's next parked event is due
+-- $2), and whether a claim that did not commit delivered it already (`early_deliveries`,
+-- migration 0017: a relay killed in the middle of a delivery; read only when the destination has
+-- such rows at all, one probe a claim otherwise). Then one marker row (id null): how long until the destination's next parked event is due
 -- (when one is due later), whether this transaction holds the lock, whether it moved the
 -- position, whether more new events wait (cut short), and whether another claim's commit
 -- overtook its read of the position (it found new events or a cut delta's end but could not move
@@ -115,12 +117,15 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
              order by b.destination, b.key, b.id limit 1) is null)
        and not ($2 and o.key is not null and exists (
             select 1 from outbox_relay.dead_letters d where d.destination = $4::text and d.key = o.key and d.id < o.id)) as ready,
+       case when (select exists (select 1 from outbox_relay.early_deliveries x where x.destination = $4::text))
+            then coalesce(o.id in (select unnest(x.ids) from outbox_relay.early_deliveries x where x.destination = $4::text), false)
+            else false end as done,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
        null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
-select null, null, null, null, null, null, null, null, null, null,
+select null, null, null, null, null, null, null, null, null, null, null,
        (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
          where e.destination = $4::text and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),

@@ -88,15 +88,20 @@ sized(n, id, upto) as (
      where s.n < cardinality(i.a) and s.upto <= $7::int8
 ),
 taken as (select s.id from sized s where s.n = 1 or s.upto <= $7::int8)
--- The events, in id order, then one marker row (id null): where the walk ended when it walked as
+-- The events, in id order, each with whether a claim that did not commit delivered it already
+-- (`early_deliveries`, as in the claim of new events), then one marker row (id null): where the walk ended when it walked as
 -- far as it may (the next one goes on from there), and whether the bytes cut the claim short.
 select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 2147483646) + 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
-       o.uuid, o.headers, null::text as walked_to, null::boolean as cut
+       o.uuid, o.headers,
+       case when (select exists (select 1 from outbox_relay.early_deliveries x where x.destination = $6::text))
+            then coalesce(o.id in (select unnest(x.ids) from outbox_relay.early_deliveries x where x.destination = $6::text), false)
+            else false end as done,
+       null::text as walked_to, null::boolean as cut
   from outbox_relay.parked o where o.destination = $6::text and o.id = any (array(select id from taken))
 union all
-select null, null, null, null, null, null, null, null, null,
+select null, null, null, null, null, null, null, null, null, null,
        (select case when count(*) >= $4 then max(w.key) end from walk w),
        (select count(*) from locked) > (select count(*) from taken)
 order by 1

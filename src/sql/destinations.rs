@@ -378,6 +378,10 @@ const DESTINATION_DROP_POSITIONS: &str = "delete from outbox_relay.positions whe
 
 const DESTINATION_DROP_PAUSES: &str = "delete from outbox_relay.pauses where destination = $1";
 
+/// The records of deliveries a claim that never committed made (its events are dead letters
+/// now: a retry sends them again).
+const DESTINATION_DROP_EARLY: &str = "delete from outbox_relay.early_deliveries where destination = $1";
+
 const DESTINATION_DELETE: &str = "delete from outbox_relay.destinations where name = $1";
 
 /// The relays connected now that deliver to the destination `$1`: their listeners' pids, from
@@ -468,6 +472,7 @@ async fn drop_or_expire(client: &mut deadpool_postgres::Object, name: &str, expi
     }
     count(&tx, DESTINATION_DROP_POSITIONS, &[&name], doing).await?;
     count(&tx, DESTINATION_DROP_PAUSES, &[&name], doing).await?;
+    count(&tx, DESTINATION_DROP_EARLY, &[&name], doing).await?;
     tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
     Ok(Dropped::Done(buried))
 }

@@ -156,6 +156,37 @@ pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64]
     count(&Replanned(db), PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
 }
 
+/// Records, from a connection of its own, events that a held claim has delivered while its
+/// transaction is still open (migration 0017).
+const EARLY_RECORD: &str = "insert into outbox_relay.early_deliveries (destination, token, ids) values ($1, $2, $3)";
+
+/// Records `ids`, delivered to `destination` by the held claim `token` still in delivery, so
+/// that a claim after a crash does not send them again.
+pub(crate) async fn record_early_deliveries(db: &impl Db, destination: &str, token: i64, ids: &[i64]) -> Result<u64> {
+    count(db, EARLY_RECORD, &[&destination, &token, &ids], "recording deliveries as they end").await
+}
+
+const EARLY_FORGET: &str = "delete from outbox_relay.early_deliveries where destination = $1 and token = $2";
+
+/// Deletes the early records of the claim `token`, in the transaction that records its outcomes.
+pub(crate) async fn forget_early_deliveries(db: &impl Db, destination: &str, token: i64) -> Result<u64> {
+    count(db, EARLY_FORGET, &[&destination, &token], "recording deliveries").await
+}
+
+const EARLY_PASSED_GONE: &str =
+    "delete from outbox_relay.early_deliveries where destination = $1 and ids <@ $2::int8[]";
+const EARLY_PASSED_LEFT: &str = "\
+update outbox_relay.early_deliveries set ids = array(select i from unnest(ids) i where i <> all($2::int8[]))
+ where destination = $1 and ids && $2::int8[]";
+
+/// Takes `ids`, recorded early by claims that never committed and now recorded as delivered by
+/// this claim's transaction, out of their records (deleting those left empty).
+pub(crate) async fn early_deliveries_passed(db: &impl Db, destination: &str, ids: &[i64]) -> Result<()> {
+    count(db, EARLY_PASSED_GONE, &[&destination, &ids], "recording deliveries").await?;
+    count(db, EARLY_PASSED_LEFT, &[&destination, &ids], "recording deliveries").await?;
+    Ok(())
+}
+
 const PARKED_RESCHEDULE: &str = "\
 update outbox_relay.parked o
    set available_at = clock_timestamp() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
@@ -223,6 +254,7 @@ pub(crate) async fn prepare_outcomes(db: &impl Db) -> Result<()> {
         PARKED_DELIVERED,
         PARKED_RESCHEDULE,
         DEAD_LETTER_PARKED,
+        EARLY_FORGET,
     ] {
         db.prepare(sql).await.map_err(|e| crate::error::Error::database("preparing the outcome statements", e))?;
     }
