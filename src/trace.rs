@@ -1,5 +1,5 @@
-//! Trace context through the outbox: what a publish records of the writer's span, and (with the
-//! `opentelemetry` feature) the relay's spans that continue it.
+//! Trace context through the outbox: what a publish records of the writer's span, and how a
+//! stored context is read back (the relay's spans that continue it are `relay/trace.rs`'s).
 
 use std::borrow::Cow;
 
@@ -22,7 +22,7 @@ pub(crate) fn with_current_context<'a>(headers: &'a Headers, _topic: &str) -> Co
 }
 
 #[cfg(feature = "opentelemetry")]
-pub(crate) use otel::Sends;
+pub(crate) use otel::{SYSTEM, headers_of, stored_context};
 
 /// The spans themselves, through tracing-opentelemetry: they exist where the application's
 /// `tracing` subscriber has an OpenTelemetry layer, and cost nothing else.
@@ -31,15 +31,13 @@ mod otel {
     use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId};
     use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-    use crate::event::Event;
     use crate::headers::Headers;
-    use crate::relay::DeliveryError;
 
     /// What the spans call the system (OpenTelemetry's `messaging.system`).
-    const SYSTEM: &str = "pg_outbox_relay";
+    pub(crate) const SYSTEM: &str = "pg_outbox_relay";
 
     /// The W3C headers of a span context: `traceparent`, and `tracestate` when it has one.
-    fn headers_of(context: &SpanContext) -> Vec<(String, String)> {
+    pub(crate) fn headers_of(context: &SpanContext) -> Vec<(String, String)> {
         let mut headers = vec![(
             Headers::TRACEPARENT.to_string(),
             format!("00-{}-{}-{:02x}", context.trace_id(), context.span_id(), context.trace_flags().to_u8()),
@@ -52,7 +50,7 @@ mod otel {
     }
 
     /// The trace context an event carries, as a remote span context.
-    fn stored_context(headers: &Headers) -> Option<SpanContext> {
+    pub(crate) fn stored_context(headers: &Headers) -> Option<SpanContext> {
         let mut fields = headers.traceparent()?.split('-');
         let (_version, trace, span, flags) = (fields.next()?, fields.next()?, fields.next()?, fields.next()?);
         let state = headers.get(Headers::TRACESTATE).and_then(|s| s.parse().ok()).unwrap_or_default();
@@ -86,69 +84,5 @@ mod otel {
         let context = span.context().span().span_context().clone();
         // A subscriber that filters out this crate's spans still gets the writer's own context.
         Some(headers_of(if context.is_valid() { &context } else { &current }))
-    }
-
-    /// The `send` spans of one hand-over, one per event that carries a trace context: the
-    /// first attempt's a child of the writer's span, a retry's a new trace linked to it (one
-    /// trace per attempt: a redelivery hours later is not stretched into the writer's). Each
-    /// event goes to the handler with its span's context as `traceparent`, so that the
-    /// receiver's trace continues from the delivery.
-    pub(crate) struct Sends {
-        spans: Vec<Option<tracing::Span>>,
-    }
-
-    impl Sends {
-        /// The spans, and the events as the handler gets them (`None`: unchanged).
-        pub(crate) fn start(events: &[Event], destination: &str) -> (Sends, Option<Vec<Event>>) {
-            let mut spans = Vec::with_capacity(events.len());
-            let mut changed: Option<Vec<Event>> = None;
-            for (i, event) in events.iter().enumerate() {
-                let Some(stored) = stored_context(&event.headers) else {
-                    spans.push(None);
-                    continue;
-                };
-                let span = tracing::info_span!(
-                    parent: None,
-                    "send",
-                    otel.name = format!("send {}", event.topic),
-                    otel.kind = "producer",
-                    otel.status_code = tracing::field::Empty,
-                    otel.status_description = tracing::field::Empty,
-                    messaging.system = SYSTEM,
-                    "messaging.operation.type" = "send",
-                    messaging.operation.name = "send",
-                    messaging.destination.name = event.topic.as_str(),
-                    messaging.message.id = %event.uuid,
-                    outbox_relay.destination = destination,
-                    outbox_relay.event.id = event.id,
-                    outbox_relay.attempt = event.attempts,
-                    "error.type" = tracing::field::Empty,
-                );
-                if event.attempts <= 1 {
-                    let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(stored));
-                } else {
-                    span.add_link(stored);
-                }
-                let context = span.context().span().span_context().clone();
-                if context.is_valid() {
-                    let events = changed.get_or_insert_with(|| events.to_vec());
-                    for (name, value) in headers_of(&context) {
-                        events[i].headers.set(name, value);
-                    }
-                }
-                spans.push(Some(span));
-            }
-            (Sends { spans }, changed)
-        }
-
-        /// Records each event's result on its span, and ends them.
-        pub(crate) fn finish(self, results: &[Result<(), DeliveryError>]) {
-            for (span, result) in self.spans.into_iter().zip(results) {
-                let (Some(span), Err(error)) = (span, result) else { continue };
-                span.record("otel.status_code", "ERROR");
-                span.record("otel.status_description", error.to_string());
-                span.record("error.type", if error.is_permanent() { "permanent" } else { "transient" });
-            }
-        }
     }
 }

@@ -2,13 +2,12 @@
 
 use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
 
-use crate::route_flags::RouteFlags;
+use crate::args::RouteFlags;
 use crate::sinks::{KafkaOptions, SinkOptions, kafka_properties};
 use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig, Route};
 
-use crate::{
-    Cli, CliError, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RunArgs, UsageError,
-};
+use crate::args::{Cli, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RunArgs};
+use crate::outcome::{CliError, UsageError};
 
 pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
     let timeout = cli.db_timeout;
@@ -341,7 +340,7 @@ impl Reload<'_> {
         &self,
         mut running: Running,
         signals: &mut Signals,
-        console: Option<&crate::http::Console>,
+        console: Option<&crate::console::Console>,
     ) -> Result<(), CliError> {
         loop {
             let reload = if self.args.config.is_some() { ", reload --config with SIGHUP" } else { "" };
@@ -376,7 +375,7 @@ impl Reload<'_> {
                             return;
                         }
                         Err(e) => tracing::error!(
-                            error = %crate::one_line(&e.to_string()),
+                            error = %crate::outcome::one_line(&e.to_string()),
                             "SIGHUP: --config was not reloaded; the relay goes on with the routes it has"
                         ),
                     }
@@ -391,7 +390,7 @@ impl Reload<'_> {
                 }
                 (Err(e), _, Some(previous)) if e.kind() == pg_outbox_relay::ErrorKind::Config => {
                     tracing::error!(
-                        error = %crate::one_line(&e.to_string()),
+                        error = %crate::outcome::one_line(&e.to_string()),
                         "SIGHUP: the reloaded routes were refused; the relay goes on with the routes it had"
                     );
                     let (routes, shown) = routes_of(previous.clone(), self.args.exit_on_sink_error).await?;
@@ -460,7 +459,7 @@ async fn wait_for_database(
             said = Some(tokio::time::Instant::now());
             tracing::warn!(
                 database = %db,
-                error = %crate::one_line(&e.to_string()),
+                error = %crate::outcome::one_line(&e.to_string()),
                 "the database cannot be reached; waiting for it, trying again every {} at most (nothing is delivered \
                  meanwhile; --exit-on-database-error exits instead)",
                 humantime::format_duration(DATABASE_WAIT_MAX)
@@ -484,9 +483,9 @@ fn resume_flags(topic: &Option<String>, destination: &Option<String>) -> String 
 
 /// What a pause holds back, in words.
 fn paused_what(topic: Option<&str>, destination: Option<&str>) -> String {
-    let topic = topic.map_or("every topic".to_string(), |t| format!("topic {}", crate::one_line(t)));
+    let topic = topic.map_or("every topic".to_string(), |t| format!("topic {}", crate::outcome::one_line(t)));
     match destination {
-        Some(d) => format!("{topic} at destination {}", crate::one_line(d)),
+        Some(d) => format!("{topic} at destination {}", crate::outcome::one_line(d)),
         None => topic,
     }
 }
@@ -510,7 +509,7 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
             let buried = outbox.drop_destination(&name).await?;
             out!(
                 "dropped destination {}: {buried} events that waited for it went to its dead letters",
-                crate::one_line(&name)
+                crate::outcome::one_line(&name)
             );
         }
     }
@@ -546,8 +545,8 @@ fn print_destinations(destinations: &[pg_outbox_relay::DestinationStats]) {
         let paused = if d.paused { "  PAUSED" } else { "" };
         out!(
             "{:<20}  {:<20}  {:>8}  {:>8}  {:>8}  {:>9}  {:>6}  {:>8}  {:>6}  {moved:<16}  {served}{paused}",
-            crate::one_line(&d.name),
-            if d.registered { crate::one_line(&d.pattern) } else { "(not registered)".to_string() },
+            crate::outcome::one_line(&d.name),
+            if d.registered { crate::outcome::one_line(&d.pattern) } else { "(not registered)".to_string() },
             d.new,
             d.due,
             d.delayed,
@@ -695,7 +694,8 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
             (Some(limit), None) => format!(", limit {limit}"),
             _ => String::new(),
         };
-        let to = relay.destination.as_deref().map_or(String::new(), |d| format!("  to {}", crate::one_line(d)));
+        let to =
+            relay.destination.as_deref().map_or(String::new(), |d| format!("  to {}", crate::outcome::one_line(d)));
         out!(
             "  listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
             relay.listener_pid,
@@ -704,12 +704,12 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         );
     }
     for warning in &warnings {
-        out!("warning: {}", crate::one_line(warning));
+        out!("warning: {}", crate::outcome::one_line(warning));
     }
     if !errors.is_empty() {
         out!("most common errors of pending events:");
         for e in &errors {
-            let text: String = crate::one_line(&e.error).chars().take(160).collect();
+            let text: String = crate::outcome::one_line(&e.error).chars().take(160).collect();
             out!("  {:>8}  {text}", e.events);
         }
     }
@@ -739,16 +739,19 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
             );
             for d in &letters {
                 let failed = pg_outbox_relay::rfc3339(d.failed_at);
-                let destination =
-                    if d.destination.is_empty() { "(no route)".to_string() } else { crate::one_line(&d.destination) };
+                let destination = if d.destination.is_empty() {
+                    "(no route)".to_string()
+                } else {
+                    crate::outcome::one_line(&d.destination)
+                };
                 out!(
                     "{:>10}  {:<16}  {:<24}  {:>8}  {:<27}  {}",
                     d.id,
                     destination,
-                    crate::one_line(&d.topic),
+                    crate::outcome::one_line(&d.topic),
                     d.attempts,
                     failed,
-                    crate::one_line(&d.last_error)
+                    crate::outcome::one_line(&d.last_error)
                 );
             }
         }
@@ -792,7 +795,7 @@ mod tests {
         let defaults = sink_options(&args).unwrap();
         let mut route = crate::routes::parse_route("a=#=stdout", &defaults).unwrap();
         let given = crate::route_flags::PER_ROUTE.iter().map(|id| id.to_string()).collect();
-        let flags = crate::route_flags::RouteFlags { route: 0, given, args: parsed() };
+        let flags = crate::args::RouteFlags { route: 0, given, args: parsed() };
         apply_route_flags(&mut route, &flags).unwrap();
     }
 }

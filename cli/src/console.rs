@@ -7,7 +7,67 @@ use std::time::Duration;
 use pg_outbox_relay::{ConnectedRelay, DeadLetter, FoundEvent, Health, Pause, QueueStats};
 use serde::Serialize;
 
-use crate::http::Console;
+use std::sync::Arc;
+
+use pg_outbox_relay::sink::Secret;
+use pg_outbox_relay::{Outbox, RelayMetrics};
+
+/// What every request handler reads.
+pub(crate) struct Console {
+    pub(crate) outbox: Outbox,
+    /// The outbox the metrics read (without the console's shorter timeout).
+    pub(crate) exported: Outbox,
+    /// Whether the console serves a relay (`run --http`), not only the database (`console`).
+    pub(crate) has_relay: bool,
+    /// Every destination's counters, by name: the relay's now (a reload of `--config` replaces
+    /// them).
+    pub(crate) destinations: std::sync::RwLock<Vec<(String, Arc<RelayMetrics>)>>,
+    /// The CSRF token of this process, in every form.
+    pub(crate) csrf: String,
+    pub(crate) token: Option<Secret>,
+    /// The session cookie's value after a login: random, per process.
+    pub(crate) session: String,
+    /// Whether the console is served at all (a loopback address, or a token set).
+    pub(crate) console_allowed: bool,
+    /// Whether the console needs the token.
+    pub(crate) token_required: bool,
+    pub(crate) loopback: bool,
+    /// What recent actions did, shown once on the page they lead back to (by number, so that a
+    /// link cannot make the page say something the console did not do).
+    pub(crate) done: std::sync::Mutex<std::collections::VecDeque<(u64, String)>>,
+    /// The relay's latency and rate, every few seconds, for the console's chart.
+    pub(crate) history: std::sync::Mutex<std::collections::VecDeque<Sample>>,
+}
+
+impl Console {
+    /// Every destination's counters, by name.
+    pub(crate) fn destinations(&self) -> Vec<(String, Arc<RelayMetrics>)> {
+        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// The first destination's counters (the only one's, with a single sink): the console's
+    /// summary and chart.
+    pub(crate) fn relay(&self) -> Option<Arc<RelayMetrics>> {
+        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).first().map(|(_, m)| m.clone())
+    }
+
+    /// The counters of the relay that took over (a reload of `--config`).
+    pub(crate) fn set_destinations(&self, destinations: Vec<(String, Arc<RelayMetrics>)>) {
+        *self.destinations.write().unwrap_or_else(std::sync::PoisonError::into_inner) = destinations;
+    }
+}
+
+/// One point of the console's latency chart.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub(crate) struct Sample {
+    /// Unix time, milliseconds.
+    pub(crate) at_ms: u64,
+    /// Latency percentiles of recent deliveries (the relay's window of the last 4,096), ms.
+    pub(crate) p50_ms: Option<f64>,
+    pub(crate) p99_ms: Option<f64>,
+    /// Events delivered per second since the sample before.
+    pub(crate) rate: f64,
+}
 
 /// Dead letters the page lists.
 const DEAD_LETTERS_SHOWN: i64 = 100;
@@ -24,7 +84,7 @@ pub(crate) struct Summary {
     relay: Option<RelaySummary>,
     /// Every registered destination, with this process's counters for the ones it delivers to.
     destinations: Vec<DestinationSummary>,
-    history: Vec<crate::http::Sample>,
+    history: Vec<Sample>,
 }
 
 #[derive(Serialize)]

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Notify;
 
-use crate::CliError;
+use crate::outcome::CliError;
 
 /// Options of the demo.
 #[derive(Debug, Args)]

@@ -27,8 +27,8 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::CliError;
-use crate::console;
+use crate::console::{self, Console, Sample};
+use crate::outcome::CliError;
 
 /// How long `/readyz` waits for the database.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -39,77 +39,22 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Checks an access token: at least 16 characters, no spaces or controls. The error never
 /// shows it (a clap value parser's would).
-fn check_token(token: &Secret) -> Result<(), crate::UsageError> {
+fn check_token(token: &Secret) -> Result<(), crate::outcome::UsageError> {
     let text = token.expose();
     if text.chars().count() < 16 {
-        return Err(crate::UsageError("the --http-token must be at least 16 characters long".into()));
+        return Err(crate::outcome::UsageError("the --http-token must be at least 16 characters long".into()));
     }
     if text.chars().any(|c| c.is_control() || c.is_whitespace()) {
-        return Err(crate::UsageError("the --http-token must not contain spaces or control characters".into()));
+        return Err(crate::outcome::UsageError(
+            "the --http-token must not contain spaces or control characters".into(),
+        ));
     }
     Ok(())
-}
-
-/// What every request handler reads.
-pub(crate) struct Console {
-    pub(crate) outbox: Outbox,
-    /// The outbox the metrics read (without the console's shorter timeout).
-    exported: Outbox,
-    /// Whether the console serves a relay (`run --http`), not only the database (`console`).
-    pub(crate) has_relay: bool,
-    /// Every destination's counters, by name: the relay's now (a reload of `--config` replaces
-    /// them).
-    destinations: std::sync::RwLock<Vec<(String, Arc<RelayMetrics>)>>,
-    /// The CSRF token of this process, in every form.
-    pub(crate) csrf: String,
-    token: Option<Secret>,
-    /// The session cookie's value after a login: random, per process.
-    session: String,
-    /// Whether the console is served at all (a loopback address, or a token set).
-    console_allowed: bool,
-    /// Whether the console needs the token.
-    pub(crate) token_required: bool,
-    loopback: bool,
-    /// What recent actions did, shown once on the page they lead back to (by number, so that a
-    /// link cannot make the page say something the console did not do).
-    done: std::sync::Mutex<std::collections::VecDeque<(u64, String)>>,
-    /// The relay's latency and rate, every [`SAMPLE_EVERY`], for the console's chart.
-    pub(crate) history: std::sync::Mutex<std::collections::VecDeque<Sample>>,
-}
-
-impl Console {
-    /// Every destination's counters, by name.
-    pub(crate) fn destinations(&self) -> Vec<(String, Arc<RelayMetrics>)> {
-        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
-    }
-
-    /// The first destination's counters (the only one's, with a single sink): the console's
-    /// summary and chart.
-    pub(crate) fn relay(&self) -> Option<Arc<RelayMetrics>> {
-        self.destinations.read().unwrap_or_else(std::sync::PoisonError::into_inner).first().map(|(_, m)| m.clone())
-    }
-
-    /// The counters of the relay that took over (a reload of `--config`).
-    pub(crate) fn set_destinations(&self, destinations: Vec<(String, Arc<RelayMetrics>)>) {
-        *self.destinations.write().unwrap_or_else(std::sync::PoisonError::into_inner) = destinations;
-    }
 }
 
 /// How often the chart's history is sampled, and how many samples it keeps (ten minutes).
 const SAMPLE_EVERY: Duration = Duration::from_secs(2);
 const SAMPLES_KEPT: usize = 300;
-
-/// One point of the console's latency chart.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub(crate) struct Sample {
-    /// Unix time, milliseconds.
-    at_ms: u64,
-    /// Latency percentiles of recent deliveries (the relay's window of the last 4,096), ms.
-    p50_ms: Option<f64>,
-    p99_ms: Option<f64>,
-    /// Events delivered per second since the sample before.
-    rate: f64,
-}
 
 /// Binds `addr` now (so that a taken port fails the command at once) and returns the server,
 /// to be run until `stop`.
@@ -357,7 +302,7 @@ async fn healthz(State(console): State<Arc<Console>>) -> Response {
 async fn readyz(State(console): State<Arc<Console>>) -> Response {
     let reason = match tokio::time::timeout(READY_TIMEOUT, console.outbox.ping()).await {
         Err(_) => Some(format!("the database did not answer within {READY_TIMEOUT:?}")),
-        Ok(Err(e)) => Some(format!("the database does not answer: {}", crate::one_line(&e.to_string()))),
+        Ok(Err(e)) => Some(format!("the database does not answer: {}", crate::outcome::one_line(&e.to_string()))),
         Ok(Ok(())) => match console.destinations().iter().find(|(_, relay)| !relay.snapshot().listening) {
             Some((name, _)) => {
                 Some(format!("the relay's listener for destination {name} is not listening (it reconnects)"))
@@ -395,8 +340,10 @@ async fn console_page(State(console): State<Arc<Console>>, Query(query): Query<P
 async fn summary(State(console): State<Arc<Console>>) -> Response {
     match console::summary(&console).await {
         Ok(summary) => axum::Json(summary).into_response(),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": crate::one_line(&e.to_string())})))
-            .into_response(),
+        Err(e) => {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": crate::outcome::one_line(&e.to_string())})))
+                .into_response()
+        }
     }
 }
 
@@ -413,8 +360,10 @@ async fn event(State(console): State<Arc<Console>>, Path(id): Path<String>) -> R
                 (StatusCode::NOT_FOUND, axum::Json(json!({"error": format!("no event with id {id}")}))).into_response()
             }
         },
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": crate::one_line(&e.to_string())})))
-            .into_response(),
+        Err(e) => {
+            (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"error": crate::outcome::one_line(&e.to_string())})))
+                .into_response()
+        }
     }
 }
 
@@ -526,7 +475,7 @@ async fn action(
     };
     match done {
         Ok(done) => {
-            tracing::info!(action = %action, "{} (console)", crate::one_line(&done));
+            tracing::info!(action = %action, "{} (console)", crate::outcome::one_line(&done));
             Redirect::to(&format!("/?done={}", console.remember(done))).into_response()
         }
         Err(e) if e.kind() == pg_outbox_relay::ErrorKind::InvalidInput => {

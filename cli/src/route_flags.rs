@@ -18,7 +18,7 @@ use std::ffi::OsString;
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser};
 
-use crate::{Cli, Command, RunArgs};
+use crate::args::{Cli, Command, RouteFlags};
 
 /// The ids (as clap names the fields) of the flags that apply to the `--route` they follow.
 pub(crate) const PER_ROUTE: &[&str] = &[
@@ -41,17 +41,6 @@ pub(crate) const PER_ROUTE: &[&str] = &[
     "fixed_concurrency",
     "rate_limit",
 ];
-
-/// The flags given after one `--route`, parsed.
-#[derive(Debug)]
-pub(crate) struct RouteFlags {
-    /// Which `--route` (0 for the first).
-    pub(crate) route: usize,
-    /// The ids of [`PER_ROUTE`] given for it.
-    pub(crate) given: Vec<String>,
-    /// Their values (every other field as clap's default has it).
-    pub(crate) args: Box<RunArgs>,
-}
 
 /// Parses the command line, per-route flags included.
 pub(crate) fn parse(args: Vec<OsString>) -> Result<Cli, clap::Error> {

@@ -27,8 +27,8 @@ use pg_outbox_relay::sink::{ConnectSink, Deferred, EventFormat, Secret, Sink};
 use pg_outbox_relay::{DEFAULT_DESTINATION, Route};
 use serde::Deserialize;
 
+use crate::outcome::{CliError, UsageError};
 use crate::sinks::{KafkaOptions, SinkOptions};
-use crate::{CliError, UsageError};
 
 /// One destination as the command line or the file gives it, before its sink is connected.
 #[derive(Debug, Clone)]
@@ -268,11 +268,11 @@ impl FileDestination {
             options.cloudevents_source = self.cloudevents_source;
         }
         let rate_limit = match &self.rate_limit {
-            Some(rate) => Some(crate::parse_rate(rate).map_err(|e| format!("rate_limit: {e}"))?),
+            Some(rate) => Some(crate::values::parse_rate(rate).map_err(|e| format!("rate_limit: {e}"))?),
             None => None,
         };
         if let Some(concurrency) = self.concurrency {
-            crate::parse_concurrency(&concurrency.to_string()).map_err(|e| format!("concurrency: {e}"))?;
+            crate::values::parse_concurrency(&concurrency.to_string()).map_err(|e| format!("concurrency: {e}"))?;
         }
         Ok(Destination {
             name: self.name,
@@ -343,7 +343,7 @@ fn without_strings(message: &str) -> String {
 }
 
 fn parse_timeout(text: &str) -> Result<Duration, String> {
-    crate::duration_in(Duration::from_millis(1), pg_outbox_relay::sink::MAX_TIMEOUT)(text)
+    crate::values::duration_in(Duration::from_millis(1), pg_outbox_relay::sink::MAX_TIMEOUT)(text)
 }
 
 #[cfg(test)]

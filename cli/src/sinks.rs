@@ -9,7 +9,7 @@ use pg_outbox_relay::sink::{
     HttpSink, KafkaSink, NatsSink, SaslMechanism, Secret, SigningSecret, Sink, StdoutSink,
 };
 
-use crate::{CliError, UsageError};
+use crate::outcome::{CliError, UsageError};
 
 /// The sink settings of the command line or of one destination in the configuration file.
 #[derive(Debug, Clone, PartialEq, Eq)]

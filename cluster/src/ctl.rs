@@ -10,17 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::system::{guc_list_item, sh_quote, tail};
-use super::{EmbeddedError, HOST, PG_CTL_TIMEOUT_SECS, READY_TIMEOUT, SUPERUSER, StopMode, TAIL_LINES};
-
-/// A system user to run the server as.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct RunAs {
-    /// User id.
-    pub(super) uid: u32,
-    /// Primary group id.
-    pub(super) gid: u32,
-}
+use super::settings::{EmbeddedError, HOST, PG_CTL_TIMEOUT_SECS, READY_TIMEOUT, SUPERUSER, StopMode, TAIL_LINES};
+use super::system::{RunAs, guc_list_item, sh_quote, tail};
 
 /// Everything needed to run pg_ctl against this cluster.
 #[derive(Debug)]

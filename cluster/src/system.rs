@@ -9,8 +9,16 @@ use std::process::{Command, Stdio};
 
 use tempfile::TempDir;
 
-use super::ctl::RunAs;
-use super::{EmbeddedError, SYSTEM_TOOL_DIRS, TEMP_PREFIX};
+use super::settings::{EmbeddedError, SYSTEM_TOOL_DIRS, TEMP_PREFIX};
+
+/// A system user to run the server as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct RunAs {
+    /// User id.
+    pub(super) uid: u32,
+    /// Primary group id.
+    pub(super) gid: u32,
+}
 
 /// The PostgreSQL binaries to use.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,9 +4,9 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::Command;
 
-use super::ctl::RunAs;
+use super::settings::{HOST, StopMode};
 use super::system::{
-    find_binaries, find_tool, guc_list_item, is_executable, parse_passwd, parse_version, sh_quote, tail,
+    RunAs, find_binaries, find_tool, guc_list_item, is_executable, parse_passwd, parse_version, sh_quote, tail,
 };
 use super::watchdog::watchdog_script;
 use super::*;

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 
 use super::ctl::Ctl;
+use super::settings::{EmbeddedError, SYSTEM_USER};
 use super::system::{find_tool, sh_quote};
-use super::{EmbeddedError, SYSTEM_USER};
 
 /// Spawns the detached watchdog that stops the server and removes the directory once this
 /// process is gone.

@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::RelayPool;
 use super::breaker::Breaker;
 use super::busy::Rate;
 use super::config::{Completion, RelayConfig};
@@ -26,6 +25,7 @@ use super::lease::Leases;
 use super::metrics::RelayMetrics;
 use super::outcome::{Outcome, Outcomes};
 use super::pauses::Pauses;
+use super::pool::RelayPool;
 use super::timer::Timer;
 use crate::error::Result;
 use crate::event::Event;

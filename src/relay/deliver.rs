@@ -73,7 +73,7 @@ impl<H: Handler> Delivery<H> {
     async fn hand_over(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
         #[cfg(feature = "opentelemetry")]
         {
-            let (sends, traced) = crate::trace::Sends::start(events, &self.to);
+            let (sends, traced) = super::trace::Sends::start(events, &self.to);
             let results = self.call(traced.as_deref().unwrap_or(events), slots).await;
             sends.finish(&results);
             results

@@ -12,10 +12,8 @@ use tracing::Instrument;
 use super::config::{Completion, RelayConfig};
 use super::handler::{Handler, Slots};
 use super::metrics::{MetricsSnapshot, RelayMetrics};
-use super::{
-    RelayPool, STOP_BOUND, batch, breaker, claim, deliver, drain, lease, listener, outcome, pauses, record, report,
-    row, timer, worker,
-};
+use super::pool::{RelayPool, STOP_BOUND, drain};
+use super::{batch, breaker, claim, deliver, lease, listener, outcome, pauses, record, report, row, timer, worker};
 use crate::outbox::Outbox;
 use crate::sql;
 use crate::wake::Wake;

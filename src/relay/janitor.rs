@@ -8,8 +8,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::RelayPool;
 use super::config::RelayConfig;
+use super::pool::RelayPool;
 use crate::sql;
 
 /// The janitor and what it needs.

@@ -11,9 +11,9 @@ use futures::future::BoxFuture;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::RelayPool;
 use super::handler::Progress;
 use super::held::Held;
+use super::pool::RelayPool;
 use crate::error::Result;
 use crate::sql;
 

@@ -50,6 +50,7 @@ mod listener;
 mod metrics;
 mod outcome;
 mod pauses;
+mod pool;
 mod rate;
 mod rebase;
 mod record;
@@ -58,6 +59,8 @@ mod route;
 mod row;
 mod sweeper;
 mod timer;
+#[cfg(feature = "opentelemetry")]
+mod trace;
 mod worker;
 
 use std::future::Future;
@@ -73,15 +76,10 @@ pub use metrics::{HistogramSnapshot, MetricsSnapshot, Percentiles, RelayMetrics}
 
 pub use route::{DEFAULT_DESTINATION, Route, TopicPattern};
 
-use crate::connect::{DatabaseUrl, pool_error};
+use self::pool::{RelayPool, STOP_BOUND, drain};
 use crate::error::{Error, ErrorKind, Result};
 use crate::outbox::Outbox;
 use crate::sql;
-
-/// How long shutdown waits, after the grace period, for each remaining step (stuck workers, the
-/// other tasks, removing the waiting mark) before it abandons it: `run` returns even when the
-/// database link is stalled.
-const STOP_BOUND: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// An embeddable relay: `Relay::new(&outbox, config, handler)?.run(shutdown).await`.
 ///
@@ -114,27 +112,6 @@ pub struct Relay<H: Handler> {
     config: RelayConfig,
     routes: Vec<Route<H>>,
     metrics: Vec<Arc<RelayMetrics>>,
-}
-
-/// The relay's own connection pool (its sessions run with `synchronous_commit = off`), with
-/// errors that name the server.
-#[derive(Clone)]
-pub(crate) struct RelayPool {
-    pool: deadpool_postgres::Pool,
-    url: DatabaseUrl,
-}
-
-impl std::fmt::Debug for RelayPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RelayPool").field("url", &self.url).finish_non_exhaustive()
-    }
-}
-
-impl RelayPool {
-    /// A connection, or an error naming the server.
-    pub(crate) async fn client(&self) -> Result<deadpool_postgres::Object> {
-        self.pool.get().await.map_err(|e| pool_error(&self.url, e))
-    }
 }
 
 impl<H: Handler> Relay<H> {
@@ -396,12 +373,4 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-async fn drain(tasks: &mut JoinSet<()>) {
-    while let Some(result) = tasks.join_next().await {
-        if let Err(e) = result {
-            tracing::error!(error = %e, "relay task failed");
-        }
-    }
 }

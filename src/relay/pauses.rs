@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::RelayPool;
 use super::metrics::RelayMetrics;
+use super::pool::RelayPool;
 use super::timer::Timer;
 use crate::sql;
 

@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use super::RelayPool;
 use super::metrics::RelayMetrics;
+use super::pool::RelayPool;
 use crate::sql;
 
 /// Starts fresh positions where they were taken in another cluster, counting it in `metrics`;

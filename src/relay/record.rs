@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::RelayPool;
 use super::held::Held;
 use super::metrics::RelayMetrics;
 use super::outcome::{Outcome, Outcomes};
+use super::pool::RelayPool;
 use crate::error::Result;
 use crate::sql;
 

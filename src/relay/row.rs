@@ -38,9 +38,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::{Mutex, Notify, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::RelayPool;
 use super::busy::Rate;
 use super::metrics::RelayMetrics;
+use super::pool::RelayPool;
 use crate::error::Result;
 use crate::sql;
 

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::RelayPool;
 use super::config::{Completion, RelayConfig};
+use super::pool::RelayPool;
 use crate::sql;
 
 /// How often the sweeper looks when its last look found less than a batch.

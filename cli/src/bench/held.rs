@@ -8,7 +8,9 @@ use pg_outbox_relay_bench as bench;
 use pg_outbox_relay_bench::{HeldReport, HeldSnapshot, Percentiles};
 use serde_json::json;
 
-use super::{BenchArgs, BenchError, format_ms, grouped, latencies, ms, percentiles_json, relay_command, rounded};
+use super::common::{
+    BenchArgs, BenchError, format_ms, grouped, latencies, ms, percentiles_json, relay_command, rounded,
+};
 
 /// The shortest phase of `--held-long`: a hold of minutes is what showed the costs that grow
 /// with it (issue 39: from 2.5 minutes on).

@@ -8,7 +8,7 @@ use pg_outbox_relay::Outbox;
 use pg_outbox_relay_bench::{self as bench, AmqpDrain, DrainSetup, KafkaBench};
 use serde_json::json;
 
-use super::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
+use super::common::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
 
 /// The delivery stage's figures: medians of [`ROUNDS`], in events per second.
 pub(super) struct SinksReport {

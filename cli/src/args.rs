@@ -1,0 +1,364 @@
+//! The command line: every command, its flags and what they take.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use pg_outbox_relay::RelayConfig;
+use pg_outbox_relay::sink::Secret;
+
+use crate::values::*;
+use crate::{bench, demo};
+
+/// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about, propagate_version = true)]
+pub(crate) struct Cli {
+    /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db (or set DATABASE_URL).
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, value_name = "URL")]
+    pub(crate) database_url: Option<String>,
+
+    /// How long any one database operation of the command may wait for an answer (a count, a
+    /// listing, an action, a migration; not the relay's own work) before the command fails
+    /// saying that the database did not answer. Making a connection is bounded by the URL's
+    /// connect_timeout (10 s when it gives none), handshake included.
+    #[arg(long, global = true, value_name = "DUR", default_value = "30s", value_parser = db_timeout(), allow_hyphen_values = true)]
+    pub(crate) db_timeout: Duration,
+
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum Command {
+    /// Run the article's scenario end to end and print a report (a throwaway PostgreSQL when no
+    /// database is given; with one, a fresh database on that server, dropped at the end).
+    Demo(demo::DemoArgs),
+    /// Measure commit-to-delivery latency, drain throughput and the trigger's cost on writes (a
+    /// throwaway PostgreSQL, fsync on, when no database is given).
+    Bench(bench::BenchArgs),
+    /// Apply the library's schema migrations (safe to run again, and from several processes at once).
+    Migrate,
+    /// Run the relay until SIGINT or SIGTERM, delivering events to a sink.
+    Run(Box<RunArgs>),
+    /// Show the queue (pending, delayed, in flight, processed, dead letters), the relays, the
+    /// pauses and the health signals, with a warning line for each that needs attention.
+    Status {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List, retry or purge dead letters.
+    #[command(subcommand)]
+    DeadLetters(DeadLetterCommand),
+    /// Pause delivery, for every relay on this database, until `resume` (kept in the database:
+    /// restarts do not lift it; relays stop claiming within moments, a batch already claimed is
+    /// still delivered). Paused events stay pending and are charged no attempt; a paused event at
+    /// the head of its key holds the key's later events, of any topic.
+    Pause {
+        /// Pause only this topic (by default every topic).
+        #[arg(long, value_name = "TOPIC")]
+        topic: Option<String>,
+        /// Pause only this destination (by default every destination); the others go on.
+        #[arg(long, value_name = "NAME")]
+        destination: Option<String>,
+    },
+    /// Lift a pause: without --topic the pause of every topic (pauses of single topics stay),
+    /// with --topic that topic's; without --destination the pause of every destination, with it
+    /// that destination's.
+    Resume {
+        /// Lift the pause of this topic (by default the pause of every topic).
+        #[arg(long, value_name = "TOPIC")]
+        topic: Option<String>,
+        /// Lift the pause of this destination (by default the pause of every destination).
+        #[arg(long, value_name = "NAME")]
+        destination: Option<String>,
+    },
+    /// List the destinations the relays registered, or drop one that no relay delivers to any
+    /// more.
+    #[command(subcommand)]
+    Destinations(DestinationCommand),
+    /// Serve the web console, /metrics and the health endpoints without running a relay.
+    Console {
+        /// Where to listen: an IP address and a port, e.g. 127.0.0.1:9187 (not a host name).
+        #[arg(long, value_name = "ADDR")]
+        listen: std::net::SocketAddr,
+        /// Token the console needs (its pages, API and actions; not /metrics or the probes); without
+        /// one the console is served on loopback addresses only. At least 16 characters; never
+        /// logged.
+        #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
+        http_token: Option<Secret>,
+    },
+    /// Run one pass of the janitor and print what it removed.
+    Cleanup {
+        /// Delete processed events older than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+        retention: Duration,
+        /// Delete idempotency receipts older than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+        idempotency_retention: Duration,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum DestinationCommand {
+    /// Each destination with its pattern, what waits for it, and the relays that deliver to it.
+    List {
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop a destination: events stop waiting for it (what was parked for it goes to its dead
+    /// letters) and its position no longer keeps events in the outbox. Stop the relays that
+    /// deliver to it first: one that still does registers it again.
+    Drop {
+        /// The destination's name.
+        name: String,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub(crate) enum DeadLetterCommand {
+    /// List dead letters, oldest first.
+    List {
+        /// Print a JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
+        limit: i64,
+    },
+    /// Put dead letters back into the outbox under their own ids, attempts reset.
+    Retry {
+        /// Retry every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+        /// The ids to retry.
+        #[arg(required_unless_present = "all", value_name = "ID")]
+        ids: Vec<i64>,
+    },
+    /// Delete dead letters: those that failed longer ago than --older-than, or --all.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["all", "older_than"])))]
+    Purge {
+        /// Delete every dead letter.
+        #[arg(long)]
+        all: bool,
+        /// Delete those that failed longer ago than this (0s to 100 years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true)]
+        older_than: Option<Duration>,
+    },
+}
+
+/// What `run` delivers to, and how.
+#[derive(Debug, Args)]
+pub(crate) struct RunArgs {
+    /// Where every event goes: stdout, http://host[:port]/path, https://..., nats://host:port,
+    /// amqp://user:pass@host:5672/vhost (RabbitMQ) or kafka://host:port[,host:port]. One
+    /// destination, named `default`.
+    #[arg(long, value_name = "SINK", required_unless_present_any = ["route", "config"], conflicts_with_all = ["route", "config"])]
+    pub(crate) sink: Option<String>,
+    /// A destination: the events whose topic PATTERN matches go to SINK (repeatable; each event
+    /// to every route that matches). NAME=PATTERN=SINK, or PATTERN=SINK to name it after its
+    /// pattern. Patterns: words split on '.', '*' one word, '#' zero or more (order.*, order.#,
+    /// #). The sink options below given after a --route apply to it alone; given before the
+    /// first, to every route.
+    #[arg(long, value_name = "NAME=PATTERN=SINK")]
+    pub(crate) route: Vec<String>,
+    /// A TOML file of destinations ([[destination]] with name, pattern, sink, and optionally
+    /// format, signing_secrets, headers, timeout, rate_limit, concurrency, fixed_concurrency,
+    /// subject_prefix, create_stream, exchange, cloudevents_source, kafka_topic, kafka_tls,
+    /// kafka_ca_file, kafka_username, kafka_password, kafka_sasl_mechanism, kafka_properties);
+    /// the flags give what it leaves out. Combines with --route.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<std::path::PathBuf>,
+    /// Concurrent claimers (each claims its own batches; new events one claim at a time).
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_WORKERS, value_parser = parse_workers)]
+    pub(crate) workers: usize,
+    /// The most deliveries in progress at once, across all workers (HTTP requests in flight; a
+    /// NATS or stdout batch counts once). The relay learns how many the destination takes, up to
+    /// this, unless --fixed-concurrency.
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_CONCURRENCY, value_parser = parse_concurrency)]
+    pub(crate) concurrency: usize,
+    /// Keep --concurrency as a fixed limit instead of learning one up to it.
+    #[arg(long)]
+    pub(crate) fixed_concurrency: bool,
+    /// At most so many events go to the destination, e.g. 200/s, 6000/m or 100000/h (a 429
+    /// lowers it for a while). By default none.
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+    pub(crate) rate_limit: Option<f64>,
+    /// When the head event of a key goes to the dead letters, hold the key's later events until
+    /// the dead letter is retried or purged (by default they go on).
+    #[arg(long)]
+    pub(crate) dead_letter_holds_key: bool,
+    /// Distinct events failing transiently in a row that open the outage breaker (0: never).
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_BREAKER_THRESHOLD)]
+    pub(crate) breaker_threshold: u32,
+    /// First wait before the open breaker probes the destination; doubles per failed probe,
+    /// except after a refused connection (10ms to 1h).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_BREAKER_PROBE, RelayConfig::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "250ms")]
+    pub(crate) breaker_probe_min: Duration,
+    /// Longest wait between probes (10ms to 1h, at least --breaker-probe-min).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_BREAKER_PROBE, RelayConfig::MAX_BREAKER_PROBE), allow_hyphen_values = true, default_value = "1m")]
+    pub(crate) breaker_probe_max: Duration,
+    /// Events per claim.
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = parse_batch_size)]
+    pub(crate) batch_size: usize,
+    /// Most bytes of payload per claim, past its first event (1KiB to 1GiB): events of megabytes
+    /// are claimed a few at a time, so that memory follows this, not their size. A number of
+    /// bytes, or with KiB, MiB, GiB, kB, MB or GB.
+    #[arg(long, value_name = "SIZE", default_value = "8MiB", value_parser = parse_batch_bytes)]
+    pub(crate) batch_bytes: usize,
+    /// Fallback poll interval (NOTIFY wakes the relay at once; this covers lost notifications);
+    /// 1ms to 1 day.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_POLL_INTERVAL, RelayConfig::MAX_POLL_INTERVAL), allow_hyphen_values = true, default_value = "1s")]
+    pub(crate) poll_interval: Duration,
+    /// Delivery attempts before an event goes to the dead letters.
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) max_attempts: u32,
+    /// First retry delay; doubles per attempt (1ms to 7 days).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, RelayConfig::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1s")]
+    pub(crate) backoff_base: Duration,
+    /// Longest retry delay (1ms to 7 days, at least --backoff-base).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, RelayConfig::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1h")]
+    pub(crate) backoff_max: Duration,
+    /// Delete processed events older than this (0s to 100 years).
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+    pub(crate) retention: Duration,
+    /// Delete idempotency receipts older than this (0s to 100 years).
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+    pub(crate) idempotency_retention: Duration,
+    /// How often the events of a claim still in delivery that are delivered already are
+    /// recorded (0s to 1m; 0s: once the whole claim is delivered), so that a relay killed in a
+    /// slow delivery sends again only what was in flight.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true, default_value = "20ms")]
+    pub(crate) record_every: Duration,
+    /// A destination of this relay that no relay serves for this long expires: what waits for it
+    /// goes to its dead letters, and it no longer keeps events in the outbox (0s: never; up to
+    /// 100 years). Warned of in the log, `status` and the metrics from half of it.
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+    pub(crate) destination_expiry: Duration,
+    /// How long a claimed event belongs to its worker before another may take it (100ms to 1 day).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(RelayConfig::MIN_LEASE, RelayConfig::MAX_LEASE), allow_hyphen_values = true, default_value = "30s")]
+    pub(crate) lease: Duration,
+    /// How long a claim's transaction may stay open while its batch is delivered (its row locks
+    /// hold the events, the fastest way); a longer delivery turns the claim into a lease. 0s
+    /// leases every claim. 0s to 1m, shorter than --lease, and cut to half of --lease when
+    /// longer than that. Defaults to 1s, or half of --lease when that is shorter.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true)]
+    pub(crate) hold: Option<Duration>,
+    /// Delete delivered events, or keep them (marked processed) until the retention passes.
+    #[arg(long, value_enum, default_value_t = CompletionArg::Delete)]
+    pub(crate) completion: CompletionArg,
+    /// Time in-flight deliveries get to finish on shutdown (0s to 1h).
+    #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
+    pub(crate) shutdown_grace: Duration,
+    /// Timeout of one HTTP delivery (and of NATS connects and acknowledgements); 1ms to 1h.
+    #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, pg_outbox_relay::sink::MAX_TIMEOUT), allow_hyphen_values = true, default_value = "10s")]
+    pub(crate) timeout: Duration,
+    /// NATS subject prefix: events go to <PREFIX>.<topic>.
+    #[arg(long, default_value = pg_outbox_relay::sink::DEFAULT_SUBJECT_PREFIX)]
+    pub(crate) subject_prefix: String,
+    /// Create (or reuse) a JetStream stream of this name capturing <PREFIX>.>.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) create_stream: Option<String>,
+    /// RabbitMQ sink: the exchange to publish to (declared as a durable topic exchange when
+    /// missing); the routing key is the topic.
+    #[arg(long, value_name = "NAME", default_value = pg_outbox_relay::sink::DEFAULT_EXCHANGE)]
+    pub(crate) exchange: String,
+    /// HTTP sink: a Standard Webhooks signing secret (whsec_...); give it again (or several,
+    /// comma-separated, in the environment variable) to rotate: every secret signs. Never shown.
+    #[arg(long = "signing-secret", env = "OUTBOX_RELAY_SIGNING_SECRETS", hide_env_values = true, value_delimiter = ',', value_name = "SECRET", value_parser = secret)]
+    pub(crate) signing_secrets: Vec<Secret>,
+    /// HTTP and Kafka sink: the event's JSON (raw), a CloudEvent in binary mode (cloudevents)
+    /// or in structured mode (cloudevents-structured).
+    #[arg(long, value_enum, default_value_t = FormatArg::Raw)]
+    pub(crate) format: FormatArg,
+    /// HTTP and Kafka sink: the CloudEvents source attribute (default urn:outbox-relay).
+    #[arg(long, value_name = "URI")]
+    pub(crate) cloudevents_source: Option<String>,
+    /// HTTP sink: a header sent with every request, 'Name: value' (repeatable). Its value is
+    /// never shown.
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = secret)]
+    pub(crate) headers: Vec<Secret>,
+    /// Kafka sink: the topic of an event, {topic} standing for the event's topic (e.g.
+    /// outbox.{topic}; without {topic} every event goes to one topic).
+    #[arg(long, value_name = "TEMPLATE", default_value = pg_outbox_relay::sink::DEFAULT_KAFKA_TOPIC)]
+    pub(crate) kafka_topic: String,
+    /// Kafka sink: TLS to the brokers, verified against the system's roots.
+    #[arg(long)]
+    pub(crate) kafka_tls: bool,
+    /// Kafka sink: verify the brokers against the certificates of this PEM file (implies
+    /// --kafka-tls).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) kafka_ca_file: Option<std::path::PathBuf>,
+    /// Kafka sink: the SASL user; the password comes from OUTBOX_RELAY_KAFKA_PASSWORD.
+    #[arg(long, env = "OUTBOX_RELAY_KAFKA_USERNAME", value_name = "USER")]
+    pub(crate) kafka_username: Option<String>,
+    /// Kafka sink: the SASL password. Set it in the environment: a flag's value is visible to
+    /// every user of the machine. Never shown.
+    #[arg(long, env = "OUTBOX_RELAY_KAFKA_PASSWORD", hide_env_values = true, value_name = "PASSWORD", value_parser = secret)]
+    pub(crate) kafka_password: Option<Secret>,
+    /// Kafka sink: the SASL mechanism (plain, scram-sha-256, scram-sha-512; scram-sha-512 when
+    /// not given).
+    #[arg(long, value_name = "MECHANISM", value_parser = sasl_mechanism)]
+    pub(crate) kafka_sasl_mechanism: Option<pg_outbox_relay::sink::SaslMechanism>,
+    /// Kafka sink: a librdkafka producer property, NAME=VALUE (repeatable; e.g.
+    /// compression.type=lz4). Its value is never shown.
+    #[arg(long = "kafka-property", value_name = "NAME=VALUE", value_parser = secret)]
+    pub(crate) kafka_properties: Vec<Secret>,
+    /// Apply pending migrations before starting.
+    #[arg(long)]
+    pub(crate) migrate: bool,
+    /// Exit at once (status 1) when the database cannot be reached at start. By default the
+    /// relay waits for it, trying again with backoff and saying so, and starts delivering once it
+    /// answers (/readyz answers 503 meanwhile); a database that answers with an error
+    /// (migrations not applied, a wrong password, no such database) ends the command either way.
+    #[arg(long)]
+    pub(crate) exit_on_database_error: bool,
+    /// Exit at once (status 1) when a sink's broker (NATS, RabbitMQ, Kafka) does not answer at
+    /// start. By default the relay starts without it: that destination's events wait (spending
+    /// no attempt) and it connects at a later delivery, as after an outage, while the other
+    /// destinations deliver. A broker that refuses the login ends the command either way.
+    #[arg(long)]
+    pub(crate) exit_on_sink_error: bool,
+    /// The flags given after each `--route`, which apply to it alone (see `route_flags.rs`).
+    #[arg(skip)]
+    pub(crate) route_flags: Vec<crate::args::RouteFlags>,
+    /// Serve /metrics, /healthz, /readyz and the console here: an IP address and a port, e.g.
+    /// 127.0.0.1:9187 (off by default).
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) http: Option<std::net::SocketAddr>,
+    /// Token the console needs (its pages, API and actions; not /metrics or the probes); without
+    /// one the console is served on loopback addresses only. At least 16 characters; never
+    /// logged.
+    #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
+    pub(crate) http_token: Option<Secret>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum FormatArg {
+    /// The event's JSON object.
+    Raw,
+    /// CloudEvents binary mode: ce-* headers, the payload as the body.
+    Cloudevents,
+    /// CloudEvents structured mode: one application/cloudevents+json object.
+    CloudeventsStructured,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub(crate) enum CompletionArg {
+    /// Keep delivered rows with processed_at until the retention passes.
+    Mark,
+    /// Delete delivered rows at once.
+    Delete,
+}
+
+/// The flags given after one `--route`, parsed.
+#[derive(Debug)]
+pub(crate) struct RouteFlags {
+    /// Which `--route` (0 for the first).
+    pub(crate) route: usize,
+    /// The ids of [`PER_ROUTE`](crate::route_flags::PER_ROUTE) given for it.
+    pub(crate) given: Vec<String>,
+    /// Their values (every other field as clap's default has it).
+    pub(crate) args: Box<RunArgs>,
+}
