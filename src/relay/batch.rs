@@ -3,6 +3,7 @@
 //! (`outcome.rs`) and record them (`record.rs`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::breaker::Breaker;
 use super::claim::{Batch, Claim, Claims};
@@ -104,7 +105,22 @@ impl<H: Handler> Batches<H> {
         // A leased batch's events were parked: later events of their keys, claimed meanwhile,
         // were parked behind them, and wait for a claim of parked events once these are done.
         let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
+        // A retry's wake-up is asked for again once it is written: its `available_at` counts from
+        // the write, later than the judgement's own wake-up (by the commit's round trip, more on a
+        // loaded machine), and a claim that woke before it finds nothing due and looks no further.
+        let retries: Vec<Duration> = outcomes
+            .events
+            .iter()
+            .filter_map(|(_, _, outcome)| match outcome {
+                Outcome::Retry { delay, .. } => Some(*delay),
+                _ => None,
+            })
+            .collect();
         self.recorder.record(held, token, outcomes, &parked, !early.is_empty()).await;
+        let written = tokio::time::Instant::now();
+        for delay in retries {
+            self.timer.schedule(written + delay);
+        }
         if parked_keyed || released || leased_keyed {
             // A parked key's next event is its head now, or events were given back, due at once:
             // a worker that found nothing while this batch held them may be waiting already.
