@@ -22,7 +22,7 @@ import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CRATES = ["src", "cli/src", "cluster/src", "bench/src", "testkit/src"]
+CRATES = ["src", "cli/src", "cluster/src", "bench-drivers/src", "testkit/src"]
 
 ITEM = re.compile(
     r"\b(?:fn|struct|enum|trait|type|const|static|union)\s+([A-Za-z_]\w*)|\bmacro_rules!\s*([A-Za-z_]\w*)"

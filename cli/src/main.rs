@@ -21,6 +21,7 @@ mod http;
 mod outcome;
 mod route_flags;
 mod routes;
+mod signals;
 mod sinks;
 mod telemetry;
 mod values;

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 
-use super::handler::{DeliveryError, Handler, Progress, Slots, panicked};
+use super::failure::DeliveryError;
+use super::handler::{Handler, Progress, Slots, panicked};
 use crate::event::Event;
 
 /// What handing events to the handler needs.

@@ -41,6 +41,7 @@ mod claim;
 pub(crate) mod config;
 mod deliver;
 mod engine;
+mod failure;
 mod handler;
 mod held;
 mod janitor;
@@ -71,7 +72,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use config::{Completion, RelayConfig};
-pub use handler::{DeliveryError, Handler, HandlerFn, Slot, Slots, handler_fn};
+pub use failure::DeliveryError;
+pub use handler::{Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{HistogramSnapshot, MetricsSnapshot, Percentiles, RelayMetrics};
 
 pub use route::{DEFAULT_DESTINATION, Route, TopicPattern};

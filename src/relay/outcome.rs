@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use super::backoff::retry_delay;
 use super::breaker::{Breaker, Change, Seen, Verdict};
 use super::config::RelayConfig;
-use super::handler::DeliveryError;
+use super::failure::DeliveryError;
 use super::metrics::RelayMetrics;
 use super::report::Reporter;
 use super::row::RelayRow;

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::handler::DeliveryError;
+use super::failure::DeliveryError;
 use super::metrics::{MetricsSnapshot, RelayMetrics};
 use crate::event::Event;
 

@@ -4,7 +4,7 @@
 use opentelemetry::trace::TraceContextExt;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use super::handler::DeliveryError;
+use super::failure::DeliveryError;
 use crate::event::Event;
 use crate::trace::{SYSTEM, headers_of, stored_context};
 

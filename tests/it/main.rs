@@ -13,6 +13,7 @@ mod http_conventions;
 mod http_sink;
 mod inbox;
 mod kafka;
+mod leases;
 mod limits;
 mod migrations;
 mod orders;
