@@ -27,7 +27,10 @@ impl Sends {
                 spans.push(None);
                 continue;
             };
+            // (the target the command exports and docs/tracing.md names, as `crate::trace`'s
+            // spans have it: this module's own path would leave them out)
             let span = tracing::info_span!(
+                target: "pg_outbox_relay::trace",
                 parent: None,
                 "send",
                 otel.name = format!("send {}", event.topic),
