@@ -105,9 +105,10 @@ impl<H: Handler> Batches<H> {
         // A leased batch's events were parked: later events of their keys, claimed meanwhile,
         // were parked behind them, and wait for a claim of parked events once these are done.
         let leased_keyed = held.is_none() && events.iter().any(|event| event.key.is_some());
-        // A retry's wake-up is asked for again once it is written: its `available_at` counts from
-        // the write, later than the judgement's own wake-up (by the commit's round trip, more on a
-        // loaded machine), and a claim that woke before it finds nothing due and looks no further.
+        // Every retry's wake-up, asked for once it is written: its `available_at` counts from the
+        // write, and a claim woken before it (at the judgement, a commit's round trip earlier, more
+        // on a loaded machine) found nothing due and looked no further. (A probe's retry wakes a
+        // worker that, the breaker open, claims nothing: the breaker times the next probe.)
         let retries: Vec<Duration> = outcomes
             .events
             .iter()

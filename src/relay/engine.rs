@@ -184,7 +184,6 @@ impl<H: Handler> Engine<H> {
                 config: config.clone(),
                 breaker: breaker.clone(),
                 reporter: shared.reporter.clone(),
-                timer: shared.timer.clone(),
                 metrics: metrics.clone(),
                 row: shared.row.clone(),
             },

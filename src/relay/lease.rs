@@ -30,6 +30,21 @@ async fn beside<F: std::future::Future + Unpin, T>(
     }
 }
 
+/// Whether what `whose` delivered so far (`events`) was recorded, logged either way (a failure
+/// is tried again at the next turn).
+fn written_so_far(written: Result<u64>, events: usize, whose: &str) -> bool {
+    match written {
+        Ok(_) => {
+            tracing::trace!(events, "recorded what {whose} delivered so far");
+            true
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, events, "recording what {whose} delivered so far failed; trying again");
+            false
+        }
+    }
+}
+
 /// Leases a destination's claims and renews them.
 pub(crate) struct Leases {
     pub(crate) pool: RelayPool,
@@ -127,16 +142,7 @@ impl Leases {
     async fn record_delivered(&self, delivered: &[i64], token: i64) -> bool {
         let recorded =
             async { sql::complete_parked(&*self.pool.client().await?, &self.to, delivered, Some(token)).await };
-        match recorded.await {
-            Ok(_) => {
-                tracing::trace!(events = delivered.len(), "recorded what a claim in delivery delivered so far");
-                true
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, events = delivered.len(), "recording what a claim in delivery delivered so far failed; trying again");
-                false
-            }
-        }
+        written_so_far(recorded.await, delivered.len(), "a claim in delivery")
     }
 
     /// Records `delivered`, events of a held claim still in delivery, in `early_deliveries`;
@@ -144,16 +150,7 @@ impl Leases {
     async fn record_early(&self, delivered: &[i64], token: i64) -> bool {
         let recorded =
             async { sql::record_early_deliveries(&*self.pool.client().await?, &self.to, token, delivered).await };
-        match recorded.await {
-            Ok(_) => {
-                tracing::trace!(events = delivered.len(), "recorded what a held claim delivered so far");
-                true
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, events = delivered.len(), "recording what a held claim delivered so far failed; trying again");
-                false
-            }
-        }
+        written_so_far(recorded.await, delivered.len(), "a held claim")
     }
 
     /// Extends the lease of a delivery still running; returns whether the lease is still this

@@ -14,7 +14,6 @@ use super::failure::DeliveryError;
 use super::metrics::RelayMetrics;
 use super::report::Reporter;
 use super::row::RelayRow;
-use super::timer::Timer;
 use crate::event::Event;
 
 /// What became of one claimed event.
@@ -111,8 +110,6 @@ pub(crate) struct Judge {
     pub(crate) breaker: Arc<Breaker>,
     /// Told of every failed delivery, for the rate-limited warnings.
     pub(crate) reporter: Arc<Reporter>,
-    /// Told of every retry, so that a worker claims it when it is due.
-    pub(crate) timer: Arc<Timer>,
     pub(crate) metrics: Arc<RelayMetrics>,
     /// Where the breaker's state is published: the relay's row.
     pub(crate) row: Arc<RelayRow>,
@@ -158,13 +155,11 @@ impl Judge {
                 }
                 Err(e) if e.is_unreached() => {
                     let delay = outcomes.unreached(&self.config, event, &e);
-                    self.timer.schedule(Instant::now() + delay);
                     self.reporter.failed(event, &e, delay);
                 }
                 Err(e) => {
                     // The last allowed attempt goes to the dead letters, logged on their own.
                     if let Some(delay) = outcomes.retry(&self.config, event, &e) {
-                        self.timer.schedule(Instant::now() + delay);
                         self.reporter.failed(event, &e, delay);
                     }
                 }
