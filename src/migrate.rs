@@ -64,6 +64,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0016_destination_expiry.sql"),
     },
     Migration { version: 17, name: "early_deliveries", sql: include_str!("../migrations/0017_early_deliveries.sql") },
+    Migration {
+        version: 18,
+        name: "events_in_notifications",
+        sql: include_str!("../migrations/0018_events_in_notifications.sql"),
+    },
 ];
 
 /// What a migration run did.

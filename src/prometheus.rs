@@ -310,6 +310,13 @@ fn register_relay(registry: &mut Registry, relay: &[(String, MetricsSnapshot)]) 
     );
     counters(registry, "outbox_relay_events_claimed", "Events claimed", relay, |r| r.claimed_events);
     histograms(registry, "outbox_relay_claim_duration", "How long a claim statement took", relay, |r| &r.claim_seconds);
+    counters(
+        registry,
+        "outbox_relay_fast_path_deliveries",
+        "Events delivered from their notification, before any claim",
+        relay,
+        |r| r.fast_delivered,
+    );
     counters(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay, |r| {
         r.wakeups
     });

@@ -75,6 +75,7 @@ impl<H: Handler> Batches<H> {
             mut outcomes,
             probe,
             parked,
+            busy,
             ..
         } = batch;
         let breaker = self.breaker();
@@ -117,7 +118,16 @@ impl<H: Handler> Batches<H> {
                 _ => None,
             })
             .collect();
-        self.recorder.record(held, token, outcomes, &parked, !early.is_empty()).await;
+        // What waits now holds its key's later events back from the fast path.
+        let waiting: Vec<String> = outcomes
+            .events
+            .iter()
+            .filter(|(_, _, outcome)| !matches!(outcome, Outcome::Delivered))
+            .filter_map(|(id, _, _)| events.iter().find(|event| event.id == *id)?.key.clone())
+            .collect();
+        let recorded = self.recorder.record(held, token, outcomes, &parked, !early.is_empty()).await;
+        self.claims.fast.batch_done(waiting, recorded);
+        drop(busy);
         let written = tokio::time::Instant::now();
         for delay in retries {
             self.timer.schedule(written + delay);

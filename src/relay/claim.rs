@@ -20,6 +20,7 @@ use tokio::time::Instant;
 use super::breaker::Breaker;
 use super::busy::Rate;
 use super::config::{Completion, RelayConfig};
+use super::fast::{Busy, FastPath, Snapshot};
 use super::held::{Held, NewLock, SharedNewLock};
 use super::lease::Leases;
 use super::metrics::RelayMetrics;
@@ -51,8 +52,11 @@ pub(crate) struct Claims {
     /// The new events' lock: whether a transaction of this relay holds it, and whether a
     /// claim turned away by it wants the holder to claim again once done.
     pub(crate) new_lock: SharedNewLock,
-    /// Held by the claim of new events in progress (see `claim`).
+    /// Held by the claim of new events in progress (see `claim`), and by the fast path while it
+    /// takes a batch.
     pub(crate) new_gate: tokio::sync::Mutex<()>,
+    /// The fast path: what it delivered, for the claims to record; what they took, for it.
+    pub(crate) fast: Arc<FastPath>,
 }
 
 /// Where the next claim's walk over the parked keys goes on, and which kind of event takes its
@@ -67,13 +71,13 @@ impl Turns {
     /// The turn of the next claim of up to `batch_size` events; the walk takes twice as many
     /// keys as the claim may take heads, within bounds. `parked`: whether parked events may be
     /// due (see `Timer::parked_turn`).
-    fn next(&self, config: &RelayConfig, paused: Arc<[String]>, new: bool, parked: bool) -> sql::Turn {
+    fn next(&self, config: &RelayConfig, paused: Arc<[String]>, new: bool, parked: bool, fast_owner: i32) -> sql::Turn {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let walk_keys = i32::try_from(config.batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
         let delete = config.completion == Completion::Delete;
         let bytes = i64::try_from(config.batch_bytes).unwrap_or(i64::MAX);
-        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete, bytes }
+        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete, bytes, fast_owner }
     }
 
     /// Where the last walk over the parked keys ended: the next one goes on from there.
@@ -109,6 +113,8 @@ pub(crate) struct Batch {
     pub(crate) probe: bool,
     /// The ids claimed from the destination's parked events (the others are new events).
     pub(crate) parked: HashSet<i64>,
+    /// The keys of its new events, which the fast path holds back until the batch is done.
+    pub(crate) busy: Option<Busy>,
 }
 
 impl Batch {
@@ -130,8 +136,9 @@ pub(crate) enum Claim {
     Probe,
 }
 
-/// What one claim statement took, in its transaction.
-type Taken = (Option<Held>, sql::Claimed, Instant);
+/// What one claim statement took, in its transaction, and the keys of its new events the fast
+/// path holds back.
+type Taken = (Option<Held>, sql::Claimed, Instant, Option<Busy>);
 
 impl Claims {
     /// Claims one batch (`None`: nothing to claim, or the breaker is open and this is no probe).
@@ -157,7 +164,15 @@ impl Claims {
         } else {
             Some(self.new_gate.lock().await)
         };
-        let Some(taken) = self.take(probe, gate.is_some()).await? else {
+        let taken = match self.take(probe, gate.is_some()).await {
+            Ok(taken) => taken,
+            Err(e) => {
+                // Whatever it took goes back: nothing after it may go the fast way first.
+                self.fast.disarm_for("a claim failed");
+                return Err(e);
+            }
+        };
+        let Some(taken) = taken else {
             if probe {
                 self.breaker.probe_found_nothing();
             }
@@ -165,6 +180,9 @@ impl Claims {
         };
         let batch = self.batch(claim, taken, leases).await;
         drop(gate);
+        if batch.is_err() {
+            self.fast.disarm_for("a claim failed");
+        }
         batch
     }
 
@@ -176,21 +194,32 @@ impl Claims {
         let mut changed_claims = 0;
         loop {
             let (parked, news) = self.timer.parked_turn();
-            // Taken by a batch in hand: it claims again once it is done.
-            let new = gated && !NewLock::in_hand_or_wanted(&self.new_lock, config.poll_interval);
+            // Taken by a batch in hand: it claims again once it is done. (A fast batch in delivery
+            // claims once it is done too.)
+            let new =
+                gated && !NewLock::in_hand_or_wanted(&self.new_lock, config.poll_interval) && !self.fast.in_flight();
             if !new && !parked {
                 return Ok(None);
             }
-            let turn = self.turns.next(config, self.pauses.topics(), new, parked);
+            let ticket = if new { self.fast.ticket() } else { None };
+            let turn = self.turns.next(config, self.pauses.topics(), new, parked, self.fast.owner());
             tracing::trace!("claiming");
             let client = self.pool.client().await?;
             tracing::trace!("claiming: a connection in hand");
             let started = Instant::now();
             let holds = config.dead_letter_holds_key;
-            let claim =
-                async |db: &deadpool_postgres::ClientWrapper| sql::claim_events(db, &self.to, size, holds, &turn).await;
-            let (mut held, claimed) = Held::begin(client, claim).await?;
+            let decided = |id| self.fast.decided(id);
+            let claim = async |db: &deadpool_postgres::ClientWrapper| {
+                sql::claim_events(db, &self.to, size, holds, &turn, &decided).await
+            };
+            let (mut held, mut claimed) = Held::begin(client, claim).await?;
             let claimed_at = Instant::now();
+            // The new events it took are this claim's, not the fast path's.
+            let busy = claimed.held_new.then(|| {
+                let snapshot = claimed.snapshot.as_deref().and_then(Snapshot::parse);
+                let handed = std::mem::take(&mut claimed.handed_keys);
+                self.fast.claimed(ticket, snapshot, !claimed.more, handed, &claimed.parked_keys)
+            });
             if claimed.foreign_position {
                 // Taken in another cluster (a restored dump): nothing was claimed on its word.
                 held.rollback().await?;
@@ -229,7 +258,7 @@ impl Claims {
                 if changed_claims < CHANGED_CLAIMS_MAX {
                     continue;
                 }
-                return Ok(Some((None, claimed, claimed_at)));
+                return Ok(Some((None, claimed, claimed_at, busy)));
             }
             if claimed.turned_away {
                 NewLock::wanted(&self.new_lock);
@@ -237,7 +266,7 @@ impl Claims {
             if claimed.held_new && !claimed.rows.is_empty() {
                 held.holds_new_lock(&self.new_lock);
             }
-            return Ok(Some((Some(held), claimed, claimed_at)));
+            return Ok(Some((Some(held), claimed, claimed_at, busy)));
         }
     }
 
@@ -267,11 +296,11 @@ impl Claims {
     async fn batch(
         &self,
         claim: Claim,
-        (mut held, claimed, claimed_at): Taken,
+        (mut held, claimed, claimed_at, busy): Taken,
         leases: &Leases,
     ) -> Result<Option<Batch>> {
         let probe = claim == Claim::Probe;
-        let sql::Claimed { rows: claimed, next_due, more, held_new, parked_new, parked_keyed, .. } = claimed;
+        let sql::Claimed { rows: claimed, next_due, more, held_new, parked_new, parked_keyed, decided, .. } = claimed;
         if parked_new {
             // Behind a key whose head may be done by the time this batch is.
             self.timer.parked_may_be_due();
@@ -283,7 +312,7 @@ impl Claims {
             // until the earliest rather than up to a poll interval past it.
             self.timer.schedule(claimed_at + due);
         }
-        if claimed.is_empty() {
+        if claimed.is_empty() && decided.is_empty() {
             if probe {
                 self.breaker.probe_found_nothing();
             }
@@ -297,17 +326,34 @@ impl Claims {
             // before the COMMIT.
             sql::prepare_outcomes(claim.db()).await?;
         }
-        let count = claimed.len();
+        let count = claimed.len() + decided.len();
         self.rate.claimed(count);
         let mut outcomes = Outcomes::default();
+        for (id, attempt) in decided {
+            // Delivered from its notification: recorded with this batch, not handed over.
+            let (outcome, latency) = match self.fast.take_decided(id) {
+                Some(decided) => (decided.outcome, decided.latency),
+                None => (Outcome::Released, None),
+            };
+            if matches!(outcome, Outcome::Delivered) {
+                self.metrics.fast_delivered(1);
+            }
+            outcomes.events.push((id, attempt, outcome));
+            outcomes.latencies.extend(latency);
+        }
         let mut events: Vec<(Event, Duration)> = Vec::with_capacity(count);
         let parked: HashSet<i64> = claimed.iter().filter(|row| row.parked).map(|row| row.id).collect();
         for row in claimed {
+            let key = row.key.clone();
             match read_event(row) {
                 Ok(event) => events.push(event),
                 // A row no handler can be given (written by hand, or before migration 0003) goes
-                // to the dead letters at once, saying why; the rest of the batch goes on.
-                Err((id, attempt, error)) => outcomes.events.push((id, attempt, Outcome::Bury { error })),
+                // to the dead letters at once, saying why; the rest of the batch goes on (and
+                // its key's next events wait for the claims, the dead letter may hold them).
+                Err((id, attempt, error)) => {
+                    self.fast.batch_done(key, true);
+                    outcomes.events.push((id, attempt, Outcome::Bury { error }));
+                }
             }
         }
         events.sort_unstable_by_key(|(event, _)| event.id);
@@ -326,6 +372,7 @@ impl Claims {
             outcomes,
             probe,
             parked,
+            busy,
         };
         if leases.hold.is_zero()
             && let Some(claim) = held.take()

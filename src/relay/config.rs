@@ -119,6 +119,12 @@ pub struct RelayConfig {
     pub breaker_probe_min: Duration,
     /// The longest wait between probes. Defaults to 60 s.
     pub breaker_probe_max: Duration,
+    /// Deliver new events from their notification, before any claim (the *fast path*: see
+    /// "The fast path" in docs/design.md): one relay of a destination at a time does, the one
+    /// that holds its fast-path lock, while writers notify it of every commit; the next claim
+    /// records the outcomes. Off: every event is claimed before it is delivered (a round trip
+    /// more between commit and handler). Defaults to true.
+    pub fast_path: bool,
 }
 
 /// Defaults and bounds of the settings.
@@ -247,6 +253,7 @@ impl Default for RelayConfig {
             breaker_threshold: RelayConfig::DEFAULT_BREAKER_THRESHOLD,
             breaker_probe_min: RelayConfig::DEFAULT_BREAKER_PROBE_MIN,
             breaker_probe_max: RelayConfig::DEFAULT_BREAKER_PROBE_MAX,
+            fast_path: true,
         }
     }
 }

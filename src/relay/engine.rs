@@ -13,7 +13,10 @@ use super::config::{Completion, RelayConfig};
 use super::handler::{Handler, Slots};
 use super::metrics::{MetricsSnapshot, RelayMetrics};
 use super::pool::{RelayPool, STOP_BOUND, drain};
-use super::{batch, breaker, claim, deliver, lease, listener, outcome, pauses, record, report, row, timer, worker};
+use super::{
+    batch, breaker, claim, deliver, fast, fast_task, lease, listener, outcome, pauses, record, report, row, timer,
+    worker,
+};
 use crate::outbox::Outbox;
 use crate::sql;
 use crate::wake::Wake;
@@ -35,10 +38,16 @@ pub(crate) struct Engine<H> {
 struct WokenByCommits {
     work: Arc<Notify>,
     metrics: Arc<RelayMetrics>,
+    /// While it is armed, the commit's notification brings its events to the fast path: a
+    /// claim now would only race it.
+    fast: Arc<fast::FastPath>,
 }
 
 impl Wake for WokenByCommits {
     fn wake(&self) {
+        if self.fast.armed() {
+            return;
+        }
         self.metrics.woken();
         self.work.notify_one();
     }
@@ -55,15 +64,23 @@ struct Shared {
     pauses: Arc<pauses::Pauses>,
     /// Cuts the deliveries in hand off (shutdown past its grace).
     abort: CancellationToken,
+    /// The fast path: events delivered from their notifications.
+    fast: Arc<fast::FastPath>,
 }
 
 impl<H: Handler> Engine<H> {
     /// Delivers to the destination until `stop`.
     pub(crate) async fn run(self, stop: CancellationToken) {
         let work = Arc::new(Notify::new());
+        let pauses = Arc::<pauses::Pauses>::default();
+        let pattern = super::TopicPattern::parse(&self.to.pattern);
+        let fast_path = self.config.fast_path && pattern.is_ok();
+        let pattern = pattern.unwrap_or_else(|_| super::TopicPattern::parse("#").expect("# is a pattern"));
+        let fast =
+            Arc::new(fast::FastPath::new(fast_path, pattern, pauses.clone(), work.clone(), self.metrics.clone()));
         // Commits through this process's Outbox wake a worker for as long as this lives.
         let woken_by_commits: Arc<dyn Wake> =
-            Arc::new(WokenByCommits { work: work.clone(), metrics: self.metrics.clone() });
+            Arc::new(WokenByCommits { work: work.clone(), metrics: self.metrics.clone(), fast: fast.clone() });
         self.outbox.wakeup().register(&woken_by_commits);
         let timer = Arc::new(timer::Timer::default());
         // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
@@ -72,15 +89,33 @@ impl<H: Handler> Engine<H> {
             work,
             timer,
             reporter: Arc::default(),
-            row: Arc::new(row::RelayRow::new(self.pool.clone(), rand::random_range(1..i64::MAX), self.to.name.clone())),
-            pauses: Arc::default(),
+            row: Arc::new(row::RelayRow::new(
+                self.pool.clone(),
+                rand::random_range(1..i64::MAX),
+                self.to.name.clone(),
+                {
+                    let fast = fast.clone();
+                    Box::new(move |hears| fast.complete(hears))
+                },
+            )),
+            pauses,
             abort: CancellationToken::new(),
+            fast,
         };
         self.metrics.set_running(true);
         let mut services = self.services(&shared, &stop);
         let (config, metrics) = (self.config.clone(), self.metrics.clone());
+        let (pool, name) = (self.pool.clone(), self.to.name.clone());
         let batches = Arc::new(self.batches(&shared));
         let mut workers = JoinSet::new();
+        let fast_task = fast_task::FastTask {
+            batches: batches.clone(),
+            pool,
+            to: name,
+            dead_letters_hold: config.dead_letter_holds_key,
+            work: shared.work.clone(),
+        };
+        workers.spawn(fast_task.run(stop.clone()).instrument(tracing::info_span!("fast_path")));
         for n in 0..config.workers {
             let worker = worker::Worker {
                 batches: batches.clone(),
@@ -126,6 +161,8 @@ impl<H: Handler> Engine<H> {
             timer: shared.timer.clone(),
             row: shared.row.clone(),
             lock_id: self.to.lock_id,
+            fast: shared.fast.clone(),
+            take_fast_path: config.fast_path,
         };
         services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));
         let poll =
@@ -202,6 +239,7 @@ impl<H: Handler> Engine<H> {
                 pauses: shared.pauses.clone(),
                 new_lock: Arc::default(),
                 new_gate: tokio::sync::Mutex::new(()),
+                fast: shared.fast.clone(),
             },
         }
     }

@@ -59,6 +59,11 @@ impl NewLock {
         in_hand
     }
 
+    /// Whether a transaction of this relay holds the lock now (the fast path waits for it to end).
+    pub(crate) fn held(shared: &SharedNewLock) -> bool {
+        Self::state(shared).since.is_some()
+    }
+
     /// Notes that a claim was turned away by the lock (held by another relay's transaction).
     pub(crate) fn wanted(shared: &SharedNewLock) {
         Self::state(shared).wanted = true;

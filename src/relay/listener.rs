@@ -1,8 +1,10 @@
-//! The listener: one dedicated connection that LISTENs on the outbox channel and wakes workers.
+//! The listener: one dedicated connection that LISTENs on the outbox channel and wakes workers,
+//! or hands the events its notifications carry to the fast path (`fast.rs`), whose lock it
+//! holds for its session while this relay owns the destination's fast path.
 //!
 //! It must keep reading even while every worker is busy: PostgreSQL queues notifications for a
 //! listener that does not read, and when that queue fills, NOTIFY (and with it every business
-//! transaction that inserts events) fails. So this task does nothing but read and wake.
+//! transaction that inserts events) fails. So this task does nothing but read, queue and wake.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,6 +15,7 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::retry_delay;
+use super::fast::{FastPath, Notified, OWNERSHIP_RETRY};
 use super::metrics::RelayMetrics;
 use super::row::RelayRow;
 use super::timer::Timer;
@@ -46,6 +49,10 @@ pub(crate) struct Listener {
     pub(crate) row: Arc<RelayRow>,
     /// The destination's lock number: the listener's connection marks it served.
     pub(crate) lock_id: i32,
+    /// Given the events notifications carry, while this relay owns the fast path.
+    pub(crate) fast: Arc<FastPath>,
+    /// Whether to take the fast path (`RelayConfig::fast_path`).
+    pub(crate) take_fast_path: bool,
 }
 
 impl Listener {
@@ -57,6 +64,7 @@ impl Listener {
             match self.listen(&mut connected_before, &mut failures, &stop).await {
                 Ok(()) => return, // stopped
                 Err(e) => {
+                    self.fast.listener_lost("the listener lost its connection");
                     failures += 1;
                     let wait = retry_delay(failures, RECONNECT_BASE, self.reconnect_max, 0.5, rand::random());
                     tracing::warn!(error = %e, retry_in = ?wait, "relay listener lost its connection; reconnecting");
@@ -81,17 +89,23 @@ impl Listener {
             while let Some(message) = messages.next().await {
                 match message {
                     Ok(AsyncMessage::Notification(n)) if n.payload() == sql::PAUSES_CHANGED => {
+                        self.fast.pauses_changed();
                         self.pauses_changed.notify_one();
                     }
                     Ok(AsyncMessage::Notification(n)) if n.payload() == sql::PARKED_DUE => {
                         tracing::trace!("notified: parked events are due");
+                        self.fast.parked_elsewhere();
                         self.timer.parked_may_be_due();
                         self.work.notify_one();
                     }
-                    Ok(AsyncMessage::Notification(_)) => {
+                    Ok(AsyncMessage::Notification(n)) => {
                         tracing::trace!("notified: events were committed");
                         self.metrics.woken();
-                        self.work.notify_one();
+                        // The fast path delivers them (and claims after), or a claim does.
+                        let carried = Notified::parse(n.payload()).is_some_and(|n| self.fast.notified(n));
+                        if !carried {
+                            self.work.notify_one();
+                        }
                     }
                     Ok(_) => {} // notices
                     Err(e) => return Error::database("listening for notifications", e),
@@ -107,6 +121,7 @@ impl Listener {
             pid = sql::listen(&client, self.lock_id) => pid?,
         };
         self.row.listener_changed(pid).await;
+        let mut owner = self.try_to_own(&client, pid, &mut forwarder).await?;
         self.metrics.set_listening(true);
         if *connected_before {
             self.metrics.reconnected();
@@ -120,13 +135,26 @@ impl Listener {
 
         // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)
         // is invisible to keepalives: a periodic round trip with a deadline finds it.
+        // (A listener that does not own the fast path tries to take it at each beat: it is free
+        // when its owner died.)
         let heartbeat = async {
+            let mut last_ping = tokio::time::Instant::now();
             loop {
-                tokio::time::sleep(HEARTBEAT_INTERVAL).await;
-                match tokio::time::timeout(HEARTBEAT_TIMEOUT, sql::ping(&client, "checking the listener connection"))
-                    .await
-                {
-                    Ok(Ok(())) => {}
+                let beat = if owner || !self.take_fast_path { HEARTBEAT_INTERVAL } else { OWNERSHIP_RETRY };
+                tokio::time::sleep(beat).await;
+                let checked = async {
+                    if !owner && self.take_fast_path {
+                        owner = sql::take_fast_path(&client, self.lock_id).await?;
+                        if owner {
+                            self.fast.owned(pid);
+                        }
+                    } else if last_ping.elapsed() >= HEARTBEAT_INTERVAL {
+                        sql::ping(&client, "checking the listener connection").await?;
+                    }
+                    Ok::<(), Error>(())
+                };
+                match tokio::time::timeout(HEARTBEAT_TIMEOUT, checked).await {
+                    Ok(Ok(())) => last_ping = tokio::time::Instant::now(),
                     Ok(Err(e)) => return e,
                     Err(_) => {
                         return Error::new(
@@ -154,7 +182,32 @@ impl Listener {
             }
         }
         self.row.listener_gone();
+        self.fast.listener_lost("the listener stopped");
         self.metrics.set_listening(false);
         result
+    }
+
+    /// Takes the destination's fast path for this connection if it is free (and wanted); returns
+    /// whether it did.
+    async fn try_to_own<F>(
+        &self,
+        client: &tokio_postgres::Client,
+        pid: i32,
+        forwarder: &mut std::pin::Pin<&mut F>,
+    ) -> Result<bool>
+    where
+        F: std::future::Future<Output = Error>,
+    {
+        if !self.take_fast_path {
+            return Ok(false);
+        }
+        let owner = tokio::select! {
+            lost = forwarder.as_mut() => return Err(lost),
+            owner = sql::take_fast_path(client, self.lock_id) => owner?,
+        };
+        if owner {
+            self.fast.owned(pid);
+        }
+        Ok(owner)
     }
 }

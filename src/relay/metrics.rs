@@ -108,6 +108,8 @@ pub struct RelayMetrics {
     claims: AtomicU64,
     failed_claims: AtomicU64,
     wakeups: AtomicU64,
+    fast_delivered: AtomicU64,
+    fast_path_armed: std::sync::atomic::AtomicBool,
     reconnects: AtomicU64,
     positions_rebased: AtomicU64,
     breaker_open: AtomicBool,
@@ -133,6 +135,8 @@ impl Default for RelayMetrics {
             claims: AtomicU64::default(),
             failed_claims: AtomicU64::default(),
             wakeups: AtomicU64::default(),
+            fast_delivered: AtomicU64::default(),
+            fast_path_armed: std::sync::atomic::AtomicBool::default(),
             reconnects: AtomicU64::default(),
             positions_rebased: AtomicU64::default(),
             breaker_open: AtomicBool::default(),
@@ -161,6 +165,12 @@ pub struct MetricsSnapshot {
     pub failed_claims: u64,
     /// Wake-ups received from NOTIFY or from writers in this process.
     pub wakeups: u64,
+    /// Events delivered from their notification, before any claim (the fast path); counted
+    /// when the claim after them takes them to record.
+    pub fast_delivered: u64,
+    /// True while this relay delivers new events from their notifications (it owns the
+    /// destination's fast path, hears of every commit, and its last claim armed it).
+    pub fast_path_armed: bool,
     /// Times the listener connection was re-established.
     pub reconnects: u64,
     /// Times this relay found the claim positions taken in another cluster (a restored dump)
@@ -241,6 +251,14 @@ impl RelayMetrics {
         self.paused_topics.store(topics as u64, Ordering::Relaxed);
     }
 
+    pub(crate) fn fast_delivered(&self, n: usize) {
+        self.fast_delivered.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn set_fast_path_armed(&self, armed: bool) {
+        self.fast_path_armed.store(armed, Ordering::Relaxed);
+    }
+
     pub(crate) fn woken(&self) {
         self.wakeups.fetch_add(1, Ordering::Relaxed);
     }
@@ -289,6 +307,8 @@ impl RelayMetrics {
             claims: self.claims.load(Ordering::Relaxed),
             failed_claims: self.failed_claims.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
+            fast_delivered: self.fast_delivered.load(Ordering::Relaxed),
+            fast_path_armed: self.fast_path_armed.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
             positions_rebased: self.positions_rebased.load(Ordering::Relaxed),
             breaker_open: self.breaker_open.load(Ordering::Relaxed),

@@ -42,6 +42,8 @@ pub(crate) mod config;
 mod deliver;
 mod engine;
 mod failure;
+mod fast;
+mod fast_task;
 mod handler;
 mod held;
 mod janitor;

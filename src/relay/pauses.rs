@@ -3,7 +3,7 @@
 //! resume notifies the relays' channel, and the listener has them re-read at once; they are
 //! re-read every [`REFRESH`] besides (a notification can be lost while the listener reconnects).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -25,6 +25,8 @@ pub(crate) struct Pauses {
     read: AtomicBool,
     all: AtomicBool,
     topics: RwLock<Arc<[String]>>,
+    /// Counts the reads (the fast path waits for a read after a pause was notified).
+    reads: AtomicU64,
 }
 
 impl Pauses {
@@ -38,6 +40,11 @@ impl Pauses {
         self.topics.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// How many times the pauses were read.
+    pub(crate) fn generation(&self) -> u64 {
+        self.reads.load(Ordering::Acquire)
+    }
+
     /// Takes what the table holds now and says what that changed.
     fn update(&self, all: bool, topics: Vec<String>) -> Update {
         let mut current = self.topics.write().unwrap_or_else(|e| e.into_inner());
@@ -49,6 +56,7 @@ impl Pauses {
         drop(current);
         let was_all = self.all.swap(all, Ordering::AcqRel);
         let first = !self.read.swap(true, Ordering::AcqRel);
+        self.reads.fetch_add(1, Ordering::AcqRel);
         Update { first, changed: topics_changed || was_all != all, widened: (!all && (first || was_all)) || resumed }
     }
 }
@@ -82,6 +90,7 @@ impl Watcher {
     /// Runs until `stop`.
     pub(crate) async fn run(self, stop: CancellationToken) {
         let Watcher { pauses, pool, destination, work, changed, metrics, timer } = self;
+        let mut notified = false;
         loop {
             let read = async { sql::pauses(&*pool.client().await?).await };
             match read.await {
@@ -110,15 +119,18 @@ impl Watcher {
                         timer.parked_may_be_due();
                         work.notify_waiters();
                         work.notify_one();
+                    } else if notified {
+                        // The fast path waits for this read (and a claim after it).
+                        work.notify_one();
                     }
                 }
                 Err(e) => tracing::debug!(error = %e, "could not read the pauses; the last ones read stay"),
             }
-            tokio::select! {
+            notified = tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = changed.notified() => {}
-                _ = tokio::time::sleep(REFRESH) => {}
-            }
+                _ = changed.notified() => true,
+                _ = tokio::time::sleep(REFRESH) => false,
+            };
         }
     }
 }

@@ -39,7 +39,8 @@ impl Recorder {
     /// one's is retried a few times and then left to the lease. Either way the events are
     /// delivered again, which at-least-once delivery allows. `parked`: the ids claimed from the
     /// parked events; `early`: whether the held claim recorded some of them in
-    /// `early_deliveries` as they were delivered (those records go with its commit).
+    /// `early_deliveries` as they were delivered (those records go with its commit). Returns
+    /// whether the outcomes were written.
     pub(crate) async fn record(
         &self,
         held: Option<Held>,
@@ -47,7 +48,7 @@ impl Recorder {
         outcomes: Outcomes,
         parked: &HashSet<i64>,
         early: bool,
-    ) {
+    ) -> bool {
         let leased = held.is_none();
         let mut writes = Writes::of(&outcomes, |id| leased || parked.contains(&id));
         writes.early = (early && !leased).then_some(token);
@@ -56,7 +57,7 @@ impl Recorder {
             None => self.by_token(token, &writes, outcomes.events.len()).await,
         };
         if !recorded {
-            return;
+            return false;
         }
         self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { .. })));
         self.metrics.delivered(outcomes.latencies.into_iter());
@@ -65,6 +66,7 @@ impl Recorder {
         if !ids.is_empty() {
             log_buried(&ids, &errors);
         }
+        true
     }
 
     /// In the held claim's transaction, committing it.

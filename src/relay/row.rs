@@ -32,7 +32,7 @@
 //! again at a millisecond).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{Mutex, Notify, watch};
@@ -49,9 +49,11 @@ pub(crate) const LINGER_POLL: Duration = Duration::from_millis(1);
 /// How often the concurrency limit is published for `status` (when it changed).
 const DELIVERIES_PUBLISH_EVERY: Duration = Duration::from_secs(1);
 
+/// Told whether every commit notifies the relay from now on (the fast path's condition).
+pub(crate) type HearsEveryCommit = Box<dyn Fn(bool) + Send + Sync>;
+
 /// The relay's waiting mark, as last written to `outbox_relay.relays`, and what it needs to
 /// write it.
-#[derive(Debug)]
 pub(crate) struct RelayRow {
     pool: RelayPool,
     /// This relay's row in `outbox_relay.relays`.
@@ -66,14 +68,25 @@ pub(crate) struct RelayRow {
     marked: Mutex<bool>,
     /// A lock-free copy of `marked`, for the hot path.
     marked_hint: AtomicBool,
-    /// The virtual transaction ids open right after the latest mark, for [`RaceClosure`].
-    open_at_mark: watch::Sender<Vec<String>>,
+    /// The virtual transaction ids open right after the latest mark, for [`RaceClosure`], with
+    /// the mark's number.
+    open_at_mark: watch::Sender<(u64, Vec<String>)>,
+    /// Counts the waiting marks.
+    marks: AtomicU64,
+    /// Told whether every commit notifies the relay (marked waiting, the mark's race closed):
+    /// the fast path's word.
+    hears_every_commit: HearsEveryCommit,
     /// How fast the relay claims: whether it should linger and stop writers from notifying.
     pub(crate) rate: Arc<Rate>,
 }
 
 impl RelayRow {
-    pub(crate) fn new(pool: RelayPool, relay_id: i64, destination: String) -> Self {
+    pub(crate) fn new(
+        pool: RelayPool,
+        relay_id: i64,
+        destination: String,
+        hears_every_commit: HearsEveryCommit,
+    ) -> Self {
         RelayRow {
             pool,
             relay_id,
@@ -82,7 +95,9 @@ impl RelayRow {
             lingering: Mutex::default(),
             marked: Mutex::default(),
             marked_hint: AtomicBool::default(),
-            open_at_mark: watch::Sender::new(Vec::new()),
+            open_at_mark: watch::Sender::new((0, Vec::new())),
+            marks: AtomicU64::new(0),
+            hears_every_commit,
             rate: Arc::default(),
         }
     }
@@ -104,6 +119,7 @@ impl RelayRow {
         let mut marked = self.marked.lock().await;
         *marked = false;
         self.marked_hint.store(false, Ordering::Release);
+        (self.hears_every_commit)(false);
         self.listener_pid.store(pid, Ordering::Release);
         drop(marked);
         // A row written before (the breaker's state) names the listener `status` joins it by.
@@ -124,6 +140,11 @@ impl RelayRow {
         if *marked == waiting {
             return Ok(());
         }
+        if !waiting {
+            // Writers that see the mark stop notifying: the fast path no longer hears of every
+            // commit.
+            (self.hears_every_commit)(false);
+        }
         let client = self.pool.client().await?;
         if waiting {
             sql::mark_waiting(&*client, self.relay_id, self.listener_pid.load(Ordering::Acquire), &self.destination)
@@ -140,8 +161,18 @@ impl RelayRow {
     pub(crate) async fn go_waiting(&self) -> Result<()> {
         self.set(true).await?;
         let open = sql::open_transactions(&*self.pool.client().await?).await?;
-        self.open_at_mark.send_replace(open);
+        let mark = self.marks.fetch_add(1, Ordering::AcqRel) + 1;
+        self.open_at_mark.send_replace((mark, open));
         Ok(())
+    }
+
+    /// Every transaction open at mark `mark` (and at the marks before it) has ended: if the relay
+    /// is still marked by it, every commit notifies it from now on.
+    async fn race_closed(&self, mark: u64) {
+        let marked = self.marked.lock().await;
+        if *marked && self.marks.load(Ordering::Acquire) == mark {
+            (self.hears_every_commit)(true);
+        }
     }
 
     /// Publishes the breaker's state in the relay's row, for `status`.
@@ -256,6 +287,7 @@ impl RaceClosure {
         let RaceClosure { row, work, poll_interval } = self;
         let mut marks = row.open_at_mark.subscribe();
         let mut waiting = Waiting::default();
+        let mut mark = 0;
         loop {
             if waiting.0.is_empty() {
                 tokio::select! {
@@ -270,10 +302,12 @@ impl RaceClosure {
                     changed = marks.changed() => if changed.is_err() { return },
                 }
             }
-            let fresh = marks.borrow_and_update().clone();
+            let (latest, fresh) = marks.borrow_and_update().clone();
+            mark = mark.max(latest);
             waiting.add(&fresh, Instant::now());
             if waiting.0.is_empty() {
                 // A mark with nothing open: what committed before it is in the next claim.
+                row.race_closed(mark).await;
                 work.notify_one();
                 continue;
             }
@@ -282,6 +316,9 @@ impl RaceClosure {
                 Ok(open) => {
                     if waiting.keep(&open) {
                         // What the ended ones committed may have notified nobody.
+                        if waiting.0.is_empty() {
+                            row.race_closed(mark).await;
+                        }
                         work.notify_one();
                     }
                 }

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
 use super::outcomes::{Copies, complete_parked, early_deliveries_passed, finish_new_events, park_new_events};
-use super::{Db, Replanned, all};
+use super::{Db, Replanned, all, one};
 use crate::error::Result;
 use crate::payload::Payload;
 
@@ -17,6 +17,10 @@ use crate::payload::Payload;
 // the parked ones by row locks.
 
 const CLAIM_NEW: &str = include_str!("claim_new.sql");
+/// Microseconds until the destination's next parked event is due, when one is due later.
+const NEXT_DUE: &str = "\
+select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
+ where e.destination = $1 and e.available_at > now() and isfinite(e.available_at)";
 const CLAIM_PARKED: &str = include_str!("claim_parked.sql");
 
 /// A claimed event as the claim returns it.
@@ -87,6 +91,10 @@ pub(crate) struct Turn {
     pub(crate) delete: bool,
     /// The most bytes of payload a claim takes (past its first event).
     pub(crate) bytes: i64,
+    /// The backend pid of the relay's listener while it owns the destination's fast path (its
+    /// claims check that it lives), else 0 (the claim takes the fast-path lock, and is turned
+    /// away while another relay owns it).
+    pub(crate) fast_owner: i32,
 }
 
 /// What a claim found.
@@ -125,6 +133,14 @@ pub(crate) struct Claimed {
     /// killed in the middle of the delivery), recorded as delivered in this claim's transaction
     /// instead of being handed over again.
     pub(crate) early: usize,
+    /// New events whose outcome the fast path decided (delivered from their notification):
+    /// their ids and attempts, to be recorded with the batch, not handed over.
+    pub(crate) decided: Vec<(i64, i32)>,
+    /// The snapshot of the claim of new events, as `pg_current_snapshot()` prints it.
+    pub(crate) snapshot: Option<String>,
+    /// The keys of the new events handed over, and of those parked (they wait now).
+    pub(crate) handed_keys: Vec<String>,
+    pub(crate) parked_keys: Vec<String>,
 }
 
 /// How many times a claim of new events reads the position at most. A read that another claim's
@@ -136,12 +152,17 @@ const OVERTAKEN_MAX: usize = 4;
 /// key with an earlier event in the dead letters is held. Runs inside the caller's READ
 /// COMMITTED transaction, which holds the events until it ends. New events that cannot be
 /// handed over now are parked in it, with every later new event of their key.
+///
+/// `decided` says which new events the fast path delivered from their notification already
+/// (`Some(true)`; `Some(false)`: it tried, and they wait now): they are returned in
+/// `Claimed::decided`, to be recorded with the batch instead of handed over.
 pub(crate) async fn claim_events(
     db: &impl Db,
     to: &Destination,
     batch: i64,
     dead_letters_hold: bool,
     turn: &Turn,
+    decided: &(dyn Fn(i64) -> Option<bool> + Sync),
 ) -> Result<Claimed> {
     let mut claimed = Claimed::default();
     if turn.parked && turn.parked_first {
@@ -149,7 +170,7 @@ pub(crate) async fn claim_events(
     }
     let room = batch - claimed.rows.len() as i64;
     if turn.new && room > 0 {
-        claim_new(db, to, room, dead_letters_hold, turn, &mut claimed).await?;
+        claim_new(db, to, room, dead_letters_hold, turn, decided, &mut claimed).await?;
     }
     let room = batch - claimed.rows.len() as i64;
     if turn.parked && !turn.parked_first && room > 0 {
@@ -164,10 +185,19 @@ async fn claim_new(
     batch: i64,
     dead_letters_hold: bool,
     turn: &Turn,
+    decided: &(dyn Fn(i64) -> Option<bool> + Sync),
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-        [&batch, &dead_letters_hold, &&*turn.paused, &to.name, &to.lock_id, &to.topic_regex, &turn.bytes];
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+        &batch,
+        &dead_letters_hold,
+        &&*turn.paused,
+        &to.name,
+        &to.lock_id,
+        &to.topic_regex,
+        &turn.bytes,
+        &turn.fast_owner,
+    ];
     for _ in 0..OVERTAKEN_MAX {
         let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
         let mut fresh = Vec::with_capacity(rows.len());
@@ -184,6 +214,7 @@ async fn claim_new(
                 overtaken = row.get::<_, Option<bool>>("overtaken").unwrap_or(false);
                 claimed.foreign_position = row.get::<_, Option<bool>>("foreign_position").unwrap_or(false);
                 claimed.unregistered = row.get::<_, Option<bool>>("unregistered").unwrap_or(false);
+                claimed.snapshot = row.get("snapshot");
                 continue;
             };
             let (ready, done) = (row.get::<_, Option<bool>>("ready"), row.get::<_, Option<bool>>("done"));
@@ -198,6 +229,16 @@ async fn claim_new(
         let mut park = Copies::default();
         let mut early = Vec::new();
         for (row, ready, done) in fresh {
+            if let Some(delivered) = decided(row.id) {
+                // Delivered from its notification (src/relay/fast.rs), whatever it would be
+                // judged now: recorded with the batch. One that failed holds its key's later
+                // events back, as a failure in a batch does.
+                if let (false, Some(key)) = (delivered, &row.key) {
+                    waiting_keys.insert(key.clone());
+                }
+                claimed.decided.push((row.id, row.attempts));
+                continue;
+            }
             if done {
                 // Delivered by a claim that did not commit, in its key's order (a claim sends a
                 // key's later event only once the earlier ones are delivered): recorded below.
@@ -214,8 +255,14 @@ async fn claim_new(
                 }
             };
             if wait {
+                if let Some(key) = &row.key {
+                    claimed.parked_keys.push(key.clone());
+                }
                 park.push(row.id, Duration::ZERO, None, row.attempts - 1);
             } else {
+                if let Some(key) = &row.key {
+                    claimed.handed_keys.push(key.clone());
+                }
                 claimed.rows.push(row);
             }
         }
@@ -225,6 +272,13 @@ async fn claim_new(
             park_new_events(db, &to.name, &park, None).await?;
             finish_new_events(db, &to.name, &park.ids, turn.delete).await?;
             claimed.parked_new = true;
+            // A delayed one may be due before anything the claim saw parked: the relay must
+            // wake for it (the marker was read before it was parked).
+            let due: Option<i64> =
+                one(db, NEXT_DUE, &[&to.name], "reading when the next parked event is due").await?.get(0);
+            if let Some(due) = due.filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64)) {
+                claimed.next_due = Some(claimed.next_due.map_or(due, |was| was.min(due)));
+            }
         }
         if !early.is_empty() {
             // Passed by the position like the rest: nothing waits for this destination.
@@ -234,7 +288,8 @@ async fn claim_new(
         }
         // The position moved but the claim returns no event (all parked, or the end of a cut
         // delta): its transaction must commit, and there may be more.
-        claimed.changed |= moved && claimed.rows.is_empty();
+        // (Outcomes decided by the fast path are written with the batch.)
+        claimed.changed |= moved && claimed.rows.is_empty() && claimed.decided.is_empty();
         return Ok(());
     }
     // Overtaken every time: other claims are moving the position; theirs will claim again.

@@ -1,11 +1,16 @@
--- The claim of new events for one destination (migrations 0008 and 0012; src/sql/events.rs
+-- The claim of new events for one destination (migrations 0008 and 0012; src/sql/claim.rs
 -- runs it). Parameters: $1 the batch, $2 an earlier dead letter holds its key, $3 the paused
 -- topics, $4 the destination, $5 its lock's number, $6 its pattern as a regular expression over
 -- '.' || topic (null: every topic; see src/relay/route.rs), $7 the most bytes of payload a batch
--- takes (past its first event).
+-- takes (past its first event), $8 the backend pid of this relay's listener when it owns the
+-- destination's fast path (else 0).
 --
 -- One transaction at a time claims a destination's new events: the advisory lock is held until
--- it ends (one that another transaction holds turns this claim away). The position is the
+-- it ends (one that another transaction holds turns this claim away). While a relay owns the
+-- destination's fast path (its listener holds the second lock for its session:
+-- src/relay/fast.rs), it alone claims new events: another relay's claim takes that lock too and
+-- is turned away; the owner's claims check that its listener's backend still lives (if it died,
+-- the lock went with it, and another relay may own the fast path now). The position is the
 -- destination's newest row of `positions`, read from the end of its index. The new events are the
 -- delta from its snapshot to this statement's: the events of transactions past its xmax and of
 -- those in progress then, that this statement sees (an event this statement cannot see is not in
@@ -18,7 +23,9 @@
 -- claim's commit overtook it in between, the insert of the next position conflicts and nothing
 -- is claimed.
 with recursive lock as materialized (
-    select pg_try_advisory_xact_lock(1869901932, $5::int4) as held
+    select pg_try_advisory_xact_lock(1869901932, $5::int4)
+           and case when $8::int4 = 0 then pg_try_advisory_xact_lock(1869901934, $5::int4)
+                    else exists (select 1 from pg_stat_get_activity($8::int4)) end as held
 ),
 head as materialized (
     select p.n, p.since, p.snapshot, p.after_id,
@@ -101,8 +108,9 @@ moved as (
 -- position, whether more new events wait (cut short), and whether another claim's commit
 -- overtook its read of the position (it found new events or a cut delta's end but could not move
 -- the position: it claimed nothing, and must look again), whether the position lies ahead of the
--- transaction counter (another cluster's: nothing was claimed on its word), and whether the
--- destination has no position at all (it was dropped while this relay served it).
+-- transaction counter (another cluster's: nothing was claimed on its word), whether the
+-- destination has no position at all (it was dropped while this relay served it), and this
+-- statement's snapshot (the fast path drops what it sees: this claim took it).
 -- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
 -- one primary key probe each: no plan may choose to walk an index from its start, past the
 -- dead entries a held snapshot keeps.)
@@ -121,7 +129,8 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
             then coalesce(o.id in (select unnest(x.ids) from outbox_relay.early_deliveries x where x.destination = $4::text), false)
             else false end as done,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
-       null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered
+       null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered,
+       null::text as snapshot
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
@@ -134,5 +143,6 @@ select null, null, null, null, null, null, null, null, null, null, null,
        exists (select 1 from pos k where k.after_id is not null or exists (select 1 from delta))
          and not exists (select 1 from moved),
        exists (select 1 from head h where h.ahead),
-       (select l.held from lock l) and not exists (select 1 from head)
+       (select l.held from lock l) and not exists (select 1 from head),
+       pg_current_snapshot()::text
 order by 1

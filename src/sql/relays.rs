@@ -38,6 +38,39 @@ pub(crate) async fn unserve(client: &tokio_postgres::Client, lock_id: i32) -> Re
         .map_err(|e| Error::database("giving up the destination's served mark", e))
 }
 
+/// Takes the destination's fast path for the listener's session (`src/relay/fast.rs`): its
+/// lock, the first key [`FAST_LOCK`], the second the destination's `lock_id`. False while another
+/// relay's listener holds it, or another relay's claim of new events runs.
+pub(crate) async fn take_fast_path(client: &tokio_postgres::Client, lock_id: i32) -> Result<bool> {
+    let row = client
+        .query_one("select pg_try_advisory_lock($1::int4, $2::int4)", &[&FAST_LOCK, &lock_id])
+        .await
+        .map_err(|e| Error::database("taking the destination's fast path", e))?;
+    Ok(row.get(0))
+}
+
+/// The first key of the lock whose holder owns a destination's fast path.
+pub(crate) const FAST_LOCK: i32 = 1869901934;
+
+const WAITING_KEYS: &str = "select coalesce(array_agg(k.key), '{}'), count(*) > $3::int8 from (
+    (select distinct p.key from outbox_relay.parked p where p.destination = $1 and p.key is not null limit $3::int8 + 1)
+    union
+    (select distinct d.key from outbox_relay.dead_letters d
+      where $2 and d.destination = $1 and d.key is not null limit $3::int8 + 1)
+) k";
+
+/// The keys with an event that waits for `destination`: parked, or (with `dead_letters_hold`) in
+/// its dead letters; `None` when there are more than `max`.
+pub(crate) async fn waiting_keys(
+    db: &impl Db,
+    destination: &str,
+    dead_letters_hold: bool,
+    max: i64,
+) -> Result<Option<Vec<String>>> {
+    let row = one(db, WAITING_KEYS, &[&destination, &dead_letters_hold, &max], "reading the keys that wait").await?;
+    Ok((!row.get::<_, bool>(1)).then(|| row.get(0)))
+}
+
 /// A round trip (an empty query), to tell a live link from a stalled one; `doing` names it in
 /// the error.
 pub(crate) async fn ping(client: &tokio_postgres::Client, doing: &str) -> Result<()> {

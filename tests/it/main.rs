@@ -7,6 +7,7 @@ use pg_outbox_relay_testkit::{factory, harness, support as relay_support, tools}
 mod bad_rows;
 mod delivery;
 mod edges;
+mod fast_path;
 mod faults;
 mod headers;
 mod http_conventions;

@@ -68,7 +68,7 @@ async fn publish_from_sql_validates_like_the_rust_api() {
 }
 
 #[tokio::test]
-async fn an_insert_notifies_listeners_once_per_statement_without_event_data() {
+async fn an_insert_notifies_listeners_once_per_statement_with_its_events_when_they_fit() {
     let db = TestDb::new().await;
     let (listener, mut rx) = listen(&db).await;
     // Writers notify only while a relay is marked waiting (migration 0002).
@@ -84,14 +84,39 @@ async fn an_insert_notifies_listeners_once_per_statement_without_event_data() {
         )
         .await
         .unwrap();
+    let xid = |payload: &str| serde_json::from_str::<serde_json::Value>(payload).unwrap()["x"].clone();
     let (channel, payload) = rx.recv().await.unwrap();
     assert_eq!(channel, "outbox_relay");
-    assert_eq!(payload, "");
-    // one statement, one notification: a second statement's notification is the next to arrive
-    writer.batch_execute("select outbox_relay.publish('marker', '{}')").await.unwrap();
-    assert_eq!(rx.recv().await.unwrap().0, "outbox_relay");
+    // More events than a notification carries (migration 0018): the relay claims them.
+    assert!(payload.ends_with(r#","more":true}"#), "{payload}");
+    // one statement, one notification: a second statement's notification is the next to arrive,
+    // with its event (a transaction's earlier events are not sent again).
+    writer
+        .batch_execute(
+            "begin; select outbox_relay.publish('marker', '{\"n\": 1.50}', 'k');
+             select outbox_relay.publish('marker', '[2]'); commit",
+        )
+        .await
+        .unwrap();
+    let first = rx.recv().await.unwrap().1;
+    let second = rx.recv().await.unwrap().1;
+    assert_eq!(xid(&first), xid(&second), "one transaction");
+    let events = |payload: &str| serde_json::from_str::<serde_json::Value>(payload).unwrap()["e"].clone();
+    let (first, second) = (events(&first), events(&second));
+    assert_eq!(first.as_array().unwrap().len(), 1);
+    assert_eq!(second.as_array().unwrap().len(), 1);
+    assert_eq!(first[0][2], "marker");
+    assert_eq!(first[0][3], "k");
+    assert_eq!(second[0][3], serde_json::Value::Null);
+    assert_eq!(second[0][7], serde_json::json!([2]));
     listener.batch_execute("select 1").await.unwrap();
     assert!(rx.try_recv().is_err(), "no further notification");
+    // An event too large for a notification comes without its payload.
+    let big = format!("{{\"text\": \"{}\"}}", "x".repeat(9_000));
+    writer.query_one("select outbox_relay.publish('big', $1::text::jsonb, 'k')", &[&big]).await.unwrap();
+    let payload = rx.recv().await.unwrap().1;
+    assert!(payload.len() < 8000);
+    assert_eq!(events(&payload)[0].as_array().unwrap().len(), 4, "id, uuid, topic, key: {payload}");
 }
 
 #[tokio::test]

@@ -1,0 +1,144 @@
+//! The fast path's task (see `fast.rs`): takes the events the listener queued, hands them to the
+//! handler, judges the results as a claim's, then claims at once so that the outcomes are
+//! recorded (and whatever the notifications did not carry is delivered).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::batch::Batches;
+use super::claim::Claim;
+use super::fast::{FastPath, WAITING_KEYS_MAX};
+use super::handler::Handler;
+use super::held::NewLock;
+use super::outcome::{Outcome, Outcomes};
+use super::pool::RelayPool;
+use crate::event::Event;
+use crate::sql;
+
+/// How soon a failed read of the keys that wait is tried again.
+const KEYS_RETRY: Duration = Duration::from_secs(1);
+/// How long the task sleeps with nothing to do and no word.
+const IDLE: Duration = Duration::from_secs(3600);
+
+/// The fast path's task and what it needs.
+pub(crate) struct FastTask<H> {
+    pub(crate) batches: Arc<Batches<H>>,
+    pub(crate) pool: RelayPool,
+    /// The destination's name.
+    pub(crate) to: String,
+    /// Dead letters hold their keys (`dead_letter_holds_key`).
+    pub(crate) dead_letters_hold: bool,
+    /// Wakes a worker to claim.
+    pub(crate) work: Arc<Notify>,
+}
+
+impl<H: Handler> FastTask<H> {
+    /// Runs until `stop`; then has what it delivered recorded, so that a restart does not send
+    /// it again.
+    pub(crate) async fn run(self, stop: CancellationToken) {
+        let fast = self.batches.claims.fast.clone();
+        loop {
+            let wait = if fast.keys_wanted() { KEYS_RETRY } else { IDLE };
+            tokio::select! {
+                biased;
+                _ = stop.cancelled() => break,
+                _ = fast.ready.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+            }
+            if fast.keys_wanted() {
+                self.read_keys(&fast).await;
+            }
+            // Events heard of while a batch was delivered go next, before the claim that
+            // records them all (at least every `record_every`, so that a relay killed then sends
+            // again only what it delivered since).
+            let mut unrecorded_since: Option<Instant> = None;
+            while !stop.is_cancelled() && self.deliver_one(&fast).await {
+                let since = *unrecorded_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= self.batches.leases.record_every || !fast.queued() {
+                    self.record(&fast).await;
+                    unrecorded_since = None;
+                }
+            }
+            if unrecorded_since.is_some() {
+                self.record(&fast).await;
+            }
+        }
+        if fast.undecided_left() {
+            self.record(&fast).await;
+        }
+    }
+
+    /// Reads the keys that wait (parked, held), which the fast path keeps from then on.
+    async fn read_keys(&self, fast: &FastPath) {
+        let read = async {
+            sql::waiting_keys(&*self.pool.client().await?, &self.to, self.dead_letters_hold, WAITING_KEYS_MAX).await
+        };
+        match read.await {
+            Ok(keys) => {
+                if keys.is_none() {
+                    tracing::info!(
+                        max = WAITING_KEYS_MAX,
+                        "more keys than this have events that wait; events with a key are claimed before they are delivered"
+                    );
+                }
+                fast.keys_read(keys);
+            }
+            Err(e) => tracing::debug!(error = %e, "could not read the keys that wait; trying again"),
+        }
+    }
+
+    /// Delivers one fast batch; false when there was none to take.
+    async fn deliver_one(&self, fast: &FastPath) -> bool {
+        let batches = &self.batches;
+        let taken = {
+            // Claims of new events and the fast path take turns; and none while a batch of this
+            // relay's new events is uncommitted (it is woken when it is done).
+            let _gate = batches.claims.new_gate.lock().await;
+            if NewLock::held(&batches.claims.new_lock) {
+                return false;
+            }
+            fast.take(batches.batch_size(), batches.breaker().is_open())
+        };
+        if taken.is_empty() {
+            return false;
+        }
+        let (events, ages): (Vec<Event>, Vec<Duration>) = taken.into_iter().unzip();
+        tracing::trace!(events = events.len(), "delivering from notifications");
+        let started = Instant::now();
+        let decided = match batches.delivery.deliver(&events, &Arc::default()).await {
+            // Cut off at shutdown: nothing decided; a claim delivers them again.
+            None => None,
+            Some(results) => {
+                let mut outcomes = Outcomes::default();
+                batches.judge.judge(&events, &ages, started, results, false, &mut outcomes).await;
+                let elapsed = started.elapsed();
+                let mut by_id: HashMap<i64, Outcome> =
+                    outcomes.events.into_iter().map(|(id, _, outcome)| (id, outcome)).collect();
+                let decided = events.into_iter().zip(ages).filter_map(|(event, age)| {
+                    let outcome = by_id.remove(&event.id)?;
+                    let latency = matches!(outcome, Outcome::Delivered).then_some(age + elapsed);
+                    Some((event, outcome, latency))
+                });
+                Some(decided.collect())
+            }
+        };
+        fast.delivered(decided);
+        true
+    }
+
+    /// Claims, so that what the fast path decided is recorded; leaves it to a worker when this
+    /// claim could not (another claim of this relay holds the new events).
+    async fn record(&self, fast: &FastPath) {
+        if let Err(e) = self.batches.claim_and_deliver(Claim::Batch { schedule_next: true }).await {
+            tracing::warn!(error = %e, "claiming to record what was delivered from notifications failed");
+        }
+        if fast.undecided_left() {
+            self.work.notify_one();
+        }
+    }
+}

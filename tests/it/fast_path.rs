@@ -1,0 +1,299 @@
+//! The fast path (issue 41, migration 0018): new events handed to the handler from their
+//! notification, recorded by the claim after them, and every rule a claim keeps still kept:
+//! order per key behind a parked event, pauses, delays, patterns, payloads too large for a
+//! notification, a lost notification, two relays on one destination.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pg_outbox_relay::{DeliveryError, Event, Handler, NewEvent, Route};
+use serde_json::json;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, Running, config, eventually, recorder};
+
+/// Waits until the relay delivers new events from their notifications.
+async fn armed(relay: &Running) {
+    eventually("the fast path is armed", || async { relay.snapshot().fast_path_armed }).await;
+}
+
+/// Publishes through SQL on a connection of its own: the notification is the only wake-up.
+async fn publish_sql(client: &tokio_postgres::Client, topic: &str, payload: &str, key: Option<&str>) -> i64 {
+    client
+        .query_one("select outbox_relay.publish($1, $2::text::jsonb, $3)", &[&topic, &payload, &key])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Every delivered id once, and each key's ids in ascending order.
+fn once_and_in_order(delivered: &[Event]) {
+    let mut seen = HashSet::new();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for event in delivered {
+        assert!(seen.insert(event.id), "event {} delivered twice", event.id);
+        if let Some(key) = &event.key {
+            let before = last.insert(key, event.id);
+            assert!(before.is_none_or(|b| b < event.id), "key {key}: {} after {before:?}", event.id);
+        }
+    }
+}
+
+#[tokio::test]
+async fn events_go_from_their_notification_to_the_handler_and_are_recorded_once() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    armed(&relay).await;
+    let writer = db.client().await;
+    let mut through_outbox = HashSet::new();
+    for n in 0..30 {
+        let key = format!("k{}", n % 3);
+        if n % 2 == 0 {
+            // Another connection: the notification wakes the relay.
+            let payload = format!(r#"{{"n": {n}, "exact": 1.000000000000000000001}}"#);
+            publish_sql(&writer, "order.placed", &payload, Some(&key)).await;
+        } else {
+            // This process's Outbox: its commit's notification, not its wake-up, brings it.
+            let event = NewEvent::new("order.placed", json!({ "n": n })).key(key).header("trace", "t1");
+            through_outbox.insert(db.outbox.publish(&event).await.unwrap());
+        }
+    }
+    let delivered: Vec<Event> = deliveries.take(30).await.into_iter().map(|d| d.event).collect();
+    once_and_in_order(&delivered);
+    let stored: HashMap<i64, (String, uuid::Uuid)> = writer
+        .query("select id, payload::text, uuid from outbox_relay.outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect();
+    for event in &delivered {
+        let (payload, uuid) = &stored[&event.id];
+        assert_eq!(event.payload.get(), payload, "the payload as stored, every digit");
+        assert_eq!(event.uuid, *uuid);
+        assert_eq!(event.attempts, 1);
+        if through_outbox.contains(&event.id) {
+            assert_eq!(event.headers.get("trace"), Some("t1"));
+        }
+    }
+    eventually("every event recorded delivered", || async {
+        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    // Each went one way: from its notification, or (heard of while the claim after a fast batch
+    // ran, and read by it) by that claim.
+    eventually("each counted once", || async {
+        let s = relay.snapshot();
+        s.fast_delivered + s.claimed_events == 30 && s.fast_delivered > 0
+    })
+    .await;
+    assert_eq!(support::count(&writer, "select count(*) from outbox_relay.parked").await, 0);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(deliveries.is_empty(), "nothing delivered again");
+    assert_eq!(relay.snapshot().delivered, 30);
+    relay.stop().await;
+}
+
+/// Fails the first attempt of every event whose payload asks for it.
+#[derive(Clone)]
+struct FailFirst {
+    tried: Arc<Mutex<HashSet<i64>>>,
+    inner: support::Recorder,
+}
+
+impl Handler for FailFirst {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        let first = self.tried.lock().unwrap().insert(event.id);
+        if first && event.payload.get().contains("fail") {
+            return Err(DeliveryError::transient("the receiver is busy"));
+        }
+        self.inner.handle(event).await
+    }
+}
+
+#[tokio::test]
+async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
+    let db = TestDb::new().await;
+    let (inner, mut deliveries) = recorder();
+    let handler = FailFirst { tried: Arc::default(), inner };
+    // A retry late enough to be seen waiting.
+    let config = pg_outbox_relay::RelayConfig {
+        backoff_base: Duration::from_millis(500),
+        backoff_max: Duration::from_secs(1),
+        ..config()
+    };
+    let relay = support::start(&db.outbox, config, handler);
+    armed(&relay).await;
+    let writer = db.client().await;
+    let first = publish_sql(&writer, "order.placed", r#"{"fail": true}"#, Some("k")).await;
+    eventually("the first event parked for its retry", || async {
+        support::count(&writer, "select count(*) from outbox_relay.parked").await == 1
+    })
+    .await;
+    // Its key's next event comes by notification while the first waits: it must not pass it.
+    let second = publish_sql(&writer, "order.placed", "{}", Some("k")).await;
+    let other = publish_sql(&writer, "order.placed", "{}", Some("other")).await;
+    let delivered: Vec<i64> = deliveries.take(3).await.into_iter().map(|d| d.event.id).collect();
+    let at = |id| delivered.iter().position(|d| *d == id).unwrap();
+    assert!(at(first) < at(second), "order per key: {delivered:?}");
+    assert!(delivered.contains(&other));
+    eventually("all recorded", || async {
+        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+            && support::count(&writer, "select count(*) from outbox_relay.parked").await == 0
+    })
+    .await;
+    // The key waits no longer once its events are delivered. The relay learns it from the claim
+    // of the key's next event (it does not know whether a claim of parked events took the key's
+    // last one); the ones after go the fast way.
+    // (A claim that a batch's end calls for may take one first: a few tries.)
+    let before = relay.snapshot().fast_delivered;
+    for _ in 0..5 {
+        armed(&relay).await;
+        publish_sql(&writer, "order.placed", "{}", Some("k")).await;
+        deliveries.next().await;
+        eventually("recorded", || async {
+            support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        })
+        .await;
+        if relay.snapshot().fast_delivered > before {
+            break;
+        }
+    }
+    assert!(relay.snapshot().fast_delivered > before, "the key's events go the fast way again");
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn paused_delayed_unmatched_and_oversized_events_wait_for_a_claim() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let routes = vec![Route::new("orders", "order.#", handler).unwrap()];
+    let relay = support::start_routes(&db.outbox, config(), routes);
+    armed(&relay).await;
+    let writer = db.client().await;
+    assert!(db.outbox.pause(Some("order.paused")).await.unwrap());
+    eventually("the relay reads the pause", || async { relay.snapshot().paused_topics == 1 }).await;
+    armed(&relay).await;
+
+    let paused = publish_sql(&writer, "order.paused", "{}", Some("a")).await;
+    let unmatched = publish_sql(&writer, "mail.sent", "{}", Some("b")).await;
+    let big = format!(r#"{{"text": "{}"}}"#, "x".repeat(9_000));
+    let oversized = publish_sql(&writer, "order.big", &big, Some("c")).await;
+    let behind_oversized = publish_sql(&writer, "order.small", "{}", Some("c")).await;
+    let delayed = db
+        .outbox
+        .publish(&NewEvent::new("order.later", json!({})).key("d").delay(Duration::from_millis(400)))
+        .await
+        .unwrap();
+    let plain = publish_sql(&writer, "order.plain", "{}", Some("e")).await;
+
+    let taken = deliveries.take(4).await;
+    let delivered: Vec<Event> = taken.iter().map(|d| d.event.clone()).collect();
+    once_and_in_order(&delivered);
+    let ids: Vec<i64> = delivered.iter().map(|e| e.id).collect();
+    for id in [oversized, behind_oversized, delayed, plain] {
+        assert!(ids.contains(&id), "{id} delivered: {ids:?}");
+    }
+    assert!(!ids.contains(&paused) && !ids.contains(&unmatched));
+    let big_one = delivered.iter().find(|e| e.id == oversized).unwrap();
+    assert_eq!(big_one.payload.get(), big, "the whole payload, by the claim");
+    let waited = taken.iter().find(|d| d.event.id == delayed).unwrap();
+    let after = waited.at.duration_since(waited.event.created_at).unwrap();
+    assert!(after >= Duration::from_millis(400), "delivered {after:?} after it was written");
+    assert_eq!(waited.event.attempts, 1);
+    assert!(relay.snapshot().fast_delivered <= 1, "only the plain event could go the fast way");
+
+    assert!(db.outbox.resume(Some("order.paused")).await.unwrap());
+    assert_eq!(deliveries.next().await.event.id, paused);
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn notifications_lost_with_the_listeners_connection_are_caught_by_a_claim() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    armed(&relay).await;
+    let writer = db.client().await;
+    let admin = db.client().await;
+    let mut ids = Vec::new();
+    for n in 0..20 {
+        if n == 5 {
+            let killed: bool = admin
+                .query_one(
+                    "select bool_or(pg_terminate_backend(pid)) from pg_stat_activity
+                      where application_name = 'outbox-relay listener' and datname = current_database()",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            assert!(killed, "the listener's backend terminated");
+        }
+        ids.push(publish_sql(&writer, "order.placed", &format!(r#"{{"n": {n}}}"#), Some(&format!("k{}", n % 2))).await);
+    }
+    let delivered: Vec<Event> = deliveries.take(20).await.into_iter().map(|d| d.event).collect();
+    once_and_in_order(&delivered);
+    eventually("all recorded", || async {
+        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    assert!(relay.snapshot().reconnects >= 1);
+    // And the fast path comes back with the listener.
+    armed(&relay).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(deliveries.is_empty(), "nothing delivered again");
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn one_relay_of_two_owns_the_fast_path_and_the_other_takes_it_when_it_dies() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let first = support::start(&db.outbox, config(), handler.labelled("first"));
+    armed(&first).await;
+    // The second relay, started with the fast path off and then on: neither claims what the
+    // owner delivers.
+    let off = support::start(
+        &db.outbox,
+        pg_outbox_relay::RelayConfig { fast_path: false, ..config() },
+        handler.labelled("off"),
+    );
+    let second = support::start(&db.outbox, config(), handler.labelled("second"));
+    let writer = db.client().await;
+    for n in 0..30 {
+        publish_sql(&writer, "order.placed", &format!(r#"{{"n": {n}}}"#), Some(&format!("k{}", n % 3))).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let delivered = deliveries.take(30).await;
+    let events: Vec<Event> = delivered.iter().map(|d| d.event.clone()).collect();
+    once_and_in_order(&events);
+    assert!(delivered.iter().all(|d| d.by == "first"), "only the owner takes new events");
+    eventually("all recorded", || async {
+        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+    })
+    .await;
+    assert!(!second.snapshot().fast_path_armed && !off.snapshot().fast_path_armed);
+
+    // Everything the owner delivered is recorded: when it dies, nothing is sent again, and the
+    // second relay takes the fast path over.
+    first.crash().await;
+    armed(&second).await;
+    let mut later = Vec::new();
+    for n in 0..10 {
+        later.push(publish_sql(&writer, "order.placed", &format!(r#"{{"n": {n}}}"#), Some("k0")).await);
+    }
+    let delivered = deliveries.take(10).await;
+    let events: Vec<Event> = delivered.iter().map(|d| d.event.clone()).collect();
+    once_and_in_order(&events);
+    assert_eq!(events.iter().map(|e| e.id).collect::<Vec<_>>(), later);
+    assert!(delivered.iter().all(|d| d.by == "second"));
+    eventually("the second relay delivered from notifications", || async { second.snapshot().fast_delivered > 0 })
+        .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(deliveries.is_empty(), "nothing delivered twice");
+    second.stop().await;
+    off.stop().await;
+}
