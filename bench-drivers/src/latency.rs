@@ -1,4 +1,5 @@
-//! Commit-to-handler latency, one event at a time, on the NOTIFY, in-process and poll paths.
+//! Commit-to-handler latency, one event at a time, on the NOTIFY, in-process and poll paths, and
+//! the floor: a client that LISTENs and gets the same commit's notification.
 
 use std::fmt;
 use std::sync::Arc;
@@ -36,9 +37,17 @@ const IDLE_QUIET: Duration = Duration::from_millis(5);
 /// How the relay learns of a new event in a latency measurement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WakePath {
-    /// The outbox trigger's `NOTIFY`, from a writer on another connection.
+    /// No relay: a client that LISTENs on the outbox channel gets the same commit's
+    /// notification (a placeholder relay row marked waiting makes the trigger send it). No relay
+    /// woken by NOTIFY can beat it.
+    Floor,
+    /// The outbox trigger's `NOTIFY`, from a writer on another connection; the relay delivers
+    /// from the notification (its fast path).
     Notify,
-    /// The in-process wake-up of an [`Outbox`] shared with the relay (trigger dropped).
+    /// The same with the relay's fast path off: it claims before it delivers.
+    NotifyClaimFirst,
+    /// An [`Outbox`] shared with the relay writes (the trigger in place, as in production: its
+    /// notification brings the event to the fast path; the in-process wake-up is the fallback).
     InProcess,
     /// Only the relay's fallback poll, at this interval (trigger dropped).
     Poll(Duration),
@@ -48,19 +57,21 @@ impl WakePath {
     fn poll_interval(self) -> Duration {
         match self {
             WakePath::Poll(interval) => interval,
-            WakePath::Notify | WakePath::InProcess => NO_POLL,
+            _ => NO_POLL,
         }
     }
 
     fn uses_trigger(self) -> bool {
-        matches!(self, WakePath::Notify)
+        !matches!(self, WakePath::Poll(_))
     }
 }
 
 impl fmt::Display for WakePath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            WakePath::Floor => f.write_str("floor (a LISTEN client)"),
             WakePath::Notify => f.write_str("NOTIFY"),
+            WakePath::NotifyClaimFirst => f.write_str("NOTIFY, claim first"),
             WakePath::InProcess => f.write_str("in-process"),
             WakePath::Poll(interval) => write!(f, "poll {}", humantime::format_duration(*interval)),
         }
@@ -102,6 +113,8 @@ pub struct LatencyProbe {
     shutdown: Option<oneshot::Sender<()>>,
     relay: Option<JoinHandle<pg_outbox_relay::Result<()>>>,
     metrics: Arc<RelayMetrics>,
+    /// The floor's listening connection (no relay then).
+    floor: Option<tokio_postgres::Client>,
     sequence: u64,
 }
 
@@ -133,7 +146,7 @@ impl LatencyProbe {
     async fn start_relay(outbox: &Outbox, path: WakePath) -> Result<LatencyProbe, BoxError> {
         let writer = match path {
             WakePath::InProcess => None,
-            WakePath::Notify | WakePath::Poll(_) => {
+            _ => {
                 let client = outbox.url().connect().await?;
                 client
                     .batch_execute(&format!("set statement_timeout = '{STATEMENT_TIMEOUT}'"))
@@ -144,6 +157,9 @@ impl LatencyProbe {
             }
         };
         let (sender, deliveries) = mpsc::unbounded_channel();
+        if path == WakePath::Floor {
+            return LatencyProbe::start_floor(outbox, writer, sender, deliveries).await;
+        }
         let handler = handler_fn(move |event: Event| {
             let seen = Instant::now();
             // The receiver is gone only when the probe is; nothing to report to then.
@@ -154,6 +170,7 @@ impl LatencyProbe {
             workers: 1,
             poll_interval: path.poll_interval(),
             janitor_interval: Duration::ZERO,
+            fast_path: path != WakePath::NotifyClaimFirst,
             ..RelayConfig::default()
         };
         let relay = Relay::new(outbox, config, handler)?;
@@ -171,6 +188,7 @@ impl LatencyProbe {
             shutdown: Some(shutdown),
             relay: Some(task),
             metrics: metrics.clone(),
+            floor: None,
             sequence: 0,
         };
         // Let the relay come up (its first claim ran, its listener and in-process bridge are
@@ -183,6 +201,60 @@ impl LatencyProbe {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+        for _ in 0..WARMUP_SAMPLES {
+            probe.sample().await?;
+        }
+        Ok(probe)
+    }
+
+    /// The floor: a connection that LISTENs and notes when each event's notification arrives;
+    /// a placeholder relay row marked waiting (removed with the connection) makes writers notify.
+    async fn start_floor(
+        outbox: &Outbox,
+        writer: Option<(tokio_postgres::Client, Statement)>,
+        sender: mpsc::UnboundedSender<(i64, Instant)>,
+        deliveries: mpsc::UnboundedReceiver<(i64, Instant)>,
+    ) -> Result<LatencyProbe, BoxError> {
+        use futures::StreamExt;
+        use tokio_postgres::AsyncMessage;
+
+        let config = outbox.url().config().clone();
+        if config.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+            return Err("the floor's LISTEN client connects without TLS: measure on a server that allows it".into());
+        }
+        let (client, mut connection) =
+            config.connect(tokio_postgres::NoTls).await.map_err(db("connecting the LISTEN client"))?;
+        tokio::spawn(async move {
+            let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+            while let Some(Ok(message)) = messages.next().await {
+                if let AsyncMessage::Notification(n) = message {
+                    let at = Instant::now();
+                    let value: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
+                    if let Some(id) = value["e"][0][0].as_i64() {
+                        sender.send((id, at)).ok();
+                    }
+                }
+            }
+        });
+        client
+            .batch_execute(
+                "listen outbox_relay;
+                 insert into outbox_relay.relays (id, listener_pid, waiting, destination)
+                 values (-1, pg_backend_pid(), true, 'bench floor')",
+            )
+            .await
+            .map_err(db("listening"))?;
+        let mut probe = LatencyProbe {
+            path: WakePath::Floor,
+            outbox: outbox.clone(),
+            writer,
+            deliveries,
+            shutdown: None,
+            relay: None,
+            metrics: Arc::default(),
+            floor: Some(client),
+            sequence: 0,
+        };
         for _ in 0..WARMUP_SAMPLES {
             probe.sample().await?;
         }
@@ -237,6 +309,9 @@ impl LatencyProbe {
     /// while and then closes the race of its mark with one more claim; a sample taken meanwhile
     /// would measure that, not the path.
     async fn wait_until_idle(&self) -> Result<(), BoxError> {
+        if self.path == WakePath::Floor {
+            return Ok(());
+        }
         let client = self.outbox.connection().await?;
         let statement = client.prepare(RELAY_WAITING).await.map_err(db("preparing"))?;
         let since = Instant::now();
@@ -259,6 +334,15 @@ impl LatencyProbe {
     /// Stops the relay and puts the trigger back.
     pub async fn stop(mut self) -> Result<(), BoxError> {
         let stopped = stop_relay(self.shutdown.take(), self.relay.take()).await;
+        if let Some(floor) = self.floor.take() {
+            // The floor's events were never delivered: no relay after it should find them.
+            floor
+                .batch_execute(&format!(
+                    "delete from outbox_relay.relays where id = -1; delete from outbox_relay.outbox where topic = '{TOPIC}'"
+                ))
+                .await
+                .map_err(db("removing the floor's placeholder relay and events"))?;
+        }
         reset_notify(&self.outbox).await?;
         stopped
     }
@@ -269,7 +353,7 @@ impl LatencyProbe {
 fn pause_before_sample(path: WakePath) -> Duration {
     let max = match path {
         WakePath::Poll(interval) => interval,
-        WakePath::Notify | WakePath::InProcess => MAX_PAUSE,
+        _ => MAX_PAUSE,
     };
     let max_us = u64::try_from(max.as_micros()).unwrap_or(u64::MAX);
     if max_us == 0 { Duration::ZERO } else { Duration::from_micros(rand::random_range(0..max_us)) }

@@ -27,7 +27,7 @@ const POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Concurrent writers of the write-throughput measurement.
 const WRITERS: usize = 16;
 /// Steps, for the progress lines.
-const STEPS: usize = 11;
+const STEPS: usize = 13;
 /// Keys of the keyed drain (each delivered in order).
 const KEYS: usize = 100;
 /// Events per second of the trickle.
@@ -42,7 +42,9 @@ struct Report {
     embedded: bool,
     info: ServerInfo,
     cores: usize,
+    floor: Percentiles,
     notify: Percentiles,
+    notify_claim_first: Percentiles,
     in_process: Percentiles,
     poll: Percentiles,
     /// The relay's drain with the given workers and batch (median of the rounds).
@@ -83,6 +85,10 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
         let stage = async |outbox: &pg_outbox_relay::Outbox| sinks::stage(&args, outbox).await;
         measure_only(&args, &server, sinks::step(&args), stage, sinks::SinksReport::json, sinks::SinksReport::print)
             .await
+    } else if args.latency_only {
+        let step = format!("latency: {ROUNDS} alternating rounds of {} samples on each path", args.samples);
+        let stage = async |outbox: &pg_outbox_relay::Outbox| latency_rounds(&args, outbox).await;
+        measure_only(&args, &server, step, stage, latency_rounds_json, |r| print_latency_rounds(&args, r)).await
     } else {
         measure(&args, &server).await.map(|report| {
             if args.json {
@@ -164,6 +170,8 @@ fn database(args: &BenchArgs) -> &'static str {
         "cli_receivers"
     } else if args.sinks_only {
         "cli_sinks"
+    } else if args.latency_only {
+        "cli_latency"
     } else {
         DATABASE
     }
@@ -184,8 +192,12 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         Percentiles::from_samples(&mut taken).ok_or_else(|| "no latency samples were taken".into())
     };
 
+    progress(format!("latency floor (a LISTEN client, the same commits), {} samples", args.samples));
+    let floor = latency(WakePath::Floor, args.samples).await?;
     progress(format!("latency (NOTIFY), {} samples", args.samples));
     let notify = latency(WakePath::Notify, args.samples).await?;
+    progress(format!("latency (NOTIFY, the fast path off: claim first), {} samples", args.samples));
+    let notify_claim_first = latency(WakePath::NotifyClaimFirst, args.samples).await?;
     progress(format!("latency (in-process), {} samples", args.samples));
     let in_process = latency(WakePath::InProcess, args.samples).await?;
     let poll = WakePath::Poll(POLL_INTERVAL);
@@ -258,7 +270,9 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         embedded: server.is_embedded(),
         info,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        floor,
         notify,
+        notify_claim_first,
         in_process,
         poll,
         drain,
@@ -277,12 +291,97 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     })
 }
 
+/// The latency paths the latency stage measures, in the order of a round.
+const LATENCY_PATHS: [WakePath; 4] =
+    [WakePath::Floor, WakePath::Notify, WakePath::NotifyClaimFirst, WakePath::InProcess];
+
+/// Each latency path's percentiles, one per round.
+type LatencyRounds = Vec<(WakePath, Vec<Percentiles>)>;
+
+/// [`LATENCY_PATHS`] in alternating rounds, `args.samples` each.
+async fn latency_rounds(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<LatencyRounds, BenchError> {
+    let mut rounds: LatencyRounds = LATENCY_PATHS.iter().map(|path| (*path, Vec::new())).collect();
+    for round in 0..ROUNDS {
+        for (path, taken) in &mut rounds {
+            eprintln!("  round {}/{ROUNDS}: {path}", round + 1);
+            let mut samples = bench::latency(outbox, *path, args.samples).await?;
+            taken.push(Percentiles::from_samples(&mut samples).ok_or("no latency samples were taken")?);
+        }
+    }
+    Ok(rounds)
+}
+
+/// The median over rounds of one percentile.
+fn median_of(rounds: &[Percentiles], pick: impl Fn(&Percentiles) -> Duration) -> Duration {
+    let mut values: Vec<Duration> = rounds.iter().map(pick).collect();
+    values.sort_unstable();
+    values[values.len() / 2]
+}
+
+fn latency_rounds_json(rounds: &LatencyRounds) -> serde_json::Value {
+    let floor = &rounds[0].1;
+    let (floor_p50, floor_p99) = (median_of(floor, |p| p.p50), median_of(floor, |p| p.p99));
+    let paths: Vec<serde_json::Value> = rounds
+        .iter()
+        .map(|(path, taken)| {
+            let (p50, p99) = (median_of(taken, |p| p.p50), median_of(taken, |p| p.p99));
+            json!({
+                "path": path.to_string(),
+                "p50_ms_rounds": taken.iter().map(|p| ms(p.p50)).collect::<Vec<_>>(),
+                "p99_ms_rounds": taken.iter().map(|p| ms(p.p99)).collect::<Vec<_>>(),
+                "p50_ms": ms(p50),
+                "p99_ms": ms(p99),
+                "p50_above_floor_ms": rounded(ms(p50) - ms(floor_p50), 3),
+                "p99_above_floor_ms": rounded(ms(p99) - ms(floor_p99), 3),
+            })
+        })
+        .collect();
+    json!({ "latency_rounds": ROUNDS, "latency": paths })
+}
+
+fn print_latency_rounds(args: &BenchArgs, rounds: &LatencyRounds) {
+    let floor = &rounds[0].1;
+    let (floor_p50, floor_p99) = (median_of(floor, |p| p.p50), median_of(floor, |p| p.p99));
+    out!(
+        "latency, commit to handler: {} samples a path and round, medians of {ROUNDS} rounds (each round's in brackets)",
+        args.samples
+    );
+    out!("{:<28}{:>30}{:>30}{:>22}", "", "p50", "p99", "above the floor p50/p99");
+    for (path, taken) in rounds {
+        let (p50, p99) = (median_of(taken, |p| p.p50), median_of(taken, |p| p.p99));
+        let each =
+            |pick: fn(&Percentiles) -> Duration| taken.iter().map(|p| format_ms(pick(p))).collect::<Vec<_>>().join(" ");
+        let above = if *path == WakePath::Floor {
+            String::new()
+        } else {
+            format!("+{} / +{}", format_ms(p50.saturating_sub(floor_p50)), format_ms(p99.saturating_sub(floor_p99)))
+        };
+        out!(
+            "  {:<26}{:>30}{:>30}{above:>22}",
+            path.to_string(),
+            format!("{} [{}]", format_ms(p50), each(|p| p.p50)),
+            format!("{} [{}]", format_ms(p99), each(|p| p.p99)),
+        );
+    }
+}
+
+/// How far a path's p50 and p99 lie above the floor's, in milliseconds.
+fn above_floor_json(p: &Percentiles, floor: &Percentiles) -> serde_json::Value {
+    let ms = |a: Duration, b: Duration| rounded((a.as_secs_f64() - b.as_secs_f64()) * 1000.0, 3);
+    json!({ "p50": ms(p.p50, floor.p50), "p99": ms(p.p99, floor.p99) })
+}
+
 fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
     let share = |cpu: Option<Duration>| cpu.map(|cpu| rounded(r.trickle.share(cpu), 4));
     let total = r.trickle.relay_and_backends_cpu();
     let figures = json!({
+        "latency_floor_ms": percentiles_json(&r.floor),
         "latency_notify_ms": percentiles_json(&r.notify),
+        "latency_notify_claim_first_ms": percentiles_json(&r.notify_claim_first),
         "latency_inprocess_ms": percentiles_json(&r.in_process),
+        "latency_notify_above_floor_ms": above_floor_json(&r.notify, &r.floor),
+        "latency_inprocess_above_floor_ms": above_floor_json(&r.in_process, &r.floor),
+        "latency_notify_claim_first_above_floor_ms": above_floor_json(&r.notify_claim_first, &r.floor),
         "latency_poll_ms": percentiles_json(&r.poll),
         "drain_events_per_s": rounded(r.drain, 1),
         "claim_delete_loop_rows_per_s": rounded(r.claim_delete, 1),
@@ -361,15 +460,35 @@ fn print_server(server: &str, info: &ServerInfo, cores: Option<usize>) {
 
 fn print_table(args: &BenchArgs, r: &Report) {
     print_server(&r.server, &r.info, Some(r.cores));
-    out!("{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}", "latency, commit to handler", "samples", "p50", "p90", "p99", "max");
+    out!(
+        "{:<28}{:>8}{:>11}{:>11}{:>11}{:>11}{:>22}",
+        "latency, commit to handler",
+        "samples",
+        "p50",
+        "p90",
+        "p99",
+        "max",
+        "above the floor p50/p99"
+    );
     let rows = [
+        ("floor (a LISTEN client)", args.samples, &r.floor),
         ("NOTIFY", args.samples, &r.notify),
+        ("NOTIFY, claim first", args.samples, &r.notify_claim_first),
         ("in-process", args.samples, &r.in_process),
         ("poll 100ms", args.poll_samples(), &r.poll),
     ];
     for (name, samples, p) in rows {
+        let above = if std::ptr::eq(p, &r.floor) {
+            String::new()
+        } else {
+            format!(
+                "+{} / +{}",
+                format_ms(p.p50.saturating_sub(r.floor.p50)),
+                format_ms(p.p99.saturating_sub(r.floor.p99))
+            )
+        };
         out!(
-            "  {name:<26}{samples:>8}{:>11}{:>11}{:>11}{:>11}",
+            "  {name:<26}{samples:>8}{:>11}{:>11}{:>11}{:>11}{above:>22}",
             format_ms(p.p50),
             format_ms(p.p90),
             format_ms(p.p99),

@@ -132,12 +132,21 @@ impl<H: Handler> FastTask<H> {
     }
 
     /// Claims, so that what the fast path decided is recorded; leaves it to a worker when this
-    /// claim could not (another claim of this relay holds the new events).
+    /// claim could not (another claim of this relay holds the new events). At a rate at which
+    /// notifying costs writers more than it brings (`busy.rs`), marks the relay busy, as a worker
+    /// that claims does: writers stop notifying, and the workers claim, linger and mark the relay
+    /// waiting again once the rate drops.
     async fn record(&self, fast: &FastPath) {
         if let Err(e) = self.batches.claim_and_deliver(Claim::Batch { schedule_next: true }).await {
             tracing::warn!(error = %e, "claiming to record what was delivered from notifications failed");
         }
-        if fast.undecided_left() {
+        let row = &self.batches.row;
+        if row.is_marked() && row.rate.is_busy() {
+            if let Err(e) = row.set(false).await {
+                tracing::warn!(error = %e, "marking the relay busy failed");
+            }
+            self.work.notify_one();
+        } else if fast.undecided_left() {
             self.work.notify_one();
         }
     }

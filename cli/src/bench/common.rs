@@ -87,6 +87,12 @@ pub(crate) struct BenchArgs {
     /// Run only the delivery stage (stdout, two destinations, NATS, RabbitMQ, Kafka).
     #[arg(long, conflicts_with_all = ["held_only", "receivers_only"])]
     pub(crate) sinks_only: bool,
+    /// Run only the latency stage, in alternating rounds: the floor (a LISTEN client getting the
+    /// same commit's notification), NOTIFY (the fast path), NOTIFY with the fast path off, and
+    /// in-process; each path's p50 and p99 (medians of the rounds) and its distance above the
+    /// floor.
+    #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only"])]
+    pub(crate) latency_only: bool,
 }
 
 impl BenchArgs {
