@@ -6,8 +6,10 @@
 //! code shared with `outbox-relay bench` and documents exactly what each figure covers).
 //!
 //! Groups:
-//! - `latency/{notify,in_process,poll_100ms}`: commit to handler, one event at a time. Criterion
-//!   reports the mean; the p50/p90/p99/max of all samples taken go to stderr.
+//! - `latency/{floor,notify,notify_claim_first,in_process,poll_100ms}`: commit to handler, one
+//!   event at a time; `floor` is no relay (a LISTEN client getting the same commit's
+//!   notification), `notify_claim_first` the relay with its fast path off. Criterion reports the
+//!   mean; the p50/p90/p99/max of all samples taken go to stderr.
 //! - `throughput/{mark,delete}/w{1,2,4,8}/b{1,10,100,500}`: events per second drained from a
 //!   pre-filled outbox (5,000 events per iteration; 500 with batch 1; 50,000 for the defaults and the loop). One iteration is one
 //!   pre-fill plus one drain, and only the drain is timed. Ten iterations per combination, so
@@ -138,7 +140,9 @@ fn latency(c: &mut Criterion, env: &Env) {
     let mut group = c.benchmark_group("latency");
     group.warm_up_time(Duration::from_secs(1));
     let paths = [
+        ("floor", WakePath::Floor),
         ("notify", WakePath::Notify),
+        ("notify_claim_first", WakePath::NotifyClaimFirst),
         ("in_process", WakePath::InProcess),
         ("poll_100ms", WakePath::Poll(Duration::from_millis(100))),
     ];
@@ -148,7 +152,7 @@ fn latency(c: &mut Criterion, env: &Env) {
             WakePath::Poll(_) => {
                 group.sample_size(10).sampling_mode(SamplingMode::Flat).measurement_time(Duration::from_secs(6))
             }
-            WakePath::Notify | WakePath::InProcess => {
+            WakePath::Floor | WakePath::Notify | WakePath::NotifyClaimFirst | WakePath::InProcess => {
                 group.sample_size(20).sampling_mode(SamplingMode::Auto).measurement_time(Duration::from_secs(5))
             }
         };

@@ -271,8 +271,13 @@ impl LatencyProbe {
         let payload = json!({"sample": self.sequence});
         let (id, committing) = match &mut self.writer {
             None => {
+                // A transaction on the relay's own Outbox, timed from just before COMMIT as the
+                // other paths are (`Outbox::publish` would add its insert's round trip).
+                let mut connection = self.outbox.connection().await?;
+                let tx = connection.transaction().await.map_err(db("starting a transaction"))?;
+                let id = pg_outbox_relay::publish(&tx, &NewEvent::new(TOPIC, payload)).await?;
                 let committing = Instant::now();
-                let id = self.outbox.publish(&NewEvent::new(TOPIC, payload)).await?;
+                tx.commit().await.map_err(db("committing"))?;
                 (id, committing)
             }
             Some((client, publish)) => {

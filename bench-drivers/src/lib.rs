@@ -28,11 +28,14 @@
 //! - [`WakePath::Notify`]: the writer is a separate plain connection, not the [`Outbox`], that
 //!   runs `begin; select outbox_relay.publish(..); commit`; the relay's fallback poll is 1 hour,
 //!   so only the trigger's `NOTIFY` can wake it. The interval starts just before `COMMIT`.
-//! - [`WakePath::InProcess`]: the trigger `outbox_notify_relay` is dropped for the measurement
-//!   (and re-created afterwards) and the event is written with [`Outbox::publish`], so only the
-//!   in-process wake-up can wake the relay (poll 1 hour). `publish` commits its insert in the same
-//!   round trip (autocommit), so here the interval starts just before that statement is sent and
-//!   also covers the insert and taking a pooled connection.
+//! - [`WakePath::Floor`]: no relay; a second connection LISTENs on the outbox channel (a
+//!   placeholder relay row marked waiting makes the trigger notify) and the sample ends when it
+//!   has the commit's notification. No relay woken by NOTIFY can beat it.
+//! - [`WakePath::NotifyClaimFirst`]: as `Notify`, the relay's fast path off (it claims first).
+//! - [`WakePath::InProcess`]: the event is written in a transaction on a connection of the
+//!   relay's own [`Outbox`], the trigger in place as in production (poll 1 hour); the interval
+//!   starts just before `COMMIT`, as for `Notify`. While the relay's fast path is armed, the
+//!   commit's notification brings the event (the in-process wake-up would only race it).
 //! - [`WakePath::Poll`]: the trigger is dropped, the writer is a separate connection as for
 //!   `Notify`, and the relay's `poll_interval` is the given duration: only the poll finds events.
 //!

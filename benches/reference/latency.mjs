@@ -6,9 +6,11 @@
 // on this server: the same commit, of a transaction that inserts a row (so that its commit
 // flushes WAL as the others' do) and calls pg_notify, to the instant a second client of this
 // process that LISTENs has the notification (no claim, no delivery).
+// `outbox-claim-first` is outbox-relay with its fast path off (`--no-fast-path`: it claims each
+// event before it delivers it, as every version before migration 0018 did).
 // Usage (run.sh installs graphile-worker first):
 //
-//   node latency.mjs graphile|outbox|floor DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
+//   node latency.mjs graphile|outbox|outbox-claim-first|floor DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
 import { spawn } from "node:child_process";
 import { createInterface } from "node:readline";
 import pg from "pg";
@@ -51,8 +53,9 @@ if (mode === "graphile") {
     return n;
   };
   stop = () => runner.stop();
-} else if (mode === "outbox") {
-  const relay = spawn(binary, ["run", "--sink", "stdout"], {
+} else if (mode === "outbox" || mode === "outbox-claim-first") {
+  const flags = mode === "outbox" ? [] : ["--no-fast-path"];
+  const relay = spawn(binary, ["run", "--sink", "stdout", ...flags], {
     env: { ...process.env, DATABASE_URL: url, RUST_LOG: "error" },
     stdio: ["ignore", "pipe", "inherit"],
   });
@@ -83,7 +86,7 @@ if (mode === "graphile") {
   };
   stop = () => listener.end();
 } else {
-  throw new Error(`mode is ${mode}; it must be graphile, outbox or floor`);
+  throw new Error(`mode is ${mode}; it must be graphile, outbox, outbox-claim-first or floor`);
 }
 
 for (let n = 0; n < warmup + samples; n++) {

@@ -189,6 +189,11 @@ pub(crate) struct RunArgs {
     /// the dead letter is retried or purged (by default they go on).
     #[arg(long)]
     pub(crate) dead_letter_holds_key: bool,
+    /// Claim every event before delivering it, instead of delivering new events from their
+    /// notification (the fast path: docs/design.md). For writers that turn notifications off
+    /// (`set local outbox_relay.notify = off`, a prepared transaction) and share keys with others.
+    #[arg(long)]
+    pub(crate) no_fast_path: bool,
     /// Distinct events failing transiently in a row that open the outage breaker (0: never).
     #[arg(long, default_value_t = RelayConfig::DEFAULT_BREAKER_THRESHOLD)]
     pub(crate) breaker_threshold: u32,

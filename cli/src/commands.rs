@@ -214,6 +214,7 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         fixed_concurrency: args.fixed_concurrency,
         rate_limit: args.rate_limit,
         dead_letter_holds_key: args.dead_letter_holds_key,
+        fast_path: !args.no_fast_path,
         breaker_threshold: args.breaker_threshold,
         breaker_probe_min: args.breaker_probe_min,
         breaker_probe_max: args.breaker_probe_max,

@@ -36,6 +36,8 @@ struct SlowReceiver {
     requests: Arc<AtomicUsize>,
     /// The requests per value of their `x-version` header (a route's setting that a reload changes).
     versions: Arc<Mutex<HashMap<String, usize>>>,
+    /// The event ids in the order their requests arrived.
+    arrivals: Arc<Mutex<Vec<i64>>>,
 }
 
 /// A slow receiver on a free port, and `events` pending events of `topic` for it; returns the
@@ -65,6 +67,7 @@ async fn slow_hook(State(receiver): State<SlowReceiver>, headers: HeaderMap) -> 
         return StatusCode::BAD_REQUEST;
     };
     *receiver.seen.lock().unwrap().entry(id).or_default() += 1;
+    receiver.arrivals.lock().unwrap().push(id);
     let version = headers.get("x-version").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
     *receiver.versions.lock().unwrap().entry(version).or_default() += 1;
     receiver.requests.fetch_add(1, Ordering::SeqCst);
@@ -447,4 +450,94 @@ async fn sighup_reloads_a_changed_config_mid_backlog_and_delivers_nothing_twice(
         "the reloaded header is sent, for some of the backlog too (the reload happened in it): {versions:?}"
     );
     assert_eq!(versions.get("none"), None, "{versions:?}");
+}
+
+/// Fault: two `outbox-relay run` processes on one destination; the one that owns the fast path
+/// (it delivers new events from their notifications, and alone claims them) is killed with
+/// SIGKILL while events keep coming, one every 10 ms over 5 keys. The other takes the fast path
+/// over. Nothing is lost, only what the killed one had in flight (delivered, not yet recorded)
+/// arrives twice, and each key's events first arrive in order.
+#[tokio::test]
+async fn two_relays_one_killed_while_it_owns_the_fast_path_lose_nothing_and_keep_order() {
+    const EVENTS: i32 = 200;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.fast", 0).await;
+    let args = ["--sink", &sink, "--completion", "mark"];
+    let owns = "from their notifications (fast path)";
+    let first = RelayProcess::spawn_logging(&db.url, &args, "info");
+    eventually("the first relay owns the fast path", || {
+        let log = first.log();
+        async move { log.contains(owns) }
+    })
+    .await;
+    let second = RelayProcess::spawn_logging(&db.url, &args, "info");
+
+    let writer = db.client().await;
+    let publishing = tokio::spawn(async move {
+        let mut keys = HashMap::new();
+        for n in 0..EVENTS {
+            let key = format!("k{}", n % 5);
+            let id: i64 = writer
+                .query_one(
+                    "select outbox_relay.publish('fault.fast', jsonb_build_object('n', $1::int), $2)",
+                    &[&n, &key],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            keys.insert(id, key);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        keys
+    });
+    let requests = receiver.requests.clone();
+    eventually("the first relay delivered 60 events", || {
+        let n = requests.load(Ordering::SeqCst);
+        async move { n >= 60 }
+    })
+    .await;
+    let first_log = first.log.clone();
+    let status = first.signal("-KILL").await;
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status:?}");
+    let seen_at_kill: BTreeSet<i64> = receiver.seen.lock().unwrap().keys().copied().collect();
+    let unprocessed: BTreeSet<i64> = client.query(WAITING, &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+    let in_flight: BTreeSet<i64> = seen_at_kill.intersection(&unprocessed).copied().collect();
+
+    let keys = publishing.await.unwrap();
+    eventually_within("every event recorded", LONG_PATIENCE, || async { waiting(&client).await == 0 }).await;
+    eventually("the second relay took the fast path over", || {
+        let log = second.log();
+        async move { log.contains(owns) }
+    })
+    .await;
+    let second_log = second.log.clone();
+    let status = second.signal("-TERM").await;
+    assert_eq!(status.code(), Some(0), "its log:\n{}", second_log.lock().unwrap());
+
+    let seen = receiver.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), EVENTS as usize, "every event arrived");
+    assert!(keys.keys().all(|id| seen.contains_key(id)));
+    let twice: BTreeSet<i64> = seen.iter().filter(|(_, n)| **n > 1).map(|(id, _)| *id).collect();
+    eprintln!("{} events in flight at the kill; {} arrived twice", in_flight.len(), twice.len());
+    assert!(
+        twice.is_subset(&in_flight),
+        "only events in flight at the kill arrive twice: {:?} were not; first log:\n{}",
+        twice.difference(&in_flight).collect::<Vec<_>>(),
+        first_log.lock().unwrap()
+    );
+    // Each key's events first arrive in id order (a key's next event is sent once the one before
+    // it is answered).
+    let mut first_seen = BTreeSet::new();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for id in receiver.arrivals.lock().unwrap().iter() {
+        if !first_seen.insert(*id) {
+            continue;
+        }
+        let key = keys[id].as_str();
+        let before = last.insert(key, *id);
+        assert!(before.is_none_or(|b| b < *id), "key {key}: {id} arrived first after {before:?}");
+    }
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
