@@ -18,7 +18,7 @@ use serde_json::json;
 
 pub(crate) use self::common::BenchArgs;
 use self::common::{
-    BenchError, ROUNDS, format_ms, grouped, median, ms, percentiles_json, rate, relay_command, rounded,
+    BenchError, ROUNDS, format_ms, grouped, median, ms, percentiles_json, rate, relay_command, relay_settings, rounded,
 };
 use self::held::{held_json, held_stage, held_step, print_held};
 
@@ -236,13 +236,14 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     let sinks = sinks::stage(args, &outbox).await?;
 
     progress(format!(
-        "a trickle: {TRICKLE_RATE} events/s for {} to an `outbox-relay run --sink stdout` process (default settings)",
-        humantime::format_duration(args.trickle_duration)
+        "a trickle: {TRICKLE_RATE} events/s for {} to an `outbox-relay run --sink stdout` process ({})",
+        humantime::format_duration(args.trickle_duration),
+        relay_settings(args)
     ));
     outbox.connection().await?.batch_execute("truncate outbox_relay.outbox").await?;
     let trickle = bench::trickle(
         &outbox,
-        relay_command(&outbox)?,
+        relay_command(args, &outbox)?,
         Trickle { rate: TRICKLE_RATE, duration: args.trickle_duration },
     )
     .await?;
@@ -346,18 +347,19 @@ fn print_latency_rounds(args: &BenchArgs, rounds: &LatencyRounds) {
         "latency, commit to handler: {} samples a path and round, medians of {ROUNDS} rounds (each round's in brackets)",
         args.samples
     );
-    out!("{:<28}{:>30}{:>30}{:>22}", "", "p50", "p99", "above the floor p50/p99");
+    out!("{:<28}{:>30}{:>30}{:>26}", "", "p50", "p99", "above the floor p50/p99");
     for (path, taken) in rounds {
         let (p50, p99) = (median_of(taken, |p| p.p50), median_of(taken, |p| p.p99));
-        let each =
-            |pick: fn(&Percentiles) -> Duration| taken.iter().map(|p| format_ms(pick(p))).collect::<Vec<_>>().join(" ");
+        let each = |pick: fn(&Percentiles) -> Duration| {
+            taken.iter().map(|p| format!("{:.2}", ms(pick(p)))).collect::<Vec<_>>().join(" ")
+        };
         let above = if *path == WakePath::Floor {
             String::new()
         } else {
             format!("+{} / +{}", format_ms(p50.saturating_sub(floor_p50)), format_ms(p99.saturating_sub(floor_p99)))
         };
         out!(
-            "  {:<26}{:>30}{:>30}{above:>22}",
+            "  {:<26}{:>30}{:>30}{above:>26}",
             path.to_string(),
             format!("{} [{}]", format_ms(p50), each(|p| p.p50)),
             format!("{} [{}]", format_ms(p99), each(|p| p.p99)),
@@ -394,6 +396,7 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "drain_keyed_events_per_s": rounded(r.keyed_drain, 1),
         "drain_keys": KEYS,
         "trickle_events_per_s": TRICKLE_RATE,
+        "relay_args": args.relay_args,
         "trickle_seconds": rounded(r.trickle.elapsed.as_secs_f64(), 3),
         "trickle_events": r.trickle.events,
         "trickle_latency_ms": percentiles_json(&r.trickle_latency),
@@ -524,9 +527,10 @@ fn print_table(args: &BenchArgs, r: &Report) {
     out!();
     let t = &r.trickle;
     out!(
-        "a trickle: {TRICKLE_RATE} events/s for {:.1} s ({} events) to an `outbox-relay run` process, default settings:",
+        "a trickle: {TRICKLE_RATE} events/s for {:.1} s ({} events) to an `outbox-relay run` process, {}:",
         t.elapsed.as_secs_f64(),
-        t.events
+        t.events,
+        relay_settings(args)
     );
     let percent = |cpu: Option<Duration>| {
         cpu.map_or_else(|| "unknown".to_string(), |cpu| format!("{:.1} %", t.share(cpu) * 100.0))

@@ -71,6 +71,8 @@ grant select, insert, update, delete on outbox_relay.parked to outbox_relayer;
 -- Deliveries of a claim still in delivery (migration 0017), recorded as they end.
 grant select, insert, update, delete on outbox_relay.early_deliveries to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
+-- The key that signs the notifications carrying events (migration 0018): the fast path checks it.
+grant select on outbox_relay.notification_key to outbox_relayer;
 -- Pauses: the relay reads them; `outbox-relay pause` and `resume` write them.
 grant select, insert, update, delete on outbox_relay.pauses to outbox_relayer;
 -- (the janitor locks the rows it deletes, FOR UPDATE SKIP LOCKED, which needs UPDATE)

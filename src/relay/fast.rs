@@ -47,6 +47,7 @@ use super::metrics::RelayMetrics;
 use super::outcome::Outcome;
 use super::pauses::Pauses;
 use super::route::TopicPattern;
+use super::signed::{NotificationKey, Unsigned};
 use crate::event::Event;
 use crate::payload::Payload;
 
@@ -59,6 +60,9 @@ const QUEUE_MAX: usize = 10_000;
 /// The most keys read as waiting (parked, held) when the fast path is taken: past it, events with
 /// a key are left to claims (the unkeyed ones still go the fast way) until it is taken again.
 pub(crate) const WAITING_KEYS_MAX: i64 = 100_000;
+
+/// How often a notification with a wrong signature is logged at most.
+const FORGED_LOG_EVERY: Duration = Duration::from_secs(60);
 
 /// How long a decided outcome waits for a claim to record it before it is forgotten (a claim of
 /// another relay took the event: the fast path was lost meanwhile).
@@ -249,6 +253,10 @@ struct State {
     in_flight: bool,
     /// Outcomes decided, waiting for a claim to record them.
     decided: HashMap<i64, Decided>,
+    /// The key the trigger signs notifications with, once the listener read it.
+    key: Option<NotificationKey>,
+    /// When a notification with a wrong signature was last logged, and how many came since.
+    forged: (Option<Instant>, u64),
 }
 
 /// One destination's fast path in this relay.
@@ -331,6 +339,8 @@ impl FastPath {
         state.owner = 0;
         state.complete = false;
         state.queue.clear();
+        // Read again on the next connection (an operator may have replaced it).
+        state.key = None;
     }
 
     /// The listener's backend pid while it owns the fast path (claims of new events check it
@@ -383,9 +393,45 @@ impl FastPath {
         state.pauses_after = Some(self.pauses.generation());
     }
 
+    /// The key that signs the notifications carrying events (read by the listener before it
+    /// takes the fast path).
+    pub(crate) fn has_key(&self) -> bool {
+        self.state().key.is_some()
+    }
+
+    pub(crate) fn set_key(&self, key: NotificationKey) {
+        self.state().key = Some(key);
+    }
+
+    /// A notification's payload: its events queued for the fast path when they are signed with
+    /// the trigger's key and this relay owns it (`true` when it is armed and will deliver or
+    /// claim them), else left to a claim (`false`: wake a worker). A wrong signature (another
+    /// role's NOTIFY on the channel) is logged, at most once a minute.
+    pub(crate) fn heard(&self, payload: &str) -> bool {
+        let Some(key) = self.state().key.clone() else { return false };
+        match key.verify(payload) {
+            Ok(json) => Notified::parse(json).is_some_and(|n| self.notified(n)),
+            Err(Unsigned::Plain) => false,
+            Err(Unsigned::Forged) => {
+                let mut state = self.state();
+                state.forged.1 += 1;
+                if state.forged.0.is_none_or(|at| at.elapsed() >= FORGED_LOG_EVERY) {
+                    let count = std::mem::take(&mut state.forged.1);
+                    state.forged.0 = Some(Instant::now());
+                    drop(state);
+                    tracing::warn!(
+                        count,
+                        "a notification on the outbox channel was not signed with the trigger's key (another role's NOTIFY, or the key in outbox_relay.notification_key changed): its events were not delivered from it; a claim reads what was committed"
+                    );
+                }
+                false
+            }
+        }
+    }
+
     /// A notification: queued for the fast path when this relay owns it (`true` when it is armed
     /// and will deliver or claim them), else left to a claim (`false`: wake a worker).
-    pub(crate) fn notified(&self, notified: Notified) -> bool {
+    fn notified(&self, notified: Notified) -> bool {
         if !self.enabled {
             return false;
         }

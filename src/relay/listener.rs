@@ -15,9 +15,10 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::retry_delay;
-use super::fast::{FastPath, Notified, OWNERSHIP_RETRY};
+use super::fast::{FastPath, OWNERSHIP_RETRY};
 use super::metrics::RelayMetrics;
 use super::row::RelayRow;
+use super::signed::NotificationKey;
 use super::timer::Timer;
 use crate::connect::{DatabaseUrl, connect_error};
 use crate::error::{Error, ErrorKind, Result};
@@ -53,6 +54,8 @@ pub(crate) struct Listener {
     pub(crate) fast: Arc<FastPath>,
     /// Whether to take the fast path (`RelayConfig::fast_path`).
     pub(crate) take_fast_path: bool,
+    /// Whether it was logged that the fast path cannot be taken (it is said once).
+    pub(crate) told_no_key: std::sync::atomic::AtomicBool,
 }
 
 impl Listener {
@@ -102,7 +105,7 @@ impl Listener {
                         tracing::trace!("notified: events were committed");
                         self.metrics.woken();
                         // The fast path delivers them (and claims after), or a claim does.
-                        let carried = Notified::parse(n.payload()).is_some_and(|n| self.fast.notified(n));
+                        let carried = self.fast.heard(n.payload());
                         if !carried {
                             self.work.notify_one();
                         }
@@ -200,6 +203,23 @@ impl Listener {
     {
         if !self.take_fast_path {
             return Ok(false);
+        }
+        if !self.fast.has_key() {
+            let key = tokio::select! {
+                lost = forwarder.as_mut() => return Err(lost),
+                key = sql::notification_key(client) => key?,
+            };
+            match key {
+                Ok(key) => self.fast.set_key(NotificationKey::new(key)),
+                Err(why) => {
+                    if !self.told_no_key.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!(
+                            "the fast path is off: {why}; this relay claims new events before it delivers them"
+                        );
+                    }
+                    return Ok(false);
+                }
+            }
         }
         let owner = tokio::select! {
             lost = forwarder.as_mut() => return Err(lost),

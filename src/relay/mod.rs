@@ -60,6 +60,7 @@ mod record;
 mod report;
 mod route;
 mod row;
+mod signed;
 mod sweeper;
 mod timer;
 #[cfg(feature = "opentelemetry")]

@@ -1,6 +1,8 @@
 //! The relays' own rows: the waiting mark writers check, the race closure's view of open
 //! transactions, the listener's LISTEN, and the privileges a relay needs.
 
+use tokio_postgres::error::SqlState;
+
 use super::{Db, all, count, one};
 use crate::error::{Error, Result};
 
@@ -47,6 +49,29 @@ pub(crate) async fn take_fast_path(client: &tokio_postgres::Client, lock_id: i32
         .await
         .map_err(|e| Error::database("taking the destination's fast path", e))?;
     Ok(row.get(0))
+}
+
+/// The key that signs the notifications carrying events (migration 0018), or why the fast path
+/// cannot use them: the relay's role may not read it, or the trigger carries no events.
+pub(crate) async fn notification_key(
+    client: &tokio_postgres::Client,
+) -> Result<std::result::Result<Vec<u8>, &'static str>> {
+    let row = match client.query_opt("select key, carry_events from outbox_relay.notification_key", &[]).await {
+        Ok(row) => row,
+        Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+            return Ok(Err(
+                "the relay's role may not read outbox_relay.notification_key (grant select on it: migrations/optional/least_privilege_roles.sql)",
+            ));
+        }
+        Err(e) => return Err(Error::database("reading the notifications' signing key", e)),
+    };
+    Ok(match row {
+        Some(row) if row.get::<_, bool>(1) => Ok(row.get(0)),
+        Some(_) => {
+            Err("the trigger's notifications carry no events (outbox_relay.notification_key.carry_events is false)")
+        }
+        None => Err("outbox_relay.notification_key has no key (migration 0018 makes one)"),
+    })
 }
 
 /// The first key of the lock whose holder owns a destination's fast path.

@@ -297,3 +297,60 @@ async fn one_relay_of_two_owns_the_fast_path_and_the_other_takes_it_when_it_dies
     second.stop().await;
     off.stop().await;
 }
+
+/// Any role that may connect may NOTIFY on the outbox channel: an event it makes up, with no
+/// signature or a wrong one, is never delivered (it only wakes a claim, which finds nothing), and
+/// the relay goes on delivering what is committed.
+#[tokio::test]
+async fn a_notification_another_role_makes_up_delivers_nothing() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    armed(&relay).await;
+    let writer = db.client().await;
+    let xid: String = writer.query_one("select pg_current_xact_id()::text", &[]).await.unwrap().get(0);
+    let made_up = format!(
+        r#"{{"x":"{}","e":[[1,"2e33a3d2-40f3-4828-a3ef-0c45964299e3","order.placed",null,null,0,false,{{"forged":true}}]]}}"#,
+        xid.parse::<u64>().unwrap() + 1
+    );
+    for payload in [made_up.clone(), format!("{}{made_up}", "0".repeat(64))] {
+        writer.query_one("select pg_notify('outbox_relay', $1)", &[&payload]).await.unwrap();
+    }
+    // The real event that takes id 1 arrives as stored.
+    let id = publish_sql(&writer, "order.placed", r#"{"real": true}"#, None).await;
+    assert_eq!(id, 1);
+    let delivered = deliveries.next().await.event;
+    assert_eq!((delivered.id, delivered.payload.get()), (1, r#"{"real": true}"#));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(deliveries.is_empty(), "nothing else delivered");
+    armed(&relay).await;
+    relay.stop().await;
+}
+
+/// A writer's role may insert events but not read them: the trigger reads them for the
+/// notification with the migration owner's rights (`notify_events` is SECURITY DEFINER), so a
+/// writer's publish succeeds while a relay waits, and its event comes by the fast path.
+#[tokio::test]
+async fn a_writers_role_publishes_while_a_relay_waits_and_its_event_comes_by_the_fast_path() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin
+        .batch_execute(include_str!("../../migrations/optional/least_privilege_roles.sql"))
+        .await
+        .expect("applying the roles file");
+    let writer_role = format!("{}_fast_writer", db.name);
+    admin.batch_execute(&format!("create role {writer_role} login in role outbox_writer")).await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    armed(&relay).await;
+    let (writer, connection) = tokio_postgres::connect(&db.url_as(&writer_role), tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(connection);
+    let id = publish_sql(&writer, "order.placed", r#"{"by": "writer"}"#, Some("k")).await;
+    let err = writer.query("select payload from outbox_relay.outbox", &[]).await.unwrap_err();
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    assert_eq!(deliveries.next().await.event.id, id);
+    eventually("delivered from its notification", || async { relay.snapshot().fast_delivered == 1 }).await;
+    relay.stop().await;
+    drop(writer);
+    admin.batch_execute(&format!("drop owned by {writer_role}; drop role {writer_role}")).await.ok();
+}

@@ -6,6 +6,19 @@ use tokio_postgres::error::SqlState;
 use crate::harness::TestDb;
 use crate::relay_support::listen;
 
+/// The JSON of a notification that carries events, once its signature (HMAC-SHA256 under the key
+/// in `outbox_relay.notification_key`, in hex, in front of it) is checked.
+async fn signed(client: &tokio_postgres::Client, payload: &str) -> String {
+    use hmac::{KeyInit, Mac};
+    let key: Vec<u8> = client.query_one("select key from outbox_relay.notification_key", &[]).await.unwrap().get(0);
+    let (signature, json) = payload.split_at(64);
+    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(&key).unwrap();
+    mac.update(json.as_bytes());
+    let expected: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(signature, expected, "the signature of {json}");
+    json.to_string()
+}
+
 #[tokio::test]
 async fn publish_from_plain_sql_commits_and_rolls_back_with_the_transaction() {
     let db = TestDb::new().await;
@@ -87,6 +100,7 @@ async fn an_insert_notifies_listeners_once_per_statement_with_its_events_when_th
     let xid = |payload: &str| serde_json::from_str::<serde_json::Value>(payload).unwrap()["x"].clone();
     let (channel, payload) = rx.recv().await.unwrap();
     assert_eq!(channel, "outbox_relay");
+    let payload = signed(&writer, &payload).await;
     // More events than a notification carries (migration 0018): the relay claims them.
     assert!(payload.ends_with(r#","more":true}"#), "{payload}");
     // one statement, one notification: a second statement's notification is the next to arrive,
@@ -98,8 +112,8 @@ async fn an_insert_notifies_listeners_once_per_statement_with_its_events_when_th
         )
         .await
         .unwrap();
-    let first = rx.recv().await.unwrap().1;
-    let second = rx.recv().await.unwrap().1;
+    let first = signed(&writer, &rx.recv().await.unwrap().1).await;
+    let second = signed(&writer, &rx.recv().await.unwrap().1).await;
     assert_eq!(xid(&first), xid(&second), "one transaction");
     let events = |payload: &str| serde_json::from_str::<serde_json::Value>(payload).unwrap()["e"].clone();
     let (first, second) = (events(&first), events(&second));
@@ -116,7 +130,67 @@ async fn an_insert_notifies_listeners_once_per_statement_with_its_events_when_th
     writer.query_one("select outbox_relay.publish('big', $1::text::jsonb, 'k')", &[&big]).await.unwrap();
     let payload = rx.recv().await.unwrap().1;
     assert!(payload.len() < 8000);
+    let payload = signed(&writer, &payload).await;
     assert_eq!(events(&payload)[0].as_array().unwrap().len(), 4, "id, uuid, topic, key: {payload}");
+    // Events that do not fit in one notification together come in several, in id order.
+    let text = "y".repeat(3_000);
+    let ids: Vec<i64> = writer
+        .query(
+            "insert into outbox_relay.outbox (topic, payload) select 'wide', jsonb_build_object('n', g, 't', $1::text)
+               from generate_series(1, 3) g returning id",
+            &[&text],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let mut carried = Vec::new();
+    for _ in 0..2 {
+        let payload = signed(&writer, &rx.recv().await.unwrap().1).await;
+        for event in events(&payload).as_array().unwrap() {
+            assert_eq!(event.as_array().unwrap().len(), 8, "whole: {event}");
+            carried.push(event[0].as_i64().unwrap());
+        }
+    }
+    assert_eq!(carried, ids, "two notifications, every event once, in order");
+    listener.batch_execute("select 1").await.unwrap();
+    assert!(rx.try_recv().is_err(), "no further notification");
+    // Where roles that must not read events may LISTEN, the trigger can carry none.
+    writer.batch_execute("update outbox_relay.notification_key set carry_events = false").await.unwrap();
+    writer.query_one("select outbox_relay.publish('quiet', '{}', 'k')", &[]).await.unwrap();
+    assert_eq!(rx.recv().await.unwrap().1, "", "an empty wake-up");
+}
+
+/// PL/pgSQL keeps a statement's plan for the session: the trigger must read a statement's events
+/// by the xid index also in a session that first ran it while the outbox looked empty (a seq
+/// scan planned then would read the whole table on every statement as it grew).
+#[tokio::test]
+async fn the_trigger_reads_a_statements_events_by_index_in_a_session_that_planned_it_on_an_empty_outbox() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute("vacuum analyze outbox_relay.outbox").await.unwrap();
+    admin
+        .batch_execute("insert into outbox_relay.relays (id, listener_pid, waiting) values (1, 0, true)")
+        .await
+        .unwrap();
+    let writer = db.client().await;
+    writer.query_one("select outbox_relay.publish('first', '{}', 'k')", &[]).await.unwrap();
+    admin
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'filler', to_jsonb(g) from generate_series(1, 20000) g",
+        )
+        .await
+        .unwrap();
+    writer.batch_execute("begin").await.unwrap();
+    writer.query_one("select outbox_relay.publish('second', '{}', 'k')", &[]).await.unwrap();
+    let scans: i64 = writer
+        .query_one("select seq_scan from pg_stat_xact_user_tables where relid = 'outbox_relay.outbox'::regclass", &[])
+        .await
+        .unwrap()
+        .get(0);
+    writer.batch_execute("commit").await.unwrap();
+    assert_eq!(scans, 0, "the statement's events were read without a seq scan of the outbox");
 }
 
 #[tokio::test]

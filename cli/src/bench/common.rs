@@ -93,6 +93,11 @@ pub(crate) struct BenchArgs {
     /// floor.
     #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only"])]
     pub(crate) latency_only: bool,
+    /// An argument added to the `outbox-relay run --sink stdout` processes of the trickle and the
+    /// held-snapshot stages (repeat it for several: `--relay-arg=--no-fast-path`), to measure a
+    /// setting against the defaults.
+    #[arg(long = "relay-arg", value_name = "ARG", allow_hyphen_values = true)]
+    pub(crate) relay_args: Vec<String>,
 }
 
 impl BenchArgs {
@@ -132,14 +137,29 @@ impl BenchArgs {
     }
 }
 
-/// `outbox-relay run --sink stdout` for `outbox`'s database, with default settings.
-pub(crate) fn relay_command(outbox: &pg_outbox_relay::Outbox) -> Result<tokio::process::Command, BenchError> {
+/// `outbox-relay run --sink stdout` for `outbox`'s database, with default settings and the
+/// bench's `--relay-arg`s.
+pub(crate) fn relay_command(
+    args: &BenchArgs,
+    outbox: &pg_outbox_relay::Outbox,
+) -> Result<tokio::process::Command, BenchError> {
     let mut relay = tokio::process::Command::new(std::env::current_exe()?);
     relay
         .args(["run", "--sink", "stdout"])
+        .args(&args.relay_args)
         .env("DATABASE_URL", outbox.url().to_connection_string())
         .env("RUST_LOG", "error");
     Ok(relay)
+}
+
+/// How the bench's `outbox-relay run` processes are set, for its progress lines and tables:
+/// "default settings", or the defaults and the `--relay-arg`s.
+pub(crate) fn relay_settings(args: &BenchArgs) -> String {
+    if args.relay_args.is_empty() {
+        "default settings".to_string()
+    } else {
+        format!("default settings and {}", args.relay_args.join(" "))
+    }
 }
 
 /// The median of rates (the lower middle of an even count).

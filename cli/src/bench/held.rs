@@ -9,7 +9,7 @@ use pg_outbox_relay_bench::{HeldReport, HeldSnapshot, Percentiles};
 use serde_json::json;
 
 use super::common::{
-    BenchArgs, BenchError, format_ms, grouped, latencies, ms, percentiles_json, relay_command, rounded,
+    BenchArgs, BenchError, format_ms, grouped, latencies, ms, percentiles_json, relay_command, relay_settings, rounded,
 };
 
 /// The shortest phase of `--held-long`: a hold of minutes is what showed the costs that grow
@@ -24,8 +24,9 @@ pub(super) fn phase_length(args: &BenchArgs) -> Duration {
 pub(super) fn held_step(args: &BenchArgs) -> String {
     let phase = humantime::format_duration(phase_length(args));
     format!(
-        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process (default settings), {phase} with nothing held, then {phase} with a transaction held open",
+        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process ({}), {phase} with nothing held, then {phase} with a transaction held open",
         args.held_rate,
+        relay_settings(args),
     )
 }
 
@@ -40,7 +41,7 @@ pub(super) async fn held_stage(args: &BenchArgs, outbox: &pg_outbox_relay::Outbo
     }
     let held = bench::held_snapshot(
         outbox,
-        relay_command(outbox)?,
+        relay_command(args, outbox)?,
         HeldSnapshot { rate: args.held_rate, phase: phase_length(args) },
     )
     .await?;
@@ -93,6 +94,7 @@ pub(super) fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Valu
     let worst_p = worst.and_then(bench::Window::percentiles);
     json!({
         "held_rate": args.held_rate,
+        "held_relay_args": args.relay_args,
         "held_writers": bench::HELD_WRITERS,
         "held_phase_seconds": phase_length(args).as_secs_f64(),
         "held_window_seconds": bench::HELD_WINDOW.as_secs_f64(),
@@ -111,9 +113,10 @@ pub(super) fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Valu
 
 pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
     out!(
-        "{} events/s, a key each, from {} connections to an `outbox-relay run --sink stdout` process, default settings, {} per phase:",
+        "{} events/s, a key each, from {} connections to an `outbox-relay run --sink stdout` process, {}, {} per phase:",
         args.held_rate,
         bench::HELD_WRITERS,
+        relay_settings(args),
         humantime::format_duration(phase_length(args))
     );
     out!(
