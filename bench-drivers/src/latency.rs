@@ -229,7 +229,9 @@ impl LatencyProbe {
             while let Some(Ok(message)) = messages.next().await {
                 if let AsyncMessage::Notification(n) = message {
                     let at = Instant::now();
-                    let value: serde_json::Value = serde_json::from_str(n.payload()).unwrap_or_default();
+                    // The JSON after the notification's signature (64 hex digits: migration 0018).
+                    let json = n.payload().get(64..).unwrap_or_default();
+                    let value: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
                     if let Some(id) = value["e"][0][0].as_i64() {
                         sender.send((id, at)).ok();
                     }

@@ -8,6 +8,9 @@
 #
 #   bash benches/trigger/run.sh 'postgresql://postgres@127.0.0.1:5432/postgres' [SECONDS] [ROUNDS]
 #
+# The relay here is a placeholder row marked waiting for the whole run: a worst case, as a real
+# relay marks itself busy from 500 events/s and writers then stop notifying.
+#
 # Uses a fresh database `outbox_trigger` on that server (dropped and re-created) and the
 # release binary to migrate it (cargo build --release first). Prints one line per run and the
 # medians: tps and the share of the 0014 trigger's.
@@ -42,7 +45,8 @@ commit;
 SQL
 
 # A LISTEN client that reads everything (psql reads notifications after each command).
-( while :; do echo "listen outbox_relay; select pg_sleep(0.01);"; done | psql -XAtq "$db" >/dev/null 2>&1 ) &
+# ($! is psql itself: killing it at exit ends the loop that feeds it, with SIGPIPE.)
+psql -XAtq "$db" -f <(while :; do echo "listen outbox_relay; select pg_sleep(0.01);"; done) >/dev/null 2>&1 &
 listener=$!
 sleep 0.5
 # A relay marked waiting: the placeholder row names the listener-free session of this script.

@@ -393,18 +393,41 @@ async fn bench_receivers_only_measures_the_receivers() {
     assert!(stderr(&output).contains("--receiver-events is 5; it must be 10 to 1000000"), "{}", stderr(&output));
 }
 
-/// `--held-only` runs that stage alone and prints its figures; a rate out of range is refused
-/// before anything runs.
+/// `--latency-only` runs the floor and the three wake-up paths in alternating rounds: the
+/// floor's client reads the trigger's notifications as they are (signed: migration 0018).
+#[tokio::test]
+async fn bench_latency_only_measures_each_path_against_the_floor() {
+    let server = crate::harness::server().url_for("postgres").to_connection_string();
+    let args = ["bench", "--json", "--latency-only", "--samples", "5"];
+    let output = cli_within(&server, &args, BENCH_PATIENCE).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    let report: Value = serde_json::from_str(out.trim()).unwrap();
+    let paths = report["latency"].as_array().unwrap();
+    let names: Vec<&str> = paths.iter().map(|p| p["path"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(names[0].starts_with("floor"), "{names:?}");
+    for path in paths {
+        assert_eq!(path["p50_ms_rounds"].as_array().unwrap().len(), 3, "{path}");
+        assert!(path["p50_ms"].as_f64().unwrap() > 0.0, "{path}");
+        assert!(path["p99_above_floor_ms"].is_number(), "{path}");
+    }
+}
+
+/// `--held-only` runs that stage alone and prints its figures, with a `--relay-arg` passed to its
+/// relay; a rate out of range is refused before anything runs.
 #[tokio::test]
 async fn bench_held_only_measures_the_held_snapshot_stage() {
     let server = crate::harness::server().url_for("postgres").to_connection_string();
-    let args = ["bench", "--json", "--held-only", "--held-duration", "1s", "--held-rate", "200"];
+    let args =
+        ["bench", "--json", "--held-only", "--held-duration", "1s", "--held-rate", "200", "--relay-arg=--no-fast-path"];
     let output = cli(&server, &args).await;
     let out = stdout(&output);
     assert!(output.status.success(), "{out}\n{}", stderr(&output));
     let report: Value = serde_json::from_str(out.trim()).unwrap();
     assert_held_figures(&report);
     assert!(report.get("drain_events_per_s").is_none(), "only the held stage ran: {report}");
+    assert_eq!(report["held_relay_args"], serde_json::json!(["--no-fast-path"]));
 
     let output = cli(&server, &["bench", "--held-only", "--held-rate", "0"]).await;
     assert!(!output.status.success());
@@ -598,6 +621,6 @@ mod needs_nats {
         assert_eq!(report["claim_delete_loop_batch"], 100);
         assert_held_figures(&report);
         assert_receiver_figures(&report);
-        assert!(stderr(&output).contains("[1/11]"), "progress goes to stderr");
+        assert!(stderr(&output).contains("[1/13]"), "progress goes to stderr");
     }
 }
