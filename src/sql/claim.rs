@@ -401,8 +401,9 @@ mod tests {
         client.batch_execute(&format!("prepare claim_parked as {CLAIM_PARKED}")).await.unwrap();
         for paused in ["{}", "{mail.send}"] {
             for (name, args) in [
-                ("claim_new", format!("500, false, '{paused}', 'default', 1, null, 8388608")),
-                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$', 8388608")),
+                // (the last: the fast path's owner, none and one)
+                ("claim_new", format!("500, false, '{paused}', 'default', 1, null, 8388608, 0")),
+                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$', 8388608, 1")),
                 ("claim_parked", format!("500, false, '', 1000, '{paused}', 'default', 8388608")),
             ] {
                 client.batch_execute("begin").await.unwrap();
