@@ -39,13 +39,20 @@ struct WokenByCommits {
     work: Arc<Notify>,
     metrics: Arc<RelayMetrics>,
     /// While it is armed, the commit's notification brings its events to the fast path: a
-    /// claim now would only race it.
+    /// claim now would only race it. A claim follows a little later instead, for a commit that
+    /// sent none (its writer turned notifications off, or the trigger was dropped).
     fast: Arc<fast::FastPath>,
+    timer: Arc<timer::Timer>,
 }
+
+/// How long after an in-process commit, heard while the fast path is armed, a claim looks for
+/// events its notification did not bring.
+const UNHEARD_COMMIT_CLAIM: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl Wake for WokenByCommits {
     fn wake(&self) {
         if self.fast.armed() {
+            self.timer.schedule(tokio::time::Instant::now() + UNHEARD_COMMIT_CLAIM);
             return;
         }
         self.metrics.woken();
@@ -78,11 +85,15 @@ impl<H: Handler> Engine<H> {
         let pattern = pattern.unwrap_or_else(|_| super::TopicPattern::parse("#").expect("# is a pattern"));
         let fast =
             Arc::new(fast::FastPath::new(fast_path, pattern, pauses.clone(), work.clone(), self.metrics.clone()));
-        // Commits through this process's Outbox wake a worker for as long as this lives.
-        let woken_by_commits: Arc<dyn Wake> =
-            Arc::new(WokenByCommits { work: work.clone(), metrics: self.metrics.clone(), fast: fast.clone() });
-        self.outbox.wakeup().register(&woken_by_commits);
         let timer = Arc::new(timer::Timer::default());
+        // Commits through this process's Outbox wake a worker for as long as this lives.
+        let woken_by_commits: Arc<dyn Wake> = Arc::new(WokenByCommits {
+            work: work.clone(),
+            metrics: self.metrics.clone(),
+            fast: fast.clone(),
+            timer: timer.clone(),
+        });
+        self.outbox.wakeup().register(&woken_by_commits);
         // Parked events may be due at the start (retries, delays, what a stopped relay gave back).
         timer.parked_may_be_due();
         let shared = Shared {

@@ -74,6 +74,8 @@ async fn a_writer_in_the_same_process_wakes_the_relay_directly() {
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, config(), handler);
     listener_ready(&db.client().await).await;
+    // Also while the fast path is armed (it expects the commit's notification, which never comes).
+    eventually("the fast path is armed", || async { relay.snapshot().fast_path_armed }).await;
     for n in 0..3 {
         let id = db.outbox.publish(&NewEvent::new("inproc", json!({"n": n}))).await.unwrap();
         assert_eq!(deliveries.next().await.event.id, id);
