@@ -147,10 +147,7 @@ impl Listener {
                 tokio::time::sleep(beat).await;
                 let checked = async {
                     if !owner && self.take_fast_path {
-                        owner = sql::take_fast_path(&client, self.lock_id).await?;
-                        if owner {
-                            self.fast.owned(pid);
-                        }
+                        owner = self.own(&client, pid).await?;
                     } else if last_ping.elapsed() >= HEARTBEAT_INTERVAL {
                         sql::ping(&client, "checking the listener connection").await?;
                     }
@@ -190,8 +187,7 @@ impl Listener {
         result
     }
 
-    /// Takes the destination's fast path for this connection if it is free (and wanted); returns
-    /// whether it did.
+    /// [`Listener::own`] while the connection makes progress (`forwarder` polled beside it).
     async fn try_to_own<F>(
         &self,
         client: &tokio_postgres::Client,
@@ -201,15 +197,20 @@ impl Listener {
     where
         F: std::future::Future<Output = Error>,
     {
+        tokio::select! {
+            lost = forwarder.as_mut() => Err(lost),
+            owner = self.own(client, pid) => owner,
+        }
+    }
+
+    /// Takes the destination's fast path for this connection if it is wanted, the notifications'
+    /// signing key can be read, and the path is free; returns whether it did.
+    async fn own(&self, client: &tokio_postgres::Client, pid: i32) -> Result<bool> {
         if !self.take_fast_path {
             return Ok(false);
         }
         if !self.fast.has_key() {
-            let key = tokio::select! {
-                lost = forwarder.as_mut() => return Err(lost),
-                key = sql::notification_key(client) => key?,
-            };
-            match key {
+            match sql::notification_key(client).await? {
                 Ok(key) => self.fast.set_key(NotificationKey::new(key)),
                 Err(why) => {
                     if !self.told_no_key.swap(true, std::sync::atomic::Ordering::Relaxed) {
@@ -221,10 +222,7 @@ impl Listener {
                 }
             }
         }
-        let owner = tokio::select! {
-            lost = forwarder.as_mut() => return Err(lost),
-            owner = sql::take_fast_path(client, self.lock_id) => owner?,
-        };
+        let owner = sql::take_fast_path(client, self.lock_id).await?;
         if owner {
             self.fast.owned(pid);
         }

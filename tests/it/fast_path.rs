@@ -354,3 +354,36 @@ async fn a_writers_role_publishes_while_a_relay_waits_and_its_event_comes_by_the
     drop(writer);
     admin.batch_execute(&format!("drop owned by {writer_role}; drop role {writer_role}")).await.ok();
 }
+
+/// A relay whose role may not read the signing key does not take the fast path, neither at the
+/// start nor at its retries each second; it claims new events and delivers them as before.
+#[tokio::test]
+async fn a_relay_that_may_not_read_the_signing_key_claims_first() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin
+        .batch_execute(include_str!("../../migrations/optional/least_privilege_roles.sql"))
+        .await
+        .expect("applying the roles file");
+    let role = format!("{}_keyless", db.name);
+    admin
+        .batch_execute(&format!(
+            "create role {role} login in role outbox_relayer;
+             revoke select on outbox_relay.notification_key from outbox_relayer"
+        ))
+        .await
+        .unwrap();
+    let outbox = pg_outbox_relay::Outbox::connect(&db.url_as(&role)).await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&outbox, config(), handler);
+    support::relay_waiting(&admin).await;
+    // Past two of the listener's retries.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let id = publish_sql(&admin, "order.placed", r#"{"n": 1}"#, Some("k")).await;
+    assert_eq!(deliveries.next().await.event.id, id);
+    let snapshot = relay.snapshot();
+    assert!(!snapshot.fast_path_armed && snapshot.fast_delivered == 0, "{snapshot:?}");
+    relay.stop().await;
+    drop(outbox);
+    admin.batch_execute(&format!("drop owned by {role}; drop role {role}")).await.ok();
+}
