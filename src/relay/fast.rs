@@ -405,27 +405,39 @@ impl FastPath {
 
     /// A notification's payload: its events queued for the fast path when they are signed with
     /// the trigger's key and this relay owns it (`true` when it is armed and will deliver or
-    /// claim them), else left to a claim (`false`: wake a worker). A wrong signature (another
-    /// role's NOTIFY on the channel) is logged, at most once a minute.
+    /// claim them), else left to a claim (`false`: wake a worker). A notification whose events
+    /// cannot be read from it disarms the fast path: they wait for a claim, and so must every
+    /// event committed after them (an event of the same key must not overtake them). A wrong
+    /// signature (another role's NOTIFY on the channel) is logged, at most once a minute.
     pub(crate) fn heard(&self, payload: &str) -> bool {
         let Some(key) = self.state().key.clone() else { return false };
-        match key.verify(payload) {
-            Ok(json) => Notified::parse(json).is_some_and(|n| self.notified(n)),
-            Err(Unsigned::Plain) => false,
+        let why = match key.verify(payload) {
+            Ok(json) => match Notified::parse(json) {
+                Some(notified) => return self.notified(notified),
+                None => "a signed notification that could not be read",
+            },
+            Err(Unsigned::Plain) => "a notification without its events",
             Err(Unsigned::Forged) => {
-                let mut state = self.state();
-                state.forged.1 += 1;
-                if state.forged.0.is_none_or(|at| at.elapsed() >= FORGED_LOG_EVERY) {
-                    let count = std::mem::take(&mut state.forged.1);
-                    state.forged.0 = Some(Instant::now());
-                    drop(state);
-                    tracing::warn!(
-                        count,
-                        "a notification on the outbox channel was not signed with the trigger's key (another role's NOTIFY, or the key in outbox_relay.notification_key changed): its events were not delivered from it; a claim reads what was committed"
-                    );
-                }
-                false
+                self.forged();
+                "a notification with a wrong signature"
             }
+        };
+        self.disarm_for(why);
+        false
+    }
+
+    /// Logs a notification with a wrong signature, at most once a minute.
+    fn forged(&self) {
+        let mut state = self.state();
+        state.forged.1 += 1;
+        if state.forged.0.is_none_or(|at| at.elapsed() >= FORGED_LOG_EVERY) {
+            let count = std::mem::take(&mut state.forged.1);
+            state.forged.0 = Some(Instant::now());
+            drop(state);
+            tracing::warn!(
+                count,
+                "a notification on the outbox channel was not signed with the trigger's key (another role's NOTIFY, or the key in outbox_relay.notification_key changed): its events were not delivered from it; a claim reads what was committed"
+            );
         }
     }
 
@@ -625,6 +637,45 @@ mod tests {
         assert_eq!(Snapshot::parse("8:7:"), None);
         assert_eq!(Snapshot::parse("7:x:"), None);
         assert_eq!(Snapshot::parse("7:9:8,"), None);
+    }
+
+    /// An armed fast path: owned, hearing every commit, keys read, a claim that drained.
+    fn armed_path(key: &NotificationKey) -> Arc<FastPath> {
+        let fast = Arc::new(FastPath::new(
+            true,
+            TopicPattern::parse("#").unwrap(),
+            Arc::default(),
+            Arc::new(Notify::new()),
+            Arc::new(RelayMetrics::default()),
+        ));
+        fast.set_key(key.clone());
+        fast.owned(42);
+        fast.complete(true);
+        fast.keys_read(Some(Vec::new()));
+        let ticket = fast.ticket();
+        drop(fast.claimed(ticket, Snapshot::parse("10:10:"), true, Vec::new(), &[]));
+        assert!(fast.armed());
+        fast
+    }
+
+    #[test]
+    fn a_notification_whose_events_cannot_be_read_disarms_the_fast_path() {
+        let key = NotificationKey::new(b"the trigger's key".to_vec());
+        let event = |id: i64| {
+            format!(r#"[{id},"2e33a3d2-40f3-4828-a3ef-0c45964299e3","order.placed","k",null,0,false,{{"n":{id}}}]"#)
+        };
+        let signed = |xid: u64, id: i64| key.sign(&format!(r#"{{"x":"{xid}","e":[{}]}}"#, event(id)));
+        let fast = armed_path(&key);
+        assert!(fast.heard(&signed(11, 1)), "a signed notification is taken");
+        // An event committed with an empty wake-up (`carry_events` was off), or with a notification
+        // another role made up, or unreadable: what comes after it must not go first.
+        for unreadable in [String::new(), format!("{}{}", "0".repeat(64), &signed(12, 2)[64..]), key.sign("{}")] {
+            let fast = armed_path(&key);
+            assert!(!fast.heard(&unreadable), "{unreadable}");
+            assert!(!fast.armed(), "disarmed by {unreadable:?}");
+            assert!(!fast.heard(&signed(13, 3)), "the next event waits for a claim");
+            assert!(fast.take(10, false).is_empty());
+        }
     }
 
     #[test]
