@@ -67,12 +67,6 @@ begin
 end
 $$;
 
--- The notifications of the current statement's events (called by the trigger while a relay
--- waits). Its reads go by the xid index whatever the table looked like when a session first ran
--- it: PL/pgSQL keeps one plan per session, and a plan made while the outbox held a few pages
--- (a seq scan) would read the whole table on every statement until the next analyze, as the
--- outbox grew (measured: 0.24 ms a statement after 5,000 rows). `jit = off`, as the cost that
--- disables a seq scan would otherwise start the JIT compiler on every call.
 -- HMAC-SHA256 (RFC 2104) of `message` under the key whose padded forms `signing` holds, in hex,
 -- then `message`: a notification the relay can tell from one another role sent.
 create or replace function outbox_relay.notify_signed(signing outbox_relay.notification_key, message text)
@@ -84,6 +78,12 @@ as $$
 $$;
 revoke execute on function outbox_relay.notify_signed(outbox_relay.notification_key, text) from public;
 
+-- The notifications of the current statement's events (called by the trigger while a relay
+-- waits). Its reads go by the xid index whatever the table looked like when a session first ran
+-- it: PL/pgSQL keeps one plan per session, and a plan made while the outbox held a few pages
+-- (a seq scan) would read the whole table on every statement until the next analyze, as the
+-- outbox grew (measured: 0.24 ms a statement after 5,000 rows). `jit = off`, as the cost that
+-- disables a seq scan would otherwise start the JIT compiler on every call.
 create or replace function outbox_relay.notify_events() returns void
 language plpgsql
 -- It reads the current transaction's own rows, all their columns (a writer's role may only
