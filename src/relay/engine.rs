@@ -173,7 +173,6 @@ impl<H: Handler> Engine<H> {
             row: shared.row.clone(),
             lock_id: self.to.lock_id,
             fast: shared.fast.clone(),
-            take_fast_path: config.fast_path,
             told_no_key: Default::default(),
         };
         services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));

@@ -299,6 +299,12 @@ impl FastPath {
         FastPath { state: Mutex::default(), enabled, pattern, pauses, ready: Notify::new(), work, metrics }
     }
 
+    /// Whether this relay takes the fast path at all (`RelayConfig::fast_path`, and a pattern it
+    /// can match).
+    pub(crate) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }

@@ -50,10 +50,9 @@ pub(crate) struct Listener {
     pub(crate) row: Arc<RelayRow>,
     /// The destination's lock number: the listener's connection marks it served.
     pub(crate) lock_id: i32,
-    /// Given the events notifications carry, while this relay owns the fast path.
+    /// Given the events notifications carry, while this relay owns the fast path (taken when it
+    /// is enabled: `RelayConfig::fast_path`).
     pub(crate) fast: Arc<FastPath>,
-    /// Whether to take the fast path (`RelayConfig::fast_path`).
-    pub(crate) take_fast_path: bool,
     /// Whether it was logged that the fast path cannot be taken (it is said once).
     pub(crate) told_no_key: std::sync::atomic::AtomicBool,
 }
@@ -143,10 +142,10 @@ impl Listener {
         let heartbeat = async {
             let mut last_ping = tokio::time::Instant::now();
             loop {
-                let beat = if owner || !self.take_fast_path { HEARTBEAT_INTERVAL } else { OWNERSHIP_RETRY };
+                let beat = if owner || !self.fast.enabled() { HEARTBEAT_INTERVAL } else { OWNERSHIP_RETRY };
                 tokio::time::sleep(beat).await;
                 let checked = async {
-                    if !owner && self.take_fast_path {
+                    if !owner && self.fast.enabled() {
                         owner = self.own(&client, pid).await?;
                     } else if last_ping.elapsed() >= HEARTBEAT_INTERVAL {
                         sql::ping(&client, "checking the listener connection").await?;
@@ -206,7 +205,7 @@ impl Listener {
     /// Takes the destination's fast path for this connection if it is wanted, the notifications'
     /// signing key can be read, and the path is free; returns whether it did.
     async fn own(&self, client: &tokio_postgres::Client, pid: i32) -> Result<bool> {
-        if !self.take_fast_path {
+        if !self.fast.enabled() {
             return Ok(false);
         }
         if !self.fast.has_key() {

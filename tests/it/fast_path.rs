@@ -27,6 +27,20 @@ async fn publish_sql(client: &tokio_postgres::Client, topic: &str, payload: &str
         .get(0)
 }
 
+/// A login role of this test database's own in `group`, a role of
+/// `migrations/optional/least_privilege_roles.sql` (applied first); roles are cluster-wide, so
+/// [`drop_role`] it at the end.
+async fn login_role(db: &TestDb, admin: &tokio_postgres::Client, suffix: &str, group: &str) -> String {
+    admin.batch_execute(crate::privileges::ROLES_SQL).await.expect("applying the roles file");
+    let role = format!("{}_{suffix}", db.name);
+    admin.batch_execute(&format!("create role {role} login in role {group}")).await.unwrap();
+    role
+}
+
+async fn drop_role(admin: &tokio_postgres::Client, role: &str) {
+    admin.batch_execute(&format!("drop owned by {role}; drop role {role}")).await.ok();
+}
+
 /// Every delivered id once, and each key's ids in ascending order.
 fn once_and_in_order(delivered: &[Event]) {
     let mut seen = HashSet::new();
@@ -334,12 +348,7 @@ async fn a_notification_another_role_makes_up_delivers_nothing() {
 async fn a_writers_role_publishes_while_a_relay_waits_and_its_event_comes_by_the_fast_path() {
     let db = TestDb::new().await;
     let admin = db.client().await;
-    admin
-        .batch_execute(include_str!("../../migrations/optional/least_privilege_roles.sql"))
-        .await
-        .expect("applying the roles file");
-    let writer_role = format!("{}_fast_writer", db.name);
-    admin.batch_execute(&format!("create role {writer_role} login in role outbox_writer")).await.unwrap();
+    let writer_role = login_role(&db, &admin, "fast_writer", "outbox_writer").await;
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, config(), handler);
     armed(&relay).await;
@@ -352,7 +361,7 @@ async fn a_writers_role_publishes_while_a_relay_waits_and_its_event_comes_by_the
     eventually("delivered from its notification", || async { relay.snapshot().fast_delivered == 1 }).await;
     relay.stop().await;
     drop(writer);
-    admin.batch_execute(&format!("drop owned by {writer_role}; drop role {writer_role}")).await.ok();
+    drop_role(&admin, &writer_role).await;
 }
 
 /// A relay whose role may not read the signing key does not take the fast path, neither at the
@@ -361,18 +370,8 @@ async fn a_writers_role_publishes_while_a_relay_waits_and_its_event_comes_by_the
 async fn a_relay_that_may_not_read_the_signing_key_claims_first() {
     let db = TestDb::new().await;
     let admin = db.client().await;
-    admin
-        .batch_execute(include_str!("../../migrations/optional/least_privilege_roles.sql"))
-        .await
-        .expect("applying the roles file");
-    let role = format!("{}_keyless", db.name);
-    admin
-        .batch_execute(&format!(
-            "create role {role} login in role outbox_relayer;
-             revoke select on outbox_relay.notification_key from outbox_relayer"
-        ))
-        .await
-        .unwrap();
+    let role = login_role(&db, &admin, "keyless", "outbox_relayer").await;
+    admin.batch_execute("revoke select on outbox_relay.notification_key from outbox_relayer").await.unwrap();
     let outbox = pg_outbox_relay::Outbox::connect(&db.url_as(&role)).await.unwrap();
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&outbox, config(), handler);
@@ -385,5 +384,5 @@ async fn a_relay_that_may_not_read_the_signing_key_claims_first() {
     assert!(!snapshot.fast_path_armed && snapshot.fast_delivered == 0, "{snapshot:?}");
     relay.stop().await;
     drop(outbox);
-    admin.batch_execute(&format!("drop owned by {role}; drop role {role}")).await.ok();
+    drop_role(&admin, &role).await;
 }

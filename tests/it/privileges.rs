@@ -8,7 +8,7 @@ use tokio_postgres::error::SqlState;
 use crate::harness::TestDb;
 use crate::relay_support::{self as support, config, eventually, recorder};
 
-const ROLES_SQL: &str = include_str!("../../migrations/optional/least_privilege_roles.sql");
+pub(crate) const ROLES_SQL: &str = include_str!("../../migrations/optional/least_privilege_roles.sql");
 
 /// The URL of the test database for another user (trust authentication on the test server).
 fn url_as(db: &TestDb, user: &str) -> String {
