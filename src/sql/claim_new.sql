@@ -8,9 +8,12 @@
 -- One transaction at a time claims a destination's new events: the advisory lock is held until
 -- it ends (one that another transaction holds turns this claim away). While a relay owns the
 -- destination's fast path (its listener holds the second lock for its session:
--- src/relay/fast.rs), it alone claims new events: another relay's claim takes that lock too and
--- is turned away; the owner's claims check that its listener's backend still lives (if it died,
--- the lock went with it, and another relay may own the fast path now). The position is the
+-- src/relay/fast.rs), it alone claims new events: another relay's claim tries that lock first,
+-- and is turned away without touching the first (were it to hold the first lock for a moment,
+-- the owner's claim recording what the fast path delivered could be turned away by it, and
+-- nothing would wake the owner to claim again); the owner's claims check that its listener's
+-- backend still lives (if it died, the lock went with it, and another relay may own the fast
+-- path now). The position is the
 -- destination's newest row of `positions`, read from the end of its index. The new events are the
 -- delta from its snapshot to this statement's: the events of transactions past its xmax and of
 -- those in progress then, that this statement sees (an event this statement cannot see is not in
@@ -23,9 +26,12 @@
 -- claim's commit overtook it in between, the insert of the next position conflicts and nothing
 -- is claimed.
 with recursive lock as materialized (
-    select pg_try_advisory_xact_lock(1869901932, $5::int4)
-           and case when $8::int4 = 0 then pg_try_advisory_xact_lock(1869901934, $5::int4)
-                    else exists (select 1 from pg_stat_get_activity($8::int4)) end as held
+    select case when $8::int4 <> 0
+                then pg_try_advisory_xact_lock(1869901932, $5::int4)
+                     and exists (select 1 from pg_stat_get_activity($8::int4))
+                when pg_try_advisory_xact_lock(1869901934, $5::int4)
+                then pg_try_advisory_xact_lock(1869901932, $5::int4)
+                else false end as held
 ),
 head as materialized (
     select p.n, p.since, p.snapshot, p.after_id,
