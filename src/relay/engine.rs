@@ -173,7 +173,8 @@ impl<H: Handler> Engine<H> {
             row: shared.row.clone(),
             lock_id: self.to.lock_id,
             fast: shared.fast.clone(),
-            told_no_key: Default::default(),
+            lease: config.lease,
+            told_no_fast: Default::default(),
         };
         services.spawn(listener.run(stop.clone()).instrument(tracing::info_span!("listener")));
         let poll =

@@ -53,8 +53,11 @@ pub(crate) struct Listener {
     /// Given the events notifications carry, while this relay owns the fast path (taken when it
     /// is enabled: `RelayConfig::fast_path`).
     pub(crate) fast: Arc<FastPath>,
+    /// The relay's lease: a session of the listener that sends no statement for this long is
+    /// ended by the server, and the fast path's lock with it (a frozen owner's, as its claims).
+    pub(crate) lease: Duration,
     /// Whether it was logged that the fast path cannot be taken (it is said once).
-    pub(crate) told_no_key: std::sync::atomic::AtomicBool,
+    pub(crate) told_no_fast: std::sync::atomic::AtomicBool,
 }
 
 impl Listener {
@@ -123,7 +126,17 @@ impl Listener {
             pid = sql::listen(&client, self.lock_id) => pid?,
         };
         self.row.listener_changed(pid).await;
-        let mut owner = self.try_to_own(&client, pid, &mut forwarder).await?;
+        // The fast path only on a session the server ends once it goes quiet for the lease.
+        let fast = self.fast.enabled() && {
+            tokio::select! {
+                lost = &mut forwarder => return Err(lost),
+                bounded = sql::end_session_when_idle(&client, self.lease) => bounded?,
+            }
+        };
+        if self.fast.enabled() && !fast {
+            self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
+        }
+        let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
         self.metrics.set_listening(true);
         if *connected_before {
             self.metrics.reconnected();
@@ -136,24 +149,24 @@ impl Listener {
         self.work.notify_one();
 
         // A link that stalls without closing (a hung pooler or proxy that still acknowledges TCP)
-        // is invisible to keepalives: a periodic round trip with a deadline finds it.
-        // (A listener that does not own the fast path tries to take it at each beat: it is free
-        // when its owner died.)
+        // is invisible to keepalives: a periodic round trip with a deadline finds it. With the
+        // fast path, a statement at least every quarter lease keeps the session from being ended
+        // as idle; a listener that does not own it tries to take it at each beat (it is free when
+        // its owner died, or froze for the lease).
         let heartbeat = async {
-            let mut last_ping = tokio::time::Instant::now();
+            let beat = if fast { (self.lease / 4).min(HEARTBEAT_INTERVAL) } else { HEARTBEAT_INTERVAL };
             loop {
-                let beat = if owner || !self.fast.enabled() { HEARTBEAT_INTERVAL } else { OWNERSHIP_RETRY };
-                tokio::time::sleep(beat).await;
+                tokio::time::sleep(if fast && !owner { beat.min(OWNERSHIP_RETRY) } else { beat }).await;
                 let checked = async {
-                    if !owner && self.fast.enabled() {
+                    if fast && !owner {
                         owner = self.own(&client, pid).await?;
-                    } else if last_ping.elapsed() >= HEARTBEAT_INTERVAL {
+                    } else {
                         sql::ping(&client, "checking the listener connection").await?;
                     }
                     Ok::<(), Error>(())
                 };
                 match tokio::time::timeout(HEARTBEAT_TIMEOUT, checked).await {
-                    Ok(Ok(())) => last_ping = tokio::time::Instant::now(),
+                    Ok(Ok(())) => {}
                     Ok(Err(e)) => return e,
                     Err(_) => {
                         return Error::new(
@@ -202,21 +215,21 @@ impl Listener {
         }
     }
 
-    /// Takes the destination's fast path for this connection if it is wanted, the notifications'
-    /// signing key can be read, and the path is free; returns whether it did.
-    async fn own(&self, client: &tokio_postgres::Client, pid: i32) -> Result<bool> {
-        if !self.fast.enabled() {
-            return Ok(false);
+    /// Says (once) why this relay does not take the fast path.
+    fn fast_off(&self, why: &str) {
+        if !self.told_no_fast.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!("the fast path is off: {why}; this relay claims new events before it delivers them");
         }
+    }
+
+    /// Takes the destination's fast path for this connection if the notifications' signing key
+    /// can be read and the path is free; returns whether it did.
+    async fn own(&self, client: &tokio_postgres::Client, pid: i32) -> Result<bool> {
         if !self.fast.has_key() {
             match sql::notification_key(client).await? {
                 Ok(key) => self.fast.set_key(NotificationKey::new(key)),
                 Err(why) => {
-                    if !self.told_no_key.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                        tracing::warn!(
-                            "the fast path is off: {why}; this relay claims new events before it delivers them"
-                        );
-                    }
+                    self.fast_off(why);
                     return Ok(false);
                 }
             }

@@ -51,6 +51,25 @@ pub(crate) async fn take_fast_path(client: &tokio_postgres::Client, lock_id: i32
     Ok(row.get(0))
 }
 
+/// Has the server end the listener's session once it has been idle (no statement from the relay)
+/// for `after`, with PostgreSQL 14's `idle_session_timeout`: the fast-path lock it holds for its
+/// session then goes with it when its relay freezes (SIGSTOP, a paused VM) and its connection stays
+/// open, as a frozen relay's held claims go after the lease (`idle_in_transaction_session_timeout`).
+/// A live listener sends a statement well within `after` (`src/relay/listener.rs`). False on a
+/// server before 14, which has no such setting: a frozen owner would hold every new event back.
+pub(crate) async fn end_session_when_idle(client: &tokio_postgres::Client, after: std::time::Duration) -> Result<bool> {
+    let millis = after.as_millis().clamp(1, i32::MAX as u128).to_string();
+    let row = client
+        .query_one(
+            "select case when current_setting('server_version_num')::int >= 140000
+                         then set_config('idle_session_timeout', $1::text, false) end is not null",
+            &[&millis],
+        )
+        .await
+        .map_err(|e| Error::database("bounding the listener's idle time", e))?;
+    Ok(row.get(0))
+}
+
 /// The key that signs the notifications carrying events (migration 0018), or why the fast path
 /// cannot use them: the relay's role may not read it, or the trigger carries no events.
 pub(crate) async fn notification_key(

@@ -304,11 +304,15 @@ async fn killed_in_a_slow_delivery(kill_after: usize, flags: &[&str]) {
 /// Fault: `outbox-relay run` frozen with SIGSTOP while it holds claims (the process lives, its
 /// connections stay open, it answers nothing). The server ends its sessions once they have been
 /// idle in their transactions for the lease (`idle_in_transaction_session_timeout`), which gives
-/// the claims back; a second relay delivers everything. Thawed, the first relay finds its
+/// the claims back, and its listener's session once it has been idle for the lease
+/// (`idle_session_timeout`), which gives back the destination's fast path, and with it the new
+/// events: the events committed after the freeze are new ones, which a relay that owns the fast
+/// path claims alone. A second relay delivers everything. Thawed, the first relay finds its
 /// sessions gone, records nothing of what it held, and stops cleanly.
 #[tokio::test]
 async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     const EVENTS: i64 = 200;
+    const AFTER_THE_FREEZE: i64 = 20;
     let db = TestDb::new().await;
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.freeze", EVENTS).await;
@@ -337,6 +341,14 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     let holding = "select count(*) from pg_stat_activity
                     where datname = current_database() and state = 'idle in transaction' and backend_xid is not null";
     let held_at_freeze = count(&client, holding).await;
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'fault.freeze', jsonb_build_object('after', g) from generate_series(1, $1::int8) g",
+            &[&AFTER_THE_FREEZE],
+        )
+        .await
+        .unwrap();
 
     let second = RelayProcess::spawn(&db.url, &args);
     eventually_within("the second relay processed every event", LONG_PATIENCE, || async {
@@ -344,6 +356,9 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     })
     .await;
     assert_eq!(count(&client, holding).await, 0, "the frozen relay's sessions were ended");
+    let listeners = "select count(*) from pg_stat_activity
+                      where datname = current_database() and application_name = 'outbox-relay listener'";
+    assert_eq!(count(&client, listeners).await, 1, "the frozen relay's listener session was ended");
     frozen.send("-CONT");
     let frozen_log = frozen.log.clone();
     let status = frozen.signal("-TERM").await;
@@ -351,7 +366,7 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     assert_eq!(second.signal("-TERM").await.code(), Some(0));
 
     let seen = receiver.seen.lock().unwrap().clone();
-    assert_eq!(seen.len() as i64, EVENTS, "every event reached the receiver");
+    assert_eq!(seen.len() as i64, EVENTS + AFTER_THE_FREEZE, "every event reached the receiver");
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
     eprintln!(
         "{held_at_freeze} held claims at the freeze; {} events received twice",
