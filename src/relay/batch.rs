@@ -2,6 +2,7 @@
 //! delivered (`lease.rs`), hand it to the handler (`deliver.rs`), judge the results
 //! (`outcome.rs`) and record them (`record.rs`).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,13 +10,14 @@ use super::breaker::Breaker;
 use super::claim::{Batch, Claim, Claims};
 use super::deliver::Delivery;
 use super::handler::Handler;
-use super::held::NewLock;
+use super::held::{Held, NewLock};
 use super::lease::Leases;
-use super::outcome::{Judge, Outcome};
+use super::outcome::{Judge, Outcome, Outcomes};
 use super::record::Recorder;
 use super::row::RelayRow;
 use super::timer::Timer;
 use crate::error::Result;
+use crate::event::Event;
 
 /// A destination's batches: the parts that claim, deliver, judge and record them.
 pub(crate) struct Batches<H> {
@@ -102,6 +104,35 @@ impl<H: Handler> Batches<H> {
         } else if probe {
             breaker.probe_found_nothing();
         }
+        let due = self.settle(held, token, &events, outcomes, &parked, !early.is_empty()).await;
+        drop(busy);
+        if parked_keyed && !due {
+            // A parked key's next event is its head now: a worker that found nothing while this
+            // batch held it may be waiting already.
+            self.timer.parked_may_be_due();
+            self.leases.work.notify_one();
+        }
+        // Claim again now if parked events may be due, or if this batch held the new events'
+        // lock and new events may wait: a claim of this relay was turned away by the lock
+        // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
+        // relay marked waiting hears every commit, so a turned-away claim of its own says so.
+        parked_keyed || due || (held_new && (!self.row.is_marked() || NewLock::take_wanted(&self.claims.new_lock)))
+    }
+
+    /// Records what became of a batch's `events` (in the held claim's transaction, or by the
+    /// lease's `token`), tells the fast path which keys wait now, and asks for the retries'
+    /// wake-ups. `parked`: the ids claimed from the parked events; `early`: some were recorded
+    /// in `early_deliveries` beside the held claim. Returns whether parked events may be due now
+    /// (a worker is woken for them).
+    pub(crate) async fn settle(
+        &self,
+        held: Option<Held>,
+        token: i64,
+        events: &[Event],
+        outcomes: Outcomes,
+        parked: &HashSet<i64>,
+        early: bool,
+    ) -> bool {
         let released = outcomes.count(|outcome| matches!(outcome, Outcome::Released)) > 0;
         // A leased batch's events were parked: later events of their keys, claimed meanwhile,
         // were parked behind them, and wait for a claim of parked events once these are done.
@@ -125,26 +156,18 @@ impl<H: Handler> Batches<H> {
             .filter(|(_, _, outcome)| !matches!(outcome, Outcome::Delivered))
             .filter_map(|(id, _, _)| events.iter().find(|event| event.id == *id)?.key.clone())
             .collect();
-        let recorded = self.recorder.record(held, token, outcomes, &parked, !early.is_empty()).await;
+        let recorded = self.recorder.record(held, token, outcomes, parked, early).await;
         self.claims.fast.batch_done(waiting, recorded);
-        drop(busy);
         let written = tokio::time::Instant::now();
         for delay in retries {
             self.timer.schedule(written + delay);
         }
-        if parked_keyed || released || leased_keyed {
-            // A parked key's next event is its head now, or events were given back, due at once:
-            // a worker that found nothing while this batch held them may be waiting already.
+        if released || leased_keyed {
+            // Events were given back, due at once: a worker that found nothing while this batch
+            // held them may be waiting already.
             self.timer.parked_may_be_due();
             self.leases.work.notify_one();
         }
-        // Claim again now if parked events may be due, or if this batch held the new events'
-        // lock and new events may wait: a claim of this relay was turned away by the lock
-        // meanwhile, or the relay is busy (not marked waiting: writers do not notify it). A
-        // relay marked waiting hears every commit, so a turned-away claim of its own says so.
-        parked_keyed
-            || released
-            || leased_keyed
-            || (held_new && (!self.row.is_marked() || NewLock::take_wanted(&self.claims.new_lock)))
+        released || leased_keyed
     }
 }

@@ -45,8 +45,11 @@ pub struct RelayConfig {
     /// holding the events: then the claim writes nothing and the outcome commits with it, the
     /// fastest way through the database. A delivery that takes longer has its claim turned into
     /// a lease (the rows written, the transaction committed), so that no transaction stays open
-    /// long; zero leases every claim at once. At most 60 s, and shorter than the lease; a hold
-    /// longer than half the lease is cut to half the lease. Defaults to 1 s.
+    /// long; zero leases every claim at once. A delivery from a notification (the fast path)
+    /// holds no transaction, but holds back the relay's claims of new events while it goes on:
+    /// one that outlives the hold is leased the same way (with a zero hold, after
+    /// `record_every`), so that the other keys' events go on. At most 60 s, and shorter than the
+    /// lease; a hold longer than half the lease is cut to half the lease. Defaults to 1 s.
     pub hold: Duration,
     /// Delivery attempts before an event goes to the dead letters. Defaults to 12.
     pub max_attempts: u32,

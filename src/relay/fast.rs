@@ -34,7 +34,10 @@
 //!   *disarms* the fast path: it and everything after it wait for a claim, which arms it again.
 //! - **Claims and the fast path take turns.** A fast batch is taken under the gate the claims of
 //!   new events take, and not while a batch of this relay's new events is uncommitted; a claim
-//!   does not look for new events while a fast batch is in delivery.
+//!   does not look for new events while a fast batch is in delivery, unless that delivery
+//!   outlived `hold` and was leased as a claim's is (`fast_task.rs`): its events copied into the
+//!   parked ones under a lease, which holds their keys' later events back, and which the next
+//!   claim passes.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -50,6 +53,7 @@ use super::route::TopicPattern;
 use super::signed::{NotificationKey, Unsigned};
 use crate::event::Event;
 use crate::payload::Payload;
+use crate::sql::Settled;
 
 /// How often a listener that does not own its destination's fast path tries to take it.
 pub(crate) const OWNERSHIP_RETRY: Duration = Duration::from_secs(1);
@@ -200,6 +204,15 @@ pub(crate) struct Decided {
     at: Instant,
 }
 
+/// An event of a leased fast batch.
+#[derive(Default)]
+struct Leased {
+    /// When its delivery ended.
+    done: Option<Instant>,
+    /// A claim passed it (it may have rolled back: a later claim that meets it passes it again).
+    passed: bool,
+}
+
 /// The keys of a batch of new events in delivery: the fast path holds their later events back
 /// until it is dropped (the batch done, or given up).
 pub(crate) struct Busy {
@@ -251,6 +264,11 @@ struct State {
     queue: VecDeque<(u64, Carried)>,
     /// A fast batch is in delivery.
     in_flight: bool,
+    /// The fast batch in delivery was leased (it outlived the hold): claims go on meanwhile.
+    flight_leased: bool,
+    /// Events of leased fast batches, copied into the parked ones: a claim only passes them.
+    /// Kept until [`DECIDED_KEPT`] after their delivery ended.
+    leased: HashMap<i64, Leased>,
     /// Outcomes decided, waiting for a claim to record them.
     decided: HashMap<i64, Decided>,
     /// The key the trigger signs notifications with, once the listener read it.
@@ -486,9 +504,40 @@ impl FastPath {
             .then_some(Ticket(state.epoch))
     }
 
-    /// Whether a fast batch is in delivery: claims do not look for new events meanwhile.
+    /// Whether a fast batch is in delivery, not leased: claims do not look for new events
+    /// meanwhile.
     pub(crate) fn in_flight(&self) -> bool {
-        self.state().in_flight
+        let state = self.state();
+        state.in_flight && !state.flight_leased
+    }
+
+    /// The fast batch in delivery, `events`, outlived the hold and is leased: its events were
+    /// copied into the parked ones under a lease, and wait there (with their keys' later events)
+    /// for its end. Claims of new events go on, and pass them. Wakes a worker to claim.
+    pub(crate) fn lease_flight(&self, events: &[Event]) {
+        let mut state = self.state();
+        state.flight_leased = true;
+        for event in events {
+            state.leased.insert(event.id, Leased::default());
+            if let Some(key) = &event.key {
+                state.waiting.insert(key.clone());
+            }
+        }
+        drop(state);
+        self.work.notify_one();
+    }
+
+    /// The leased fast batch is done, its outcomes recorded by the lease's token (or not: the
+    /// claims' `batch_done` disarmed, and the lease gives them back when it ends).
+    pub(crate) fn leased_done(&self) {
+        let mut state = self.state();
+        state.in_flight = false;
+        state.flight_leased = false;
+        let now = Instant::now();
+        state.leased.retain(|_, leased| leased.done.is_none_or(|done| now.duration_since(done) < DECIDED_KEPT));
+        for leased in state.leased.values_mut() {
+            leased.done.get_or_insert(now);
+        }
     }
 
     /// What a claim of new events took: with `drained` its whole delta, to `snapshot`; `handed`
@@ -536,10 +585,19 @@ impl FastPath {
         }
     }
 
-    /// Whether the fast path decided event `id`'s outcome, and if so whether it was delivered
-    /// (for the claim, which records it and holds its key's later events back if not).
-    pub(crate) fn decided(&self, id: i64) -> Option<bool> {
-        self.state().decided.get(&id).map(|d| matches!(d.outcome, Outcome::Delivered))
+    /// What the fast path settled for event `id`, if anything (for the claim, which records it,
+    /// or passes a leased one, and holds its key's later events back unless it was delivered).
+    pub(crate) fn decided(&self, id: i64) -> Option<Settled> {
+        let mut state = self.state();
+        if let Some(decided) = state.decided.get(&id) {
+            return Some(match decided.outcome {
+                Outcome::Delivered => Settled::Delivered,
+                _ => Settled::Failed,
+            });
+        }
+        let leased = state.leased.get_mut(&id)?;
+        leased.passed = true;
+        Some(Settled::Leased)
     }
 
     /// Takes event `id`'s decided outcome, for the claim that records it.
@@ -552,9 +610,10 @@ impl FastPath {
         !self.state().queue.is_empty()
     }
 
-    /// Whether outcomes wait for a claim.
+    /// Whether outcomes, or leased events, wait for a claim.
     pub(crate) fn undecided_left(&self) -> bool {
-        !self.state().decided.is_empty()
+        let state = self.state();
+        !state.decided.is_empty() || state.leased.values().any(|leased| !leased.passed)
     }
 
     /// Takes the next fast batch (at most `max` events) from the queue, in commit order: drops

@@ -2,7 +2,7 @@
 //! handler, judges the results as a claim's, then claims at once so that the outcomes are
 //! recorded (and whatever the notifications did not carry is delivered).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,6 +15,7 @@ use super::claim::Claim;
 use super::fast::{FastPath, WAITING_KEYS_MAX};
 use super::handler::Handler;
 use super::held::NewLock;
+use super::lease::beside;
 use super::outcome::{Outcome, Outcomes};
 use super::pool::RelayPool;
 use crate::event::Event;
@@ -110,7 +111,28 @@ impl<H: Handler> FastTask<H> {
         let (events, ages): (Vec<Event>, Vec<Duration>) = taken.into_iter().unzip();
         tracing::trace!(events = events.len(), "delivering from notifications");
         let started = Instant::now();
-        let decided = match batches.delivery.deliver(&events, &Arc::default()).await {
+        let token = rand::random::<i64>();
+        let progress = Arc::default();
+        let (results, leased) = {
+            let delivery = batches.delivery.deliver(&events, &progress);
+            tokio::pin!(delivery);
+            self.keep(&mut delivery, &events, token, fast).await
+        };
+        if leased {
+            let mut outcomes = Outcomes::default();
+            match results {
+                // Cut off at shutdown: given back, due at once.
+                None => outcomes.release_all(&events),
+                Some(results) => batches.judge.judge(&events, &ages, started, results, false, &mut outcomes).await,
+            }
+            let delivered = outcomes.count(|outcome| matches!(outcome, Outcome::Delivered));
+            let ids: HashSet<i64> = events.iter().map(|event| event.id).collect();
+            batches.settle(None, token, &events, outcomes, &ids, false).await;
+            batches.recorder.metrics.fast_delivered(delivered);
+            fast.leased_done();
+            return true;
+        }
+        let decided = match results {
             // Cut off at shutdown: nothing decided; a claim delivers them again.
             None => None,
             Some(results) => {
@@ -129,6 +151,54 @@ impl<H: Handler> FastTask<H> {
         };
         fast.delivered(decided);
         true
+    }
+
+    /// Waits for a fast batch's `delivery`. One that outlives the hold is leased, as a claim's is
+    /// (`lease.rs`): its events are copied into the parked ones under a lease of `token`, renewed
+    /// every half lease, so that claims of new events go on meanwhile (and hold the events'
+    /// keys' later ones back behind the copies); its outcomes are then recorded by the token.
+    /// Returns the delivery's results and whether it was leased.
+    async fn keep<F: std::future::Future + Unpin>(
+        &self,
+        delivery: &mut F,
+        events: &[Event],
+        token: i64,
+        fast: &FastPath,
+    ) -> (F::Output, bool) {
+        let leases = &self.batches.leases;
+        let hold = if leases.hold.is_zero() { leases.record_every } else { leases.hold };
+        tokio::select! {
+            done = &mut *delivery => return (done, false),
+            () = tokio::time::sleep(hold) => {}
+        }
+        let mut copies = sql::Copies::default();
+        for event in events {
+            copies.push(event.id, leases.lease, None, event.attempts);
+        }
+        let lease = async { sql::park_new_events(&*self.pool.client().await?, &self.to, &copies, Some(token)).await };
+        let (leased, done) = beside(&mut *delivery, lease).await;
+        if let Err(e) = leased {
+            tracing::warn!(error = %e, events = events.len(), "leasing a delivery from notifications that outlived the hold failed; new events wait for its end");
+            let done = match done {
+                Some(done) => done,
+                None => delivery.await,
+            };
+            return (done, false);
+        }
+        tracing::debug!(events = events.len(), ?hold, "a delivery from notifications outlived the hold; it is leased");
+        fast.lease_flight(events);
+        if let Some(done) = done {
+            return (done, true);
+        }
+        let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
+        loop {
+            tokio::select! {
+                done = &mut *delivery => return (done, true),
+                () = tokio::time::sleep(leases.lease / 2) => {
+                    leases.renew(&ids, token).await;
+                }
+            }
+        }
     }
 
     /// Claims, so that what the fast path decided is recorded; leaves it to a worker when this

@@ -19,7 +19,7 @@ use crate::sql;
 
 /// Runs `work` while `delivery` goes on (its requests are not held up by the database's round
 /// trip): `work`'s output, and the delivery's, when it ended meanwhile.
-async fn beside<F: std::future::Future + Unpin, T>(
+pub(crate) async fn beside<F: std::future::Future + Unpin, T>(
     delivery: &mut F,
     work: impl std::future::Future<Output = T>,
 ) -> (T, Option<F::Output>) {
@@ -155,7 +155,7 @@ impl Leases {
 
     /// Extends the lease of a delivery still running; returns whether the lease is still this
     /// claim's (a failed renewal is tried again at the next turn).
-    async fn renew(&self, ids: &[i64], token: i64) -> bool {
+    pub(crate) async fn renew(&self, ids: &[i64], token: i64) -> bool {
         let renewed = async { sql::renew_lease(&*self.pool.client().await?, &self.to, ids, self.lease, token).await };
         match renewed.await {
             Ok(n) if n as usize == ids.len() => {

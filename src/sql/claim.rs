@@ -143,6 +143,20 @@ pub(crate) struct Claimed {
     pub(crate) parked_keys: Vec<String>,
 }
 
+/// What the fast path settled for a new event (`src/relay/fast.rs`), which a claim records
+/// instead of handing it over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// Delivered from its notification.
+    Delivered,
+    /// Tried from its notification, and it failed: it waits now, and its key's later events too.
+    Failed,
+    /// Its delivery from its notification outlived the hold, and it was copied into the parked
+    /// events under the fast path's lease: that copy stands for it (and holds its key's later
+    /// events back); the claim only passes its outbox row.
+    Leased,
+}
+
 /// How many times a claim of new events reads the position at most. A read that another claim's
 /// commit overtook is read again in the same transaction, which then holds the lock, so the
 /// second read is not overtaken; the bound only keeps a surprise from looping.
@@ -153,16 +167,16 @@ const OVERTAKEN_MAX: usize = 4;
 /// COMMITTED transaction, which holds the events until it ends. New events that cannot be
 /// handed over now are parked in it, with every later new event of their key.
 ///
-/// `decided` says which new events the fast path delivered from their notification already
-/// (`Some(true)`; `Some(false)`: it tried, and they wait now): they are returned in
-/// `Claimed::decided`, to be recorded with the batch instead of handed over.
+/// `decided` says which new events the fast path settled already: those it delivered or tried
+/// are returned in `Claimed::decided`, to be recorded with the batch instead of handed over;
+/// those it leased are passed here, their copies standing for them.
 pub(crate) async fn claim_events(
     db: &impl Db,
     to: &Destination,
     batch: i64,
     dead_letters_hold: bool,
     turn: &Turn,
-    decided: &(dyn Fn(i64) -> Option<bool> + Sync),
+    decided: &(dyn Fn(i64) -> Option<Settled> + Sync),
 ) -> Result<Claimed> {
     let mut claimed = Claimed::default();
     if turn.parked && turn.parked_first {
@@ -185,7 +199,7 @@ async fn claim_new(
     batch: i64,
     dead_letters_hold: bool,
     turn: &Turn,
-    decided: &(dyn Fn(i64) -> Option<bool> + Sync),
+    decided: &(dyn Fn(i64) -> Option<Settled> + Sync),
     claimed: &mut Claimed,
 ) -> Result<()> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
@@ -228,15 +242,20 @@ async fn claim_new(
         let mut waiting_keys: HashSet<String> = HashSet::new();
         let mut park = Copies::default();
         let mut early = Vec::new();
+        let mut leased = Vec::new();
         for (row, ready, done) in fresh {
-            if let Some(delivered) = decided(row.id) {
+            if let Some(settled) = decided(row.id) {
                 // Delivered from its notification (src/relay/fast.rs), whatever it would be
-                // judged now: recorded with the batch. One that failed holds its key's later
-                // events back, as a failure in a batch does.
-                if let (false, Some(key)) = (delivered, &row.key) {
+                // judged now: recorded with the batch. One that failed, or is leased (parked
+                // under the fast path's lease), holds its key's later events back, as a failure
+                // in a batch does.
+                if let (Settled::Failed | Settled::Leased, Some(key)) = (settled, &row.key) {
                     waiting_keys.insert(key.clone());
                 }
-                claimed.decided.push((row.id, row.attempts));
+                match settled {
+                    Settled::Leased => leased.push(row.id),
+                    Settled::Delivered | Settled::Failed => claimed.decided.push((row.id, row.attempts)),
+                }
                 continue;
             }
             if done {
@@ -279,6 +298,10 @@ async fn claim_new(
             if let Some(due) = due.filter(|us| *us > 0).map(|us| Duration::from_micros(us as u64)) {
                 claimed.next_due = Some(claimed.next_due.map_or(due, |was| was.min(due)));
             }
+        }
+        if !leased.is_empty() {
+            // Their copies under the fast path's lease wait for this destination.
+            finish_new_events(db, &to.name, &leased, turn.delete).await?;
         }
         if !early.is_empty() {
             // Passed by the position like the rest: nothing waits for this destination.

@@ -179,6 +179,77 @@ async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
     relay.stop().await;
 }
 
+/// Holds the first attempt of every event whose payload asks for it until the test lets it go,
+/// then fails it (a slow receiver that finally answers 503).
+#[derive(Clone)]
+struct StallFirst {
+    stalled: Arc<Mutex<Vec<i64>>>,
+    go: Arc<tokio::sync::Semaphore>,
+    tried: Arc<Mutex<HashSet<i64>>>,
+    inner: support::Recorder,
+}
+
+impl Handler for StallFirst {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        let first = self.tried.lock().unwrap().insert(event.id);
+        if first && event.payload.get().contains("stall") {
+            self.stalled.lock().unwrap().push(event.id);
+            drop(self.go.acquire().await.unwrap());
+            return Err(DeliveryError::transient("the receiver answered late, and busy"));
+        }
+        self.inner.handle(event).await
+    }
+}
+
+/// A delivery from a notification that outlives `hold` is leased, as a claim's is: the events
+/// of other keys committed meanwhile are claimed and delivered while it goes on, its own key's
+/// next event waits behind it, and its late failure is recorded by the lease's token and retried.
+#[tokio::test]
+async fn a_slow_delivery_from_a_notification_is_leased_and_holds_back_only_its_key() {
+    let db = TestDb::new().await;
+    let (inner, mut deliveries) = recorder();
+    let go = Arc::new(tokio::sync::Semaphore::new(0));
+    let stalled = Arc::new(Mutex::new(Vec::new()));
+    let handler = StallFirst { stalled: stalled.clone(), go: go.clone(), tried: Arc::default(), inner };
+    let config =
+        pg_outbox_relay::RelayConfig { hold: Duration::from_millis(200), lease: Duration::from_secs(2), ..config() };
+    let relay = support::start(&db.outbox, config, handler);
+    armed(&relay).await;
+    let writer = db.client().await;
+    let slow = publish_sql(&writer, "order.placed", r#"{"stall": true}"#, Some("k1")).await;
+    eventually("the slow event in the handler", || async { stalled.lock().unwrap().contains(&slow) }).await;
+    eventually("the slow delivery leased", || async {
+        support::count(&writer, "select count(*) from outbox_relay.parked where lease_token is not null").await == 1
+    })
+    .await;
+    let next_of_its_key = publish_sql(&writer, "order.placed", "{}", Some("k1")).await;
+    let other = publish_sql(&writer, "order.placed", "{}", Some("k2")).await;
+    let unkeyed = publish_sql(&writer, "order.placed", "{}", None).await;
+    let mut early: Vec<i64> = deliveries.take(2).await.into_iter().map(|d| d.event.id).collect();
+    early.sort();
+    assert_eq!(early, vec![other, unkeyed], "delivered while the slow one goes on");
+    assert!(deliveries.is_empty(), "its key's next event waits behind it");
+    // Its lease is renewed while it goes on (every half lease).
+    let lease_ends =
+        "select (extract(epoch from available_at) * 1000)::int8 from outbox_relay.parked where lease_token is not null";
+    let first_end = support::count(&writer, lease_ends).await;
+    eventually("the lease renewed", || async { support::count(&writer, lease_ends).await > first_end }).await;
+    assert_eq!(stalled.lock().unwrap().len(), 1);
+    go.add_permits(1);
+    let late: Vec<i64> = deliveries.take(2).await.into_iter().map(|d| d.event.id).collect();
+    assert_eq!(late, vec![slow, next_of_its_key], "retried, then its key's next event");
+    eventually("all recorded", || async {
+        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+            && support::count(&writer, "select count(*) from outbox_relay.parked").await == 0
+    })
+    .await;
+    let counts = deliveries.counts();
+    assert!(counts.values().all(|n| *n == 1), "each delivered once: {counts:?}");
+    let snapshot = relay.snapshot();
+    assert_eq!((snapshot.delivered, snapshot.retried, snapshot.dead_lettered), (4, 1, 0));
+    relay.stop().await;
+}
+
 #[tokio::test]
 async fn paused_delayed_unmatched_and_oversized_events_wait_for_a_claim() {
     let db = TestDb::new().await;

@@ -61,12 +61,23 @@ async fn slow_receiver_with_backlog(
     (receiver, format!("http://{addr}/hook"))
 }
 
-async fn slow_hook(State(receiver): State<SlowReceiver>, headers: HeaderMap) -> StatusCode {
+/// Takes ~30 ms to answer; the first request of an event whose payload has `"stall"` is never
+/// answered (a receiver that hangs).
+async fn slow_hook(State(receiver): State<SlowReceiver>, headers: HeaderMap, body: String) -> StatusCode {
     let Some(id) = headers.get("outbox-event-id").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<i64>().ok())
     else {
         return StatusCode::BAD_REQUEST;
     };
-    *receiver.seen.lock().unwrap().entry(id).or_default() += 1;
+    let first = {
+        let mut seen = receiver.seen.lock().unwrap();
+        let n = seen.entry(id).or_default();
+        *n += 1;
+        *n == 1
+    };
+    if first && body.contains("\"stall\"") {
+        receiver.arrivals.lock().unwrap().push(id);
+        std::future::pending::<()>().await;
+    }
     receiver.arrivals.lock().unwrap().push(id);
     let version = headers.get("x-version").and_then(|v| v.to_str().ok()).unwrap_or("none").to_string();
     *receiver.versions.lock().unwrap().entry(version).or_default() += 1;
@@ -465,6 +476,60 @@ async fn sighup_reloads_a_changed_config_mid_backlog_and_delivers_nothing_twice(
         "the reloaded header is sent, for some of the backlog too (the reload happened in it): {versions:?}"
     );
     assert_eq!(versions.get("none"), None, "{versions:?}");
+}
+
+/// Fault: a delivery from a notification that outlived the hold (the receiver never answers it)
+/// is leased, and the relay is killed with SIGKILL while it goes on. Meanwhile the relay went on
+/// with other keys; after the kill a second relay delivers the leased event again, then its key's
+/// next event, and nothing is lost.
+#[tokio::test]
+async fn a_relay_killed_in_a_leased_delivery_from_a_notification_loses_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.fast", 0).await;
+    let args = ["--sink", &sink, "--completion", "mark", "--hold", "200ms", "--lease", "2s", "--timeout", "1h"];
+    let first = RelayProcess::spawn_logging(&db.url, &args, "info,pg_outbox_relay::relay::fast=debug");
+    eventually("the relay's fast path armed", || {
+        let log = first.log();
+        async move { log.contains("the fast path is armed") }
+    })
+    .await;
+    let publish = async |payload: &str, key: &str| -> i64 {
+        client
+            .query_one("select outbox_relay.publish('fault.fast', $1::text::jsonb, $2)", &[&payload, &key])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    // The event goes from its notification; its receiver hangs.
+    let stalled = publish(r#"{"stall": true}"#, "k").await;
+    eventually("the hung delivery leased", || async {
+        count(&client, "select count(*) from outbox_relay.parked where lease_token is not null").await == 1
+    })
+    .await;
+    let next_of_its_key = publish("{}", "k").await;
+    let other = publish("{}", "other").await;
+    let recorded = format!("select count(*) from outbox_relay.outbox where id = {other} and processed_at is not null");
+    eventually("another key's event delivered and recorded meanwhile", || async {
+        count(&client, &recorded).await == 1
+    })
+    .await;
+    assert!(!receiver.seen.lock().unwrap().contains_key(&next_of_its_key), "its key's next event waits");
+    let status = first.signal("-KILL").await;
+    use std::os::unix::process::ExitStatusExt as _;
+    assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status:?}");
+
+    let second = RelayProcess::spawn(&db.url, &args);
+    eventually_within("every event recorded", LONG_PATIENCE, || async { waiting(&client).await == 0 }).await;
+    assert_eq!(second.signal("-TERM").await.code(), Some(0));
+    let seen = receiver.seen.lock().unwrap().clone();
+    assert!(seen[&stalled] >= 2, "the hung event delivered again: {seen:?}");
+    assert_eq!((seen[&next_of_its_key], seen[&other]), (1, 1), "{seen:?}");
+    let arrivals = receiver.arrivals.lock().unwrap().clone();
+    let at = |id| arrivals.iter().position(|a| *a == id).unwrap();
+    let answered = arrivals.iter().enumerate().filter(|(_, a)| **a == stalled).nth(1).unwrap().0;
+    assert!(answered < at(next_of_its_key), "the key's order: {arrivals:?}");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
 /// Fault: two `outbox-relay run` processes on one destination; the one that owns the fast path
