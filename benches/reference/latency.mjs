@@ -7,16 +7,26 @@
 // flushes WAL as the others' do) and calls pg_notify, to the instant a second client of this
 // process that LISTENs has the notification (no claim, no delivery).
 // `outbox-claim-first` is outbox-relay with its fast path off (`--no-fast-path`: it claims each
-// event before it delivers it, as every version before migration 0018 did).
+// event before it delivers it, as every version before migration 0018 did). `floor-pipe` is the
+// floor with the pipe hop that outbox-relay's figure has: the LISTENing client is a child process
+// (this script again, as `floor-child`) that writes each notification as a line to its stdout.
 // Usage (run.sh installs graphile-worker first):
 //
-//   node latency.mjs graphile|outbox|outbox-claim-first|floor DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
+//   node latency.mjs graphile|outbox|outbox-claim-first|floor|floor-pipe DATABASE_URL SAMPLES [OUTBOX_RELAY_BINARY]
 import { spawn } from "node:child_process";
 import { createInterface } from "node:readline";
 import pg from "pg";
 import { Logger, run } from "graphile-worker";
 
 const [mode, url, samplesArg, binary] = process.argv.slice(2);
+if (mode === "floor-child") {
+  const listener = new pg.Client({ connectionString: url });
+  await listener.connect();
+  listener.on("notification", (message) => process.stdout.write(`${message.payload}\n`));
+  await listener.query("listen outbox_reference_floor");
+  process.stdout.write("listening\n");
+  await new Promise(() => {}); // until the parent kills it
+}
 const samples = Number(samplesArg ?? 500);
 const warmup = 20;
 const every = 20;
@@ -72,11 +82,20 @@ if (mode === "graphile") {
     return n;
   };
   stop = async () => relay.kill("SIGTERM");
-} else if (mode === "floor") {
-  const listener = new pg.Client({ connectionString: url });
-  await listener.connect();
-  listener.on("notification", (message) => arrived(Number(message.payload)));
-  await listener.query("listen outbox_reference_floor");
+} else if (mode === "floor" || mode === "floor-pipe") {
+  if (mode === "floor") {
+    const listener = new pg.Client({ connectionString: url });
+    await listener.connect();
+    listener.on("notification", (message) => arrived(Number(message.payload)));
+    await listener.query("listen outbox_reference_floor");
+    stop = () => listener.end();
+  } else {
+    const child = spawn(process.execPath, [process.argv[1], "floor-child", url], { stdio: ["ignore", "pipe", "inherit"] });
+    const lines = createInterface({ input: child.stdout });
+    await new Promise((resolve) => lines.once("line", resolve)); // "listening"
+    lines.on("line", (line) => arrived(Number(line)));
+    stop = async () => child.kill("SIGTERM");
+  }
   await writer.query("create table if not exists outbox_reference_floor (n int)");
   enqueue = async (n) => {
     await writer.query("begin");
@@ -84,9 +103,8 @@ if (mode === "graphile") {
     await writer.query("select pg_notify('outbox_reference_floor', $1::text)", [n]);
     return n;
   };
-  stop = () => listener.end();
 } else {
-  throw new Error(`mode is ${mode}; it must be graphile, outbox, outbox-claim-first or floor`);
+  throw new Error(`mode is ${mode}; it must be graphile, outbox, outbox-claim-first, floor or floor-pipe`);
 }
 
 for (let n = 0; n < warmup + samples; n++) {

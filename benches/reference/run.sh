@@ -2,7 +2,8 @@
 # graphile-worker 0.17 (the latency reference of issue 20) beside outbox-relay (with its fast
 # path, and with it off: --no-fast-path), on one server, in one run: ROUNDS alternating rounds of
 # SAMPLES jobs each (one every 20 ms), medians by the reader; each round also measures the floor
-# (a commit to a LISTENing client's notification).
+# (a commit to a LISTENing client's notification), and the floor through a child process's stdout
+# (the pipe hop outbox-relay's figure has: `floor-pipe`).
 # graphile-worker and the pg client are installed from npm into a temporary directory.
 #
 #   bash benches/reference/run.sh 'postgresql://postgres@127.0.0.1:5432/postgres' [SAMPLES] [ROUNDS]
@@ -20,4 +21,5 @@ for _ in $(seq "$rounds"); do
     node "$work/latency.mjs" outbox "$db" "$samples" "$binary"
     node "$work/latency.mjs" outbox-claim-first "$db" "$samples" "$binary"
     node "$work/latency.mjs" floor "$db" "$samples"
+    node "$work/latency.mjs" floor-pipe "$db" "$samples"
 done
