@@ -36,8 +36,9 @@
 //!   new events take, and not while a batch of this relay's new events is uncommitted; a claim
 //!   does not look for new events while a fast batch is in delivery, unless that delivery
 //!   outlived `hold` and was leased as a claim's is (`fast_task.rs`): its events copied into the
-//!   parked ones under a lease, which holds their keys' later events back, and which the next
-//!   claim passes.
+//!   parked ones under a lease, which holds their keys' later events back, and which a claim
+//!   then passes (the copy stands for the event). The fast path is disarmed meanwhile: a
+//!   notification wakes a worker to claim, as the fast task is busy.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -204,15 +205,6 @@ pub(crate) struct Decided {
     at: Instant,
 }
 
-/// An event of a leased fast batch.
-#[derive(Default)]
-struct Leased {
-    /// When its delivery ended.
-    done: Option<Instant>,
-    /// A claim passed it (it may have rolled back: a later claim that meets it passes it again).
-    passed: bool,
-}
-
 /// The keys of a batch of new events in delivery: the fast path holds their later events back
 /// until it is dropped (the batch done, or given up).
 pub(crate) struct Busy {
@@ -264,11 +256,14 @@ struct State {
     queue: VecDeque<(u64, Carried)>,
     /// A fast batch is in delivery.
     in_flight: bool,
-    /// The fast batch in delivery was leased (it outlived the hold): claims go on meanwhile.
+    /// The fast batch in delivery was leased (it outlived the hold): claims go on meanwhile,
+    /// and none arms the fast path until it is done.
     flight_leased: bool,
-    /// Events of leased fast batches, copied into the parked ones: a claim only passes them.
-    /// Kept until [`DECIDED_KEPT`] after their delivery ended.
-    leased: HashMap<i64, Leased>,
+    /// Events of leased fast batches, by id: when their batch was leased, and whether a claim
+    /// met them since. A claim passes an event with a copy in the parked events; this is for
+    /// one whose copy is gone already (its delivery ended and was recorded by the lease's
+    /// token before any claim passed its outbox row). Kept for [`DECIDED_KEPT`].
+    leased: HashMap<i64, (Instant, bool)>,
     /// Outcomes decided, waiting for a claim to record them.
     decided: HashMap<i64, Decided>,
     /// The key the trigger signs notifications with, once the listener read it.
@@ -500,7 +495,7 @@ impl FastPath {
     pub(crate) fn ticket(&self) -> Option<Ticket> {
         let state = self.state();
         let pauses_read = state.pauses_after.is_none_or(|after| self.pauses.generation() > after);
-        (self.enabled && state.owner != 0 && state.complete && state.keys_read && pauses_read)
+        (self.enabled && state.owner != 0 && state.complete && state.keys_read && pauses_read && !state.flight_leased)
             .then_some(Ticket(state.epoch))
     }
 
@@ -513,31 +508,32 @@ impl FastPath {
 
     /// The fast batch in delivery, `events`, outlived the hold and is leased: its events were
     /// copied into the parked ones under a lease, and wait there (with their keys' later events)
-    /// for its end. Claims of new events go on, and pass them. Wakes a worker to claim.
+    /// for its end. Claims of new events go on (and pass them), and the fast path is disarmed
+    /// until it is done: its task is busy, so notifications wake a worker to claim. Wakes one.
     pub(crate) fn lease_flight(&self, events: &[Event]) {
         let mut state = self.state();
         state.flight_leased = true;
+        let now = Instant::now();
+        state.leased.retain(|_, (at, _)| now.duration_since(*at) < DECIDED_KEPT);
         for event in events {
-            state.leased.insert(event.id, Leased::default());
+            state.leased.insert(event.id, (now, false));
             if let Some(key) = &event.key {
                 state.waiting.insert(key.clone());
             }
         }
+        self.disarm(&mut state, "a delivery from notifications outlived the hold");
         drop(state);
         self.work.notify_one();
     }
 
     /// The leased fast batch is done, its outcomes recorded by the lease's token (or not: the
-    /// claims' `batch_done` disarmed, and the lease gives them back when it ends).
+    /// lease gives them back when it ends). Wakes a worker, whose claim arms the fast path again.
     pub(crate) fn leased_done(&self) {
         let mut state = self.state();
         state.in_flight = false;
         state.flight_leased = false;
-        let now = Instant::now();
-        state.leased.retain(|_, leased| leased.done.is_none_or(|done| now.duration_since(done) < DECIDED_KEPT));
-        for leased in state.leased.values_mut() {
-            leased.done.get_or_insert(now);
-        }
+        drop(state);
+        self.work.notify_one();
     }
 
     /// What a claim of new events took: with `drained` its whole delta, to `snapshot`; `handed`
@@ -595,8 +591,8 @@ impl FastPath {
                 _ => Settled::Failed,
             });
         }
-        let leased = state.leased.get_mut(&id)?;
-        leased.passed = true;
+        let (_, met) = state.leased.get_mut(&id)?;
+        *met = true;
         Some(Settled::Leased)
     }
 
@@ -613,7 +609,7 @@ impl FastPath {
     /// Whether outcomes, or leased events, wait for a claim.
     pub(crate) fn undecided_left(&self) -> bool {
         let state = self.state();
-        !state.decided.is_empty() || state.leased.values().any(|leased| !leased.passed)
+        !state.decided.is_empty() || state.leased.values().any(|(_, met)| !met)
     }
 
     /// Takes the next fast batch (at most `max` events) from the queue, in commit order: drops

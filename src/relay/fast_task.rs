@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::batch::Batches;
 use super::claim::Claim;
 use super::fast::{FastPath, WAITING_KEYS_MAX};
-use super::handler::Handler;
+use super::handler::{Handler, Progress};
 use super::held::NewLock;
 use super::lease::beside;
 use super::outcome::{Outcome, Outcomes};
@@ -25,6 +25,12 @@ use crate::sql;
 const KEYS_RETRY: Duration = Duration::from_secs(1);
 /// How long the task sleeps with nothing to do and no word.
 const IDLE: Duration = Duration::from_secs(3600);
+/// The least time a delivery from notifications runs before it is leased, whatever the hold: it
+/// holds no transaction open, so a zero hold (which leases every claim at once) is no reason to
+/// write a lease for every one.
+const FAST_HOLD_MIN: Duration = Duration::from_millis(100);
+/// How soon a lease that could not be written is tried again.
+const LEASE_RETRY: Duration = Duration::from_secs(1);
 
 /// The fast path's task and what it needs.
 pub(crate) struct FastTask<H> {
@@ -112,11 +118,11 @@ impl<H: Handler> FastTask<H> {
         tracing::trace!(events = events.len(), "delivering from notifications");
         let started = Instant::now();
         let token = rand::random::<i64>();
-        let progress = Arc::default();
+        let progress = Arc::<Progress>::default();
         let (results, leased) = {
             let delivery = batches.delivery.deliver(&events, &progress);
             tokio::pin!(delivery);
-            self.keep(&mut delivery, &events, token, fast).await
+            self.keep(&mut delivery, &events, token, &progress, fast).await
         };
         if leased {
             let mut outcomes = Outcomes::default();
@@ -154,51 +160,53 @@ impl<H: Handler> FastTask<H> {
     }
 
     /// Waits for a fast batch's `delivery`. One that outlives the hold is leased, as a claim's is
-    /// (`lease.rs`): its events are copied into the parked ones under a lease of `token`, renewed
-    /// every half lease, so that claims of new events go on meanwhile (and hold the events'
-    /// keys' later ones back behind the copies); its outcomes are then recorded by the token.
-    /// Returns the delivery's results and whether it was leased.
+    /// (`lease.rs`): its events are copied into the parked ones under a lease of `token`, so that
+    /// claims of new events go on meanwhile (and hold the events' keys' later ones back behind
+    /// the copies); then the lease is renewed and what is delivered so far recorded by the token
+    /// as a leased claim's (`Leases::keep_while`). Returns the delivery's results and whether
+    /// it was leased.
     async fn keep<F: std::future::Future + Unpin>(
         &self,
         delivery: &mut F,
         events: &[Event],
         token: i64,
+        progress: &Progress,
         fast: &FastPath,
     ) -> (F::Output, bool) {
         let leases = &self.batches.leases;
-        let hold = if leases.hold.is_zero() { leases.record_every } else { leases.hold };
-        tokio::select! {
-            done = &mut *delivery => return (done, false),
-            () = tokio::time::sleep(hold) => {}
-        }
         let mut copies = sql::Copies::default();
         for event in events {
             copies.push(event.id, leases.lease, None, event.attempts);
         }
-        let lease = async { sql::park_new_events(&*self.pool.client().await?, &self.to, &copies, Some(token)).await };
-        let (leased, done) = beside(&mut *delivery, lease).await;
-        if let Err(e) = leased {
-            tracing::warn!(error = %e, events = events.len(), "leasing a delivery from notifications that outlived the hold failed; new events wait for its end");
-            let done = match done {
-                Some(done) => done,
-                None => delivery.await,
-            };
-            return (done, false);
-        }
-        tracing::debug!(events = events.len(), ?hold, "a delivery from notifications outlived the hold; it is leased");
-        fast.lease_flight(events);
-        if let Some(done) = done {
-            return (done, true);
-        }
-        let ids: Vec<i64> = events.iter().map(|event| event.id).collect();
+        let mut wait = leases.hold.max(FAST_HOLD_MIN);
         loop {
             tokio::select! {
-                done = &mut *delivery => return (done, true),
-                () = tokio::time::sleep(leases.lease / 2) => {
-                    leases.renew(&ids, token).await;
+                done = &mut *delivery => return (done, false),
+                () = tokio::time::sleep(wait) => {}
+            }
+            let lease =
+                async { sql::park_new_events(&*self.pool.client().await?, &self.to, &copies, Some(token)).await };
+            let (leased, done) = beside(&mut *delivery, lease).await;
+            match leased {
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, events = events.len(), retry_in = ?LEASE_RETRY, "leasing a delivery from notifications that outlived the hold failed; new events wait meanwhile");
+                    if let Some(done) = done {
+                        return (done, false);
+                    }
+                    wait = LEASE_RETRY;
                 }
             }
         }
+        tracing::debug!(events = events.len(), "a delivery from notifications outlived the hold; it is leased");
+        fast.lease_flight(events);
+        let claimed: Vec<(i64, i32)> = events.iter().map(|event| (event.id, event.attempts)).collect();
+        let parked: HashSet<i64> = claimed.iter().map(|(id, _)| *id).collect();
+        let (mut no_claim, mut early) = (None, Vec::new());
+        let done = leases
+            .keep_while(&mut *delivery, &mut no_claim, &claimed, &parked, token, Instant::now(), progress, &mut early)
+            .await;
+        (done, true)
     }
 
     /// Claims, so that what the fast path decided is recorded; leaves it to a worker when this

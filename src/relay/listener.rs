@@ -32,6 +32,10 @@ const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
 /// How long an answer to the check may take before the connection counts as stalled.
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The least time the server lets the listener's session stay quiet before it ends it (while it
+/// may take the fast path: the lease, at least this).
+const QUIET_MIN: Duration = Duration::from_secs(1);
+
 /// First wait before reconnecting; it doubles up to `reconnect_max`.
 const RECONNECT_BASE: Duration = Duration::from_millis(50);
 
@@ -126,16 +130,27 @@ impl Listener {
             pid = sql::listen(&client, self.lock_id) => pid?,
         };
         self.row.listener_changed(pid).await;
-        // The fast path only on a session the server ends once it goes quiet for the lease.
-        let fast = self.fast.enabled() && {
-            tokio::select! {
-                lost = &mut forwarder => return Err(lost),
-                bounded = sql::end_session_when_idle(&client, self.lease) => bounded?,
-            }
-        };
-        if self.fast.enabled() && !fast {
-            self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
-        }
+        // The fast path only on a session the server ends once it goes quiet for the lease (at
+        // least a second, so that a busy machine's late heartbeat does not end a live one's).
+        let quiet_for = self.lease.max(QUIET_MIN);
+        let fast = self.fast.enabled()
+            && {
+                let bounded = tokio::select! {
+                    lost = &mut forwarder => return Err(lost),
+                    bounded = sql::end_session_when_idle(&client, quiet_for) => bounded,
+                };
+                match bounded {
+                    Ok(true) => true,
+                    Ok(false) => {
+                        self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
+                        false
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not bound the listener's idle time; this connection does not take the fast path");
+                        false
+                    }
+                }
+            };
         let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
         self.metrics.set_listening(true);
         if *connected_before {
@@ -154,7 +169,7 @@ impl Listener {
         // as idle; a listener that does not own it tries to take it at each beat (it is free when
         // its owner died, or froze for the lease).
         let heartbeat = async {
-            let beat = if fast { (self.lease / 4).min(HEARTBEAT_INTERVAL) } else { HEARTBEAT_INTERVAL };
+            let beat = if fast { (quiet_for / 4).min(HEARTBEAT_INTERVAL) } else { HEARTBEAT_INTERVAL };
             loop {
                 tokio::time::sleep(if fast && !owner { beat.min(OWNERSHIP_RETRY) } else { beat }).await;
                 let checked = async {

@@ -151,9 +151,8 @@ pub(crate) enum Settled {
     Delivered,
     /// Tried from its notification, and it failed: it waits now, and its key's later events too.
     Failed,
-    /// Its delivery from its notification outlived the hold, and it was copied into the parked
-    /// events under the fast path's lease: that copy stands for it (and holds its key's later
-    /// events back); the claim only passes its outbox row.
+    /// Its delivery from its notification outlived the hold and was leased, and its outcome
+    /// recorded by the lease's token: the claim only passes its outbox row.
     Leased,
 }
 
@@ -169,7 +168,9 @@ const OVERTAKEN_MAX: usize = 4;
 ///
 /// `decided` says which new events the fast path settled already: those it delivered or tried
 /// are returned in `Claimed::decided`, to be recorded with the batch instead of handed over;
-/// those it leased are passed here, their copies standing for them.
+/// those it leased are passed. So is a new event with a copy in the parked events already (the
+/// fast path of this relay, or of one that died or lost it since, leased it): the copy stands
+/// for it.
 pub(crate) async fn claim_events(
     db: &impl Db,
     to: &Destination,
@@ -231,8 +232,9 @@ async fn claim_new(
                 claimed.snapshot = row.get("snapshot");
                 continue;
             };
-            let (ready, done) = (row.get::<_, Option<bool>>("ready"), row.get::<_, Option<bool>>("done"));
-            fresh.push((claimed_row(row, id, false), ready.unwrap_or(false), done.unwrap_or(false)));
+            let flag = |name: &str| row.get::<_, Option<bool>>(name).unwrap_or(false);
+            let (ready, done, copied) = (flag("ready"), flag("done"), flag("copied"));
+            fresh.push((claimed_row(row, id, false), ready, done, copied));
         }
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
@@ -242,20 +244,28 @@ async fn claim_new(
         let mut waiting_keys: HashSet<String> = HashSet::new();
         let mut park = Copies::default();
         let mut early = Vec::new();
-        let mut leased = Vec::new();
-        for (row, ready, done) in fresh {
-            if let Some(settled) = decided(row.id) {
-                // Delivered from its notification (src/relay/fast.rs), whatever it would be
-                // judged now: recorded with the batch. One that failed, or is leased (parked
-                // under the fast path's lease), holds its key's later events back, as a failure
-                // in a batch does.
-                if let (Settled::Failed | Settled::Leased, Some(key)) = (settled, &row.key) {
+        let mut copied = Vec::new();
+        for (row, ready, done, has_copy) in fresh {
+            let settled = decided(row.id);
+            if has_copy || settled == Some(Settled::Leased) {
+                // Leased by the fast path (its delivery from its notification outlived the hold),
+                // of this relay or of one that died or lost the fast path since: the copy stands
+                // for it (and holds its key's later events back), or stood for it and its outcome
+                // was recorded.
+                if let Some(key) = &row.key {
                     waiting_keys.insert(key.clone());
                 }
-                match settled {
-                    Settled::Leased => leased.push(row.id),
-                    Settled::Delivered | Settled::Failed => claimed.decided.push((row.id, row.attempts)),
+                copied.push(row.id);
+                continue;
+            }
+            if let Some(settled) = settled {
+                // Delivered from its notification (src/relay/fast.rs), whatever it would be
+                // judged now: recorded with the batch. One that failed holds its key's later
+                // events back, as a failure in a batch does.
+                if let (Settled::Failed, Some(key)) = (settled, &row.key) {
+                    waiting_keys.insert(key.clone());
                 }
+                claimed.decided.push((row.id, row.attempts));
                 continue;
             }
             if done {
@@ -299,9 +309,9 @@ async fn claim_new(
                 claimed.next_due = Some(claimed.next_due.map_or(due, |was| was.min(due)));
             }
         }
-        if !leased.is_empty() {
-            // Their copies under the fast path's lease wait for this destination.
-            finish_new_events(db, &to.name, &leased, turn.delete).await?;
+        if !copied.is_empty() {
+            // Their copies wait for this destination (or were done with).
+            finish_new_events(db, &to.name, &copied, turn.delete).await?;
         }
         if !early.is_empty() {
             // Passed by the position like the rest: nothing waits for this destination.

@@ -109,7 +109,11 @@ moved as (
 -- for this destination, not held by an earlier dead letter of its key at this destination (with
 -- $2), and whether a claim that did not commit delivered it already (`early_deliveries`,
 -- migration 0017: a relay killed in the middle of a delivery; read only when the destination has
--- such rows at all, one probe a claim otherwise). Then one marker row (id null): how long until the destination's next parked event is due
+-- such rows at all, one probe a claim otherwise), and whether it has a copy in the destination's
+-- parked events already (the same event, by its uuid: a delivery from its notification that
+-- outlived the hold was leased so, src/relay/fast_task.rs, and the copy stands for it; read only
+-- when the destination has a parked event from the batch's first id on, one probe a claim
+-- otherwise: every other copy's outbox row was passed when it was made). Then one marker row (id null): how long until the destination's next parked event is due
 -- (when one is due later), whether this transaction holds the lock, whether it moved the
 -- position, whether more new events wait (cut short), and whether another claim's commit
 -- overtook its read of the position (it found new events or a cut delta's end but could not move
@@ -134,13 +138,17 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
        case when (select exists (select 1 from outbox_relay.early_deliveries x where x.destination = $4::text))
             then coalesce(o.id in (select unnest(x.ids) from outbox_relay.early_deliveries x where x.destination = $4::text), false)
             else false end as done,
+       case when (select exists (select 1 from outbox_relay.parked x
+                                  where x.destination = $4::text and x.id >= (select min(t.id) from taken t)))
+            then exists (select 1 from outbox_relay.parked x where x.destination = $4::text and x.id = o.id and x.uuid = o.uuid)
+            else false end as copied,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
        null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered,
        null::text as snapshot
   from outbox_relay.outbox o
  where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
 union all
-select null, null, null, null, null, null, null, null, null, null, null,
+select null, null, null, null, null, null, null, null, null, null, null, null,
        (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
          where e.destination = $4::text and e.available_at > now() and isfinite(e.available_at)),
        (select l.held from lock l),

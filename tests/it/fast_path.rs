@@ -212,20 +212,29 @@ async fn a_slow_delivery_from_a_notification_is_leased_and_holds_back_only_its_k
     let stalled = Arc::new(Mutex::new(Vec::new()));
     let handler = StallFirst { stalled: stalled.clone(), go: go.clone(), tried: Arc::default(), inner };
     let config =
-        pg_outbox_relay::RelayConfig { hold: Duration::from_millis(200), lease: Duration::from_secs(2), ..config() };
+        pg_outbox_relay::RelayConfig { hold: Duration::from_millis(200), lease: Duration::from_secs(20), ..config() };
     let relay = support::start(&db.outbox, config, handler);
     armed(&relay).await;
     let writer = db.client().await;
+    let (claims_before, claimed_before) = (relay.snapshot().claims, relay.snapshot().claimed_events);
     let slow = publish_sql(&writer, "order.placed", r#"{"stall": true}"#, Some("k1")).await;
     eventually("the slow event in the handler", || async { stalled.lock().unwrap().contains(&slow) }).await;
     eventually("the slow delivery leased", || async {
         support::count(&writer, "select count(*) from outbox_relay.parked where lease_token is not null").await == 1
     })
     .await;
+    assert_eq!(relay.snapshot().claimed_events, claimed_before, "it went from its notification, not a claim");
+    // The lease wakes a claim; the events below come after it (a claim that arms the fast path
+    // then would leave them to a task busy with the slow delivery, and to the lease's end).
+    eventually("a claim after the lease", || async { relay.snapshot().claims > claims_before }).await;
     let next_of_its_key = publish_sql(&writer, "order.placed", "{}", Some("k1")).await;
     let other = publish_sql(&writer, "order.placed", "{}", Some("k2")).await;
     let unkeyed = publish_sql(&writer, "order.placed", "{}", None).await;
-    let mut early: Vec<i64> = deliveries.take(2).await.into_iter().map(|d| d.event.id).collect();
+    // Their notifications wake a claim: they do not wait for the lease's end (nor for a poll:
+    // it never fires here).
+    let early = tokio::time::timeout(Duration::from_secs(10), deliveries.take(2));
+    let early = early.await.expect("delivered while the slow one goes on, long before its lease (20 s) ends");
+    let mut early: Vec<i64> = early.into_iter().map(|d| d.event.id).collect();
     early.sort();
     assert_eq!(early, vec![other, unkeyed], "delivered while the slow one goes on");
     assert!(deliveries.is_empty(), "its key's next event waits behind it");

@@ -515,6 +515,7 @@ async fn a_relay_killed_in_a_leased_delivery_from_a_notification_loses_nothing()
     })
     .await;
     assert!(!receiver.seen.lock().unwrap().contains_key(&next_of_its_key), "its key's next event waits");
+    assert!(first.log().contains("outlived the hold; it is leased"), "leased by the fast path, not a claim");
     let status = first.signal("-KILL").await;
     use std::os::unix::process::ExitStatusExt as _;
     assert_eq!(status.signal(), Some(9), "killed by SIGKILL: {status:?}");
