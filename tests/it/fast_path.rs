@@ -110,16 +110,37 @@ async fn events_go_from_their_notification_to_the_handler_and_are_recorded_once(
     relay.stop().await;
 }
 
-/// Fails the first attempt of every event whose payload asks for it.
+/// Fails the first attempt of every event whose payload asks for it: at once (`"fail"`), or once
+/// the test lets it go (`"stall"`: a slow receiver that finally answers 503).
 #[derive(Clone)]
 struct FailFirst {
     tried: Arc<Mutex<HashSet<i64>>>,
     inner: support::Recorder,
+    /// The stalled events, in the order they came.
+    stalled: Arc<Mutex<Vec<i64>>>,
+    /// Lets a stalled event go, one per permit.
+    go: Arc<tokio::sync::Semaphore>,
+}
+
+impl FailFirst {
+    fn new(inner: support::Recorder) -> FailFirst {
+        FailFirst {
+            tried: Arc::default(),
+            inner,
+            stalled: Arc::default(),
+            go: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
 }
 
 impl Handler for FailFirst {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
         let first = self.tried.lock().unwrap().insert(event.id);
+        if first && event.payload.get().contains("stall") {
+            self.stalled.lock().unwrap().push(event.id);
+            drop(self.go.acquire().await.unwrap());
+            return Err(DeliveryError::transient("the receiver answered late, and busy"));
+        }
         if first && event.payload.get().contains("fail") {
             return Err(DeliveryError::transient("the receiver is busy"));
         }
@@ -131,7 +152,7 @@ impl Handler for FailFirst {
 async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
     let db = TestDb::new().await;
     let (inner, mut deliveries) = recorder();
-    let handler = FailFirst { tried: Arc::default(), inner };
+    let handler = FailFirst::new(inner);
     // A retry late enough to be seen waiting.
     let config = pg_outbox_relay::RelayConfig {
         backoff_base: Duration::from_millis(500),
@@ -179,28 +200,6 @@ async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
     relay.stop().await;
 }
 
-/// Holds the first attempt of every event whose payload asks for it until the test lets it go,
-/// then fails it (a slow receiver that finally answers 503).
-#[derive(Clone)]
-struct StallFirst {
-    stalled: Arc<Mutex<Vec<i64>>>,
-    go: Arc<tokio::sync::Semaphore>,
-    tried: Arc<Mutex<HashSet<i64>>>,
-    inner: support::Recorder,
-}
-
-impl Handler for StallFirst {
-    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        let first = self.tried.lock().unwrap().insert(event.id);
-        if first && event.payload.get().contains("stall") {
-            self.stalled.lock().unwrap().push(event.id);
-            drop(self.go.acquire().await.unwrap());
-            return Err(DeliveryError::transient("the receiver answered late, and busy"));
-        }
-        self.inner.handle(event).await
-    }
-}
-
 /// A delivery from a notification that outlives `hold` is leased, as a claim's is: the events
 /// of other keys committed meanwhile are claimed and delivered while it goes on, its own key's
 /// next event waits behind it, and its late failure is recorded by the lease's token and retried.
@@ -208,9 +207,8 @@ impl Handler for StallFirst {
 async fn a_slow_delivery_from_a_notification_is_leased_and_holds_back_only_its_key() {
     let db = TestDb::new().await;
     let (inner, mut deliveries) = recorder();
-    let go = Arc::new(tokio::sync::Semaphore::new(0));
-    let stalled = Arc::new(Mutex::new(Vec::new()));
-    let handler = StallFirst { stalled: stalled.clone(), go: go.clone(), tried: Arc::default(), inner };
+    let handler = FailFirst::new(inner);
+    let (stalled, go) = (handler.stalled.clone(), handler.go.clone());
     let config =
         pg_outbox_relay::RelayConfig { hold: Duration::from_millis(200), lease: Duration::from_secs(20), ..config() };
     let relay = support::start(&db.outbox, config, handler);
