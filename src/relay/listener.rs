@@ -133,24 +133,7 @@ impl Listener {
         // The fast path only on a session the server ends once it goes quiet for the lease (at
         // least a second, so that a busy machine's late heartbeat does not end a live one's).
         let quiet_for = self.lease.max(QUIET_MIN);
-        let fast = self.fast.enabled()
-            && {
-                let bounded = tokio::select! {
-                    lost = &mut forwarder => return Err(lost),
-                    bounded = sql::end_session_when_idle(&client, quiet_for) => bounded,
-                };
-                match bounded {
-                    Ok(true) => true,
-                    Ok(false) => {
-                        self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
-                        false
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "could not bound the listener's idle time; this connection does not take the fast path");
-                        false
-                    }
-                }
-            };
+        let fast = self.fast.enabled() && self.bound_quiet(&client, quiet_for, &mut forwarder).await?;
         let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
         self.metrics.set_listening(true);
         if *connected_before {
@@ -212,6 +195,35 @@ impl Listener {
         self.fast.listener_lost("the listener stopped");
         self.metrics.set_listening(false);
         result
+    }
+
+    /// Has the server end this connection's session once it is quiet for `quiet_for`, while the
+    /// connection makes progress (`forwarder` polled beside it); returns whether it may take the
+    /// fast path (it did, on PostgreSQL 14 or later).
+    async fn bound_quiet<F>(
+        &self,
+        client: &tokio_postgres::Client,
+        quiet_for: Duration,
+        forwarder: &mut std::pin::Pin<&mut F>,
+    ) -> Result<bool>
+    where
+        F: std::future::Future<Output = Error>,
+    {
+        let bounded = tokio::select! {
+            lost = forwarder.as_mut() => return Err(lost),
+            bounded = sql::end_session_when_idle(client, quiet_for) => bounded,
+        };
+        match bounded {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
+                Ok(false)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not bound the listener's idle time; this connection does not take the fast path");
+                Ok(false)
+            }
+        }
     }
 
     /// [`Listener::own`] while the connection makes progress (`forwarder` polled beside it).
