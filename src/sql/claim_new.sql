@@ -138,8 +138,9 @@ select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 21474836
        case when (select exists (select 1 from outbox_relay.early_deliveries x where x.destination = $4::text))
             then coalesce(o.id in (select unnest(x.ids) from outbox_relay.early_deliveries x where x.destination = $4::text), false)
             else false end as done,
-       case when (select exists (select 1 from outbox_relay.parked x
-                                  where x.destination = $4::text and x.id >= (select min(t.id) from taken t)))
+       case when (select x.id from outbox_relay.parked x
+                   where x.destination = $4::text and x.id >= (select min(t.id) from taken t)
+                   order by x.destination, x.id limit 1) is not null
             then exists (select 1 from outbox_relay.parked x where x.destination = $4::text and x.id = o.id and x.uuid = o.uuid)
             else false end as copied,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
