@@ -73,6 +73,9 @@ impl Listener {
             match self.listen(&mut connected_before, &mut failures, &stop).await {
                 Ok(()) => return, // stopped
                 Err(e) => {
+                    // (Also when it was lost before the end of `listen`, which says so too.)
+                    self.row.listener_gone();
+                    self.metrics.set_listening(false);
                     self.fast.listener_lost("the listener lost its connection");
                     failures += 1;
                     let wait = retry_delay(failures, RECONNECT_BASE, self.reconnect_max, 0.5, rand::random());
@@ -130,11 +133,6 @@ impl Listener {
             pid = sql::listen(&client, self.lock_id) => pid?,
         };
         self.row.listener_changed(pid).await;
-        // The fast path only on a session the server ends once it goes quiet for the lease (at
-        // least a second, so that a busy machine's late heartbeat does not end a live one's).
-        let quiet_for = self.lease.max(QUIET_MIN);
-        let fast = self.fast.enabled() && self.bound_quiet(&client, quiet_for, &mut forwarder).await?;
-        let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
         self.metrics.set_listening(true);
         if *connected_before {
             self.metrics.reconnected();
@@ -142,6 +140,11 @@ impl Listener {
         }
         *connected_before = true;
         *failures = 0;
+        // The fast path only on a session the server ends once it goes quiet for the lease (at
+        // least a second, so that a busy machine's late heartbeat does not end a live one's).
+        let quiet_for = self.lease.max(QUIET_MIN);
+        let fast = self.fast.enabled() && self.bound_quiet(&client, quiet_for, &mut forwarder).await?;
+        let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
         // Anything committed while we were not listening sent its notification to nobody.
         self.timer.parked_may_be_due();
         self.work.notify_one();
