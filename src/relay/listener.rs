@@ -128,10 +128,7 @@ impl Listener {
         tokio::pin!(forwarder);
 
         // The connection only makes progress while `forwarder` is polled: run statements beside it.
-        let pid = tokio::select! {
-            lost = &mut forwarder => return Err(lost),
-            pid = sql::listen(&client, self.lock_id) => pid?,
-        };
+        let pid = while_reading(&mut forwarder, sql::listen(&client, self.lock_id)).await??;
         self.row.listener_changed(pid).await;
         self.metrics.set_listening(true);
         if *connected_before {
@@ -143,8 +140,9 @@ impl Listener {
         // The fast path only on a session the server ends once it goes quiet for the lease (at
         // least a second, so that a busy machine's late heartbeat does not end a live one's).
         let quiet_for = self.lease.max(QUIET_MIN);
-        let fast = self.fast.enabled() && self.bound_quiet(&client, quiet_for, &mut forwarder).await?;
-        let mut owner = fast && self.try_to_own(&client, pid, &mut forwarder).await?;
+        let fast = self.fast.enabled()
+            && self.bounded_quiet(while_reading(&mut forwarder, sql::end_session_when_idle(&client, quiet_for)).await?);
+        let mut owner = fast && while_reading(&mut forwarder, self.own(&client, pid)).await??;
         // Anything committed while we were not listening sent its notification to nobody.
         self.timer.parked_may_be_due();
         self.work.notify_one();
@@ -185,10 +183,7 @@ impl Listener {
         };
         if result.is_ok() {
             let unserved = tokio::time::timeout(HEARTBEAT_TIMEOUT, async {
-                tokio::select! {
-                    lost = &mut forwarder => Err(lost),
-                    unserved = sql::unserve(&client, self.lock_id) => unserved,
-                }
+                while_reading(&mut forwarder, sql::unserve(&client, self.lock_id)).await?
             });
             if let Ok(Err(e)) = unserved.await {
                 tracing::debug!(error = %e, "the listener could not give up its served mark; it goes with its connection");
@@ -200,48 +195,20 @@ impl Listener {
         result
     }
 
-    /// Has the server end this connection's session once it is quiet for `quiet_for`, while the
-    /// connection makes progress (`forwarder` polled beside it); returns whether it may take the
-    /// fast path (it did, on PostgreSQL 14 or later).
-    async fn bound_quiet<F>(
-        &self,
-        client: &tokio_postgres::Client,
-        quiet_for: Duration,
-        forwarder: &mut std::pin::Pin<&mut F>,
-    ) -> Result<bool>
-    where
-        F: std::future::Future<Output = Error>,
-    {
-        let bounded = tokio::select! {
-            lost = forwarder.as_mut() => return Err(lost),
-            bounded = sql::end_session_when_idle(client, quiet_for) => bounded,
-        };
+    /// Whether this connection may take the fast path, given whether the server was told to end
+    /// its session once it goes quiet (`sql::end_session_when_idle`): it was, on PostgreSQL 14 or
+    /// later. Says why not.
+    fn bounded_quiet(&self, bounded: Result<bool>) -> bool {
         match bounded {
-            Ok(true) => Ok(true),
+            Ok(true) => true,
             Ok(false) => {
                 self.fast_off("the server is older than PostgreSQL 14, which can end a frozen relay's idle session (idle_session_timeout), and with it its hold on the fast path");
-                Ok(false)
+                false
             }
             Err(e) => {
                 tracing::warn!(error = %e, "could not bound the listener's idle time; this connection does not take the fast path");
-                Ok(false)
+                false
             }
-        }
-    }
-
-    /// [`Listener::own`] while the connection makes progress (`forwarder` polled beside it).
-    async fn try_to_own<F>(
-        &self,
-        client: &tokio_postgres::Client,
-        pid: i32,
-        forwarder: &mut std::pin::Pin<&mut F>,
-    ) -> Result<bool>
-    where
-        F: std::future::Future<Output = Error>,
-    {
-        tokio::select! {
-            lost = forwarder.as_mut() => Err(lost),
-            owner = self.own(client, pid) => owner,
         }
     }
 
@@ -269,5 +236,20 @@ impl Listener {
             self.fast.owned(pid);
         }
         Ok(owner)
+    }
+}
+
+/// Runs `work` on the listener's connection while the connection makes progress: `forwarder`,
+/// which reads its messages and ends only when the connection is lost, is polled beside it.
+async fn while_reading<F, T>(
+    forwarder: &mut std::pin::Pin<&mut F>,
+    work: impl std::future::Future<Output = T>,
+) -> Result<T>
+where
+    F: std::future::Future<Output = Error>,
+{
+    tokio::select! {
+        lost = forwarder.as_mut() => Err(lost),
+        done = work => Ok(done),
     }
 }
