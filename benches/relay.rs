@@ -40,8 +40,7 @@ use std::cell::{OnceCell, RefCell};
 use std::time::Duration;
 
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput, measurement::WallTime};
-use pg_outbox_relay::Completion;
-use pg_outbox_relay::Outbox;
+use pg_outbox_relay::{Outbox, RelayConfig};
 use pg_outbox_relay_bench as bench;
 use pg_outbox_relay_bench::{
     BenchDb, BoxError, DrainSetup, LatencyProbe, NotifyMode, Percentiles, WakePath, WriteTx, Writers,
@@ -208,13 +207,13 @@ fn throughput(c: &mut Criterion, env: &Env) {
         .sampling_mode(SamplingMode::Flat)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    for (completion_name, completion) in [("mark", Completion::MarkProcessed), ("delete", Completion::Delete)] {
+    for (retention_name, retention) in [("retained", RelayConfig::DEFAULT_RETENTION), ("removed", Duration::ZERO)] {
         for workers in [1, 2, 4, 8] {
             for batch_size in [1, 10, 100, 500] {
                 let events = if batch_size == 1 { DRAIN_EVENTS_BATCH_1 } else { DRAIN_EVENTS };
-                let setup = DrainSetup { events, workers, batch_size, completion, keys: None };
+                let setup = DrainSetup { events, workers, batch_size, retention, keys: None };
                 group.throughput(Throughput::Elements(events as u64));
-                let id = BenchmarkId::new(format!("{completion_name}/w{workers}"), format!("b{batch_size}"));
+                let id = BenchmarkId::new(format!("{retention_name}/w{workers}"), format!("b{batch_size}"));
                 group.bench_function(id, |b| {
                     let outbox = env.database("throughput");
                     b.iter_custom(|iters| {

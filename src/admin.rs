@@ -1,16 +1,17 @@
 //! Operating the outbox: the queue at a glance, dead letters, and cleanup.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::queue::{
     CleanupReport, ConnectedRelay, DeadLetter, DestinationStats, ErrorCount, FoundEvent, Health, Pause, QueueStats,
 };
+use crate::relay::TopicPattern;
 use crate::sql;
 
 impl Outbox {
-    /// Counts pending, delayed, in-flight, processed and dead events.
+    /// Counts pending, delayed, in-flight, retained and dead events.
     pub async fn queue_stats(&self) -> Result<QueueStats> {
         self.bounded("counting the queue", async { sql::queue_stats(&*self.pooled().await?).await }).await
     }
@@ -88,8 +89,11 @@ impl Outbox {
         .await
     }
 
-    /// One janitor pass: deletes processed events older than `retention` and idempotency receipts
-    /// older than `idempotency_retention`, `batch` rows per statement so no lock is held long.
+    /// One janitor pass: removes the events every destination has passed that are older than
+    /// `retention` (a relay's sweeper does so all the time) and idempotency receipts older than
+    /// `idempotency_retention`, `batch` rows per statement so no lock is held long, and the claim
+    /// positions no longer needed (kept for `retention`, thinned: `outbox_relay.event_state` reads
+    /// them).
     pub async fn cleanup(
         &self,
         retention: Duration,
@@ -97,25 +101,28 @@ impl Outbox {
         batch: usize,
     ) -> Result<CleanupReport> {
         let db = self.bounded("connecting for a cleanup", self.pooled()).await?;
-        cleanup(&*db, retention, idempotency_retention, batch, Some((self.timeout(), self.url()))).await
+        cleanup(&*db, Some(retention), retention, idempotency_retention, batch, Some((self.timeout(), self.url())))
+            .await
     }
 }
 
 /// One janitor pass on `db`, `batch` rows per statement: what [`Outbox::cleanup`] and the
-/// relay's janitor run.
+/// relay's janitor run (`events`: the retention of events to remove them by, which the relay's
+/// janitor leaves to its sweeper; `retention`: the positions').
 pub(crate) async fn cleanup(
     db: &impl sql::Db,
+    events: Option<Duration>,
     retention: Duration,
     idempotency_retention: Duration,
     batch: usize,
     bound: Option<(Duration, &crate::DatabaseUrl)>,
 ) -> Result<CleanupReport> {
     // Each statement within the bound, when there is one (the relay's janitor has none).
-    async fn step(
+    async fn step<T>(
         bound: Option<(Duration, &crate::DatabaseUrl)>,
         doing: &str,
-        work: impl Future<Output = Result<u64>>,
-    ) -> Result<u64> {
+        work: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
         match bound {
             Some((timeout, url)) => crate::outbox::within(timeout, url, doing, work).await,
             None => work.await,
@@ -123,14 +130,20 @@ pub(crate) async fn cleanup(
     }
     let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
     let mut report = CleanupReport::default();
-    loop {
-        let n = step(bound, "deleting processed events", sql::delete_processed_events(db, retention, batch)).await?;
-        report.events += n;
-        if n < batch as u64 {
-            break;
+    if let Some(events) = events {
+        let mut from = sql::SweepFrom::default();
+        loop {
+            let swept =
+                step(bound, "removing events every destination passed", sql::sweep_outbox(db, &from, batch, events))
+                    .await?;
+            report.events += swept.finished.max(0) as u64;
+            match swept.next {
+                Some(next) if swept.read >= batch && next.moved_from(&from) => from = next,
+                _ => break,
+            }
         }
     }
-    step(bound, "deleting old claim positions", sql::prune_positions(db)).await?;
+    step(bound, "deleting old claim positions", sql::prune_positions(db, retention)).await?;
     loop {
         let n =
             step(bound, "deleting expired receipts", sql::delete_expired_receipts(db, idempotency_retention, batch))
@@ -221,6 +234,106 @@ impl Outbox {
                 "destination {name:?} is delivered to by {} connected relay(s) (listener pids {}): stop them first; nothing was dropped",
                 pids.len(),
                 pids.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
+            ))),
+        }
+    }
+
+    /// Sends the retained events of `destination` created from `since` to `until` (`None`: to
+    /// now) again, those that `topics` matches (`None`: all), with their ids, uuids and payloads
+    /// (a consumer's inbox drops what it has already): each is copied into the destination's
+    /// parked events, due now, and delivered from there in order per key; a new event of a
+    /// replayed key waits behind them. Only events the destination's position has passed are
+    /// sent (the others are still to come), none already waiting for it, and none removed after
+    /// the retention (`RelayConfig::retention`). The other destinations see nothing of it.
+    /// Returns how many events were copied; an error names an unknown destination or a `since`
+    /// not before `until`.
+    pub async fn replay(
+        &self,
+        destination: &str,
+        since: SystemTime,
+        until: Option<SystemTime>,
+        topics: Option<&TopicPattern>,
+    ) -> Result<u64> {
+        self.replay_or_count(destination, since, until, topics, false).await
+    }
+
+    /// How many events [`Outbox::replay`] would send with these arguments now (a replay rolled
+    /// back).
+    pub async fn replay_count(
+        &self,
+        destination: &str,
+        since: SystemTime,
+        until: Option<SystemTime>,
+        topics: Option<&TopicPattern>,
+    ) -> Result<u64> {
+        self.replay_or_count(destination, since, until, topics, true).await
+    }
+
+    async fn replay_or_count(
+        &self,
+        destination: &str,
+        since: SystemTime,
+        until: Option<SystemTime>,
+        topics: Option<&TopicPattern>,
+        dry_run: bool,
+    ) -> Result<u64> {
+        crate::destination::validate_destination_name(destination)?;
+        if let Some(until) = until
+            && until <= since
+        {
+            return Err(Error::invalid_input(format!(
+                "a replay's since ({}) must be before its until ({})",
+                humantime::format_rfc3339_millis(since),
+                humantime::format_rfc3339_millis(until)
+            )));
+        }
+        let regex = topics.map(TopicPattern::dotted_regex);
+        let copied = self
+            .bounded("replaying events", async {
+                let regex = regex.flatten();
+                sql::replay_on(&mut self.pooled().await?, destination, since, until, regex.as_deref(), dry_run).await
+            })
+            .await
+            .map_err(|e| {
+                if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_OBJECT) {
+                    Error::invalid_input(format!(
+                        "no destination is named {destination:?} (`outbox-relay destinations list` shows them); nothing was replayed"
+                    ))
+                } else {
+                    e
+                }
+            })?;
+        if copied > 0 && !dry_run {
+            self.wakeup().wake();
+        }
+        Ok(copied)
+    }
+
+    /// Registers the destination `name` with `pattern` before any relay serves it, starting
+    /// where a relay would register it (after what every destination has passed), and with
+    /// `since`, in the past: the retained events created from then on that it would have taken
+    /// are replayed to it in the same transaction ([`Outbox::replay`]), so that it gets them in
+    /// order per key before any newer one. Start a relay with a route of that name and pattern
+    /// to deliver them. Returns how many events were replayed; an error when a destination of
+    /// that name is registered already.
+    pub async fn add_destination(&self, name: &str, pattern: &TopicPattern, since: Option<SystemTime>) -> Result<u64> {
+        crate::destination::validate_destination_name(name)?;
+        let regex = pattern.dotted_regex();
+        let to = sql::ToRegister { name, pattern: pattern.as_str(), topic_regex: regex.as_deref() };
+        let added = self
+            .bounded("adding a destination", async {
+                sql::add_destination(&mut self.pooled().await?, &to, since).await
+            })
+            .await?;
+        match added {
+            sql::Added::Done(replayed) => {
+                if replayed > 0 {
+                    self.wakeup().wake();
+                }
+                Ok(replayed)
+            }
+            sql::Added::Exists(was) => Err(Error::invalid_input(format!(
+                "destination {name:?} is registered already (pattern {was}); `outbox-relay replay --destination {name} --since ...` sends its past again"
             ))),
         }
     }

@@ -179,6 +179,6 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
     timestamp::rfc3339_micros(t)
 }
 pub use relay::{
-    Completion, DEFAULT_DESTINATION, DeliveryError, Handler, HandlerFn, HistogramSnapshot, MetricsSnapshot,
-    Percentiles, Relay, RelayConfig, RelayMetrics, Route, Slot, Slots, TopicPattern, handler_fn,
+    DEFAULT_DESTINATION, DeliveryError, Handler, HandlerFn, HistogramSnapshot, MetricsSnapshot, Percentiles, Relay,
+    RelayConfig, RelayMetrics, Route, Slot, Slots, TopicPattern, handler_fn,
 };

@@ -69,6 +69,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "events_in_notifications",
         sql: include_str!("../migrations/0018_events_in_notifications.sql"),
     },
+    Migration { version: 19, name: "outbox_as_a_log", sql: include_str!("../migrations/0019_outbox_as_a_log.sql") },
 ];
 
 /// What a migration run did.

@@ -19,8 +19,10 @@ pub struct QueueStats {
     pub delayed: i64,
     /// Events claimed by a relay whose lease has not ended.
     pub in_flight: i64,
-    /// Delivered events still kept (completion mode "mark processed").
-    pub processed: i64,
+    /// Events every destination has passed, kept for the relays' retention (for replay and
+    /// `outbox_relay.event_state`): counted up to 100,000 rows in the outbox, the planner's
+    /// estimate beyond.
+    pub retained: i64,
     /// Events in the dead letters.
     pub dead_letters: i64,
     /// Dead letters that no destination's pattern matched (destination `""`): events no route
@@ -242,41 +244,50 @@ impl Health {
     }
 }
 
-/// Where an event found by [`crate::Outbox::look_up`] is. Shown (and in JSON) as `new`,
-/// `processed`, `pending`, `delayed`, `in flight` or `dead`.
+/// What became of an event found by [`crate::Outbox::look_up`] at one destination (as
+/// `outbox_relay.event_state` says it). Shown (and in JSON) as `pending`, `delivered`,
+/// `waiting`, `delayed`, `retrying`, `in flight`, `dead` or `unrouted`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
 pub enum EventState {
-    /// In the outbox, and some destination has not passed it yet.
-    #[serde(rename = "new")]
-    New,
-    /// In the outbox, passed by every destination (`completion: MarkProcessed`).
-    #[serde(rename = "processed")]
-    Processed,
-    /// Waiting for a destination, due now.
+    /// In the outbox; the destination's position has not passed it yet.
     #[serde(rename = "pending")]
     Pending,
-    /// Waiting for a destination until its delay or retry backoff ends.
+    /// Delivered to the destination (`since`: when the delivery was recorded).
+    #[serde(rename = "delivered")]
+    Delivered,
+    /// Waiting for the destination, due now (behind its key, paused, or being claimed).
+    #[serde(rename = "waiting")]
+    Waiting,
+    /// Waiting for the destination until its delay ends.
     #[serde(rename = "delayed")]
     Delayed,
+    /// Waiting for the destination until its next attempt after a failure.
+    #[serde(rename = "retrying")]
+    Retrying,
     /// Claimed under a lease, its delivery in progress.
     #[serde(rename = "in flight")]
     InFlight,
-    /// In the dead letters.
+    /// In the destination's dead letters.
     #[serde(rename = "dead")]
     Dead,
+    /// In the outbox, and no destination's pattern matches its topic.
+    #[serde(rename = "unrouted")]
+    Unrouted,
 }
 
 impl EventState {
     /// The state as the database query names it.
     pub(crate) fn from_sql(text: &str) -> Option<EventState> {
         Some(match text {
-            "new" => EventState::New,
-            "processed" => EventState::Processed,
             "pending" => EventState::Pending,
+            "delivered" => EventState::Delivered,
+            "waiting" => EventState::Waiting,
             "delayed" => EventState::Delayed,
+            "retrying" => EventState::Retrying,
             "in flight" => EventState::InFlight,
             "dead" => EventState::Dead,
+            "unrouted" => EventState::Unrouted,
             _ => return None,
         })
     }
@@ -284,12 +295,14 @@ impl EventState {
     /// Its name, as shown.
     pub fn as_str(self) -> &'static str {
         match self {
-            EventState::New => "new",
-            EventState::Processed => "processed",
             EventState::Pending => "pending",
+            EventState::Delivered => "delivered",
+            EventState::Waiting => "waiting",
             EventState::Delayed => "delayed",
+            EventState::Retrying => "retrying",
             EventState::InFlight => "in flight",
             EventState::Dead => "dead",
+            EventState::Unrouted => "unrouted",
         }
     }
 }
@@ -319,14 +332,14 @@ pub struct FoundEvent {
     pub attempts: i32,
     /// The error of its last failed attempt.
     pub last_error: Option<String>,
-    /// Where it is: in the outbox, new or processed; waiting for a destination, pending,
-    /// delayed or in flight; or dead.
+    /// What became of it at `destination`.
     pub state: EventState,
-    /// The destination it waits for or was refused by; `None` for the outbox row itself,
-    /// `Some("")` for a dead letter no destination's pattern matched.
+    /// The destination; `None` for an unrouted event, `Some("")` for a dead letter no
+    /// destination's pattern matched.
     pub destination: Option<String>,
-    /// When it was processed, or is due (pending), or failed for good (dead); `None` for a
-    /// time PostgreSQL calls infinite.
+    /// When it was delivered (the delivery's record), is due (pending, waiting, delayed,
+    /// retrying, in flight: its lease's end), or failed for good (dead); `None` for a time
+    /// PostgreSQL calls infinite.
     #[serde(serialize_with = "crate::timestamp::serialize_option")]
     pub since: Option<SystemTime>,
 }

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use pg_outbox_relay::{
-    Completion, DEFAULT_DESTINATION, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, Route, handler_fn,
+    DEFAULT_DESTINATION, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, Route, handler_fn,
 };
 use tokio::sync::oneshot;
 
@@ -31,8 +31,9 @@ pub struct DrainSetup {
     pub workers: usize,
     /// Events per claim.
     pub batch_size: usize,
-    /// Mark delivered events processed, or delete them.
-    pub completion: Completion,
+    /// How long delivered events stay in the outbox (the relay's `retention`: its default keeps
+    /// them through the drain; zero has the sweeper remove them as the drain goes).
+    pub retention: Duration,
     /// The events spread round-robin over this many keys (each key delivered in order), or no
     /// key at all.
     pub keys: Option<usize>,
@@ -46,18 +47,18 @@ impl DrainSetup {
             events,
             workers: config.workers,
             batch_size: config.batch_size,
-            completion: config.completion,
+            retention: config.retention,
             keys: None,
         }
     }
 
-    /// The relay's configuration for it: its workers, batch size and completion, the janitor
+    /// The relay's configuration for it: its workers, batch size and retention, the janitor
     /// off, the defaults otherwise.
     pub fn config(&self) -> RelayConfig {
         RelayConfig {
             workers: self.workers,
             batch_size: self.batch_size,
-            completion: self.completion,
+            retention: self.retention,
             janitor_interval: Duration::ZERO,
             ..RelayConfig::default()
         }
@@ -201,7 +202,7 @@ async fn prefill(outbox: &Outbox, events: usize, keys: Option<usize>) -> Result<
 /// ```text
 /// BEGIN;
 /// SELECT coalesce(array_agg(id), '{}') AS ids FROM (SELECT id FROM outbox_relay.outbox
-///   WHERE processed_at IS NULL AND available_at <= now() ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED) c;
+///   WHERE available_at <= now() ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED) c;
 /// DELETE FROM outbox_relay.outbox WHERE id = ANY('<ids>'::bigint[]);
 /// COMMIT;
 /// ```
@@ -231,7 +232,7 @@ pub async fn claim_delete_time(outbox: &Outbox, reference: ClaimDeleteLoop) -> R
     }
     let claim = format!(
         "SELECT coalesce(array_agg(id), '{{}}') AS ids FROM (SELECT id FROM outbox_relay.outbox \
-         WHERE processed_at IS NULL AND available_at <= now() ORDER BY id LIMIT {} FOR UPDATE SKIP LOCKED) c",
+         WHERE available_at <= now() ORDER BY id LIMIT {} FOR UPDATE SKIP LOCKED) c",
         reference.batch
     );
     let started = Instant::now();

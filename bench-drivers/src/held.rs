@@ -96,6 +96,9 @@ pub struct Phase {
     pub backlog_max: usize,
     /// The last backlog sampled in the phase.
     pub backlog_end: usize,
+    /// The outbox's size on disk at the phase's end, its indexes and TOAST included (bytes):
+    /// what the relay's retention and vacuum leave of it.
+    pub outbox_bytes: i64,
     /// CPU time of the relay process in the phase (`None` where `/proc` cannot tell).
     pub relay_cpu: Option<Duration>,
     /// CPU time of the relay's PostgreSQL backends in the phase (the writers' and the held
@@ -323,6 +326,11 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         let backends_after = backend_cpu(&monitor, &own).await?;
         let machine_after = machine_cpu();
         let committed_to = committed.lock().await.len();
+        let outbox_bytes: i64 = monitor
+            .query_one("select pg_total_relation_size('outbox_relay.outbox')", &[])
+            .await
+            .map_err(db("reading the outbox's size"))?
+            .get(0);
         let phase = Phase {
             elapsed,
             published: counters.published.load(Ordering::Relaxed) - published,
@@ -330,6 +338,7 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
             latencies: Vec::new(),
             backlog_max,
             backlog_end: counters.backlog.load(Ordering::Relaxed),
+            outbox_bytes,
             relay_cpu: cpu_spent(relay_before, relay_after),
             backend_cpu: backend_cpu_spent(backends_before, backends_after),
             machine_cpu: cpu_spent(machine_before, machine_after),

@@ -54,7 +54,7 @@
 //!
 //! The outbox is truncated and pre-filled with N events in one
 //! `insert .. select .. generate_series` (payload `{"n": i}`), then `VACUUM ANALYZE`d. The clock
-//! starts just before a relay (the given workers, batch size and completion mode; janitor off;
+//! starts just before a relay (the given workers, batch size and retention; janitor off;
 //! a handler that only counts) is started, and stops once the handler has run for all N events
 //! and the relay has recorded every delivery (its `delivered` counter reaches N, checked every
 //! millisecond). So the interval includes the relay's start-up (its connections are opened

@@ -65,7 +65,10 @@ fi
 unrecorded() {
     local early="select unnest(ids) from outbox_relay.early_deliveries"
     [ -n "$(psql -XAtq "$db" -c "select to_regclass('outbox_relay.early_deliveries')")" ] || early="select null::int8 where false"
-    psql -XAtq "$db" -c "select count(*) from (select id from outbox_relay.outbox where processed_at is null
+    # Not passed by every destination: processed_at until migration 0019, the positions since.
+    local unpassed="processed_at is null"
+    [ -z "$(psql -XAtq "$db" -c "select to_regproc('outbox_relay.passed_by_all')")" ] || unpassed="not outbox_relay.passed_by_all(xid, id)"
+    psql -XAtq "$db" -c "select count(*) from (select id from outbox_relay.outbox where $unpassed
                          union select id from outbox_relay.parked where destination = 'default'
                          except $early) w"
 }

@@ -119,7 +119,7 @@ declare
 begin
     with claimed as (
         select id from outbox_relay.outbox
-         where processed_at is null and available_at <= now()
+         where available_at <= now()
          order by available_at, id
          limit batch
            for update skip locked

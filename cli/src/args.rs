@@ -73,10 +73,31 @@ pub(crate) enum Command {
         #[arg(long, value_name = "NAME")]
         destination: Option<String>,
     },
-    /// List the destinations the relays registered, or drop one that no relay delivers to any
-    /// more.
+    /// List the destinations the relays registered, add one (starting in the past), or drop one
+    /// that no relay delivers to any more.
     #[command(subcommand)]
     Destinations(DestinationCommand),
+    /// Send the retained events of a time range to one destination again: in order per key, with
+    /// their ids and uuids (consumers' inboxes drop what they have), the other destinations
+    /// untouched. Only events the destination has passed, and kept for the relays' --retention.
+    Replay {
+        /// The destination to send them to.
+        #[arg(long, value_name = "NAME")]
+        destination: String,
+        /// From events created at this moment on: an RFC 3339 time in UTC (2026-12-05T08:00:00Z)
+        /// or how long ago (90m, 2h).
+        #[arg(long, value_name = "TIME", value_parser = moment)]
+        since: std::time::SystemTime,
+        /// Up to events created before this moment (default: now); as --since.
+        #[arg(long, value_name = "TIME", value_parser = moment)]
+        until: Option<std::time::SystemTime>,
+        /// Only the events whose topic this pattern matches (`order.*`, `mail.#`).
+        #[arg(long, value_name = "PATTERN")]
+        topic: Option<String>,
+        /// Count what would be sent, and send nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// Serve the web console, /metrics and the health endpoints without running a relay.
     Console {
         /// Where to listen: an IP address and a port, e.g. 127.0.0.1:9187 (not a host name).
@@ -90,8 +111,9 @@ pub(crate) enum Command {
     },
     /// Run one pass of the janitor and print what it removed.
     Cleanup {
-        /// Delete processed events older than this (0s to 100 years).
-        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
+        /// Remove the events every destination has passed that are older than this (0s to 100
+        /// years).
+        #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "1h")]
         retention: Duration,
         /// Delete idempotency receipts older than this (0s to 100 years).
         #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
@@ -106,6 +128,20 @@ pub(crate) enum DestinationCommand {
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
+    },
+    /// Register a destination before a relay serves it (a relay started with a route of that
+    /// name and pattern delivers to it); with --since, it starts in the past: the retained
+    /// events created since then that its pattern matches are sent to it first.
+    Add {
+        /// The destination's name.
+        name: String,
+        /// Its topic pattern (`order.*`, `mail.#`, `#`).
+        #[arg(long, value_name = "PATTERN")]
+        pattern: String,
+        /// Start at this moment in the past: an RFC 3339 time in UTC (2026-12-05T08:00:00Z) or
+        /// how long ago (90m, 2h).
+        #[arg(long, value_name = "TIME", value_parser = moment)]
+        since: Option<std::time::SystemTime>,
     },
     /// Drop a destination: events stop waiting for it (what was parked for it goes to its dead
     /// letters) and its position no longer keeps events in the outbox. Stop the relays that
@@ -225,9 +261,11 @@ pub(crate) struct RunArgs {
     /// Longest retry delay (1ms to 7 days, at least --backoff-base).
     #[arg(long, value_name = "DUR", value_parser = duration_in(MILLISECOND, RelayConfig::MAX_BACKOFF), allow_hyphen_values = true, default_value = "1h")]
     pub(crate) backoff_max: Duration,
-    /// Delete processed events older than this (0s to 100 years).
-    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
-    pub(crate) retention: Duration,
+    /// How long events every destination has passed stay in the outbox, for `replay`, a
+    /// destination added with --since and `outbox_relay.event_state`; then they are removed in
+    /// bulk. 0s removes them as soon as every destination has passed them (0s to 100 years).
+    #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true)]
+    pub(crate) retention: Option<Duration>,
     /// Delete idempotency receipts older than this (0s to 100 years).
     #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true, default_value = "7d")]
     pub(crate) idempotency_retention: Duration,
@@ -250,9 +288,10 @@ pub(crate) struct RunArgs {
     /// longer than that. Defaults to 1s, or half of --lease when that is shorter.
     #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_HOLD), allow_hyphen_values = true)]
     pub(crate) hold: Option<Duration>,
-    /// Delete delivered events, or keep them (marked processed) until the retention passes.
-    #[arg(long, value_enum, default_value_t = CompletionArg::Delete)]
-    pub(crate) completion: CompletionArg,
+    /// No longer applies (delivery writes no outbox row: --retention says how long delivered
+    /// events stay); `delete` is read as --retention 0s, `mark` changes nothing. Warned of.
+    #[arg(long, value_enum, hide = true)]
+    pub(crate) completion: Option<CompletionArg>,
     /// Time in-flight deliveries get to finish on shutdown (0s to 1h).
     #[arg(long, value_name = "DUR", value_parser = duration_in(Duration::ZERO, RelayConfig::MAX_SHUTDOWN_GRACE), allow_hyphen_values = true, default_value = "10s")]
     pub(crate) shutdown_grace: Duration,
@@ -351,9 +390,9 @@ pub(crate) enum FormatArg {
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub(crate) enum CompletionArg {
-    /// Keep delivered rows with processed_at until the retention passes.
+    /// Kept delivered rows (now: the retention does).
     Mark,
-    /// Delete delivered rows at once.
+    /// Deleted delivered rows at once (now: --retention 0s).
     Delete,
 }
 

@@ -1,7 +1,7 @@
 //! The body of each command.
 
 use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
-use pg_outbox_relay::{Completion, DatabaseUrl, Outbox, Relay, RelayConfig, Route};
+use pg_outbox_relay::{DatabaseUrl, Outbox, Relay, RelayConfig, Route, TopicPattern};
 
 use crate::args::{Cli, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RouteFlags, RunArgs};
 use crate::outcome::{CliError, UsageError};
@@ -48,6 +48,27 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Destinations(command) => destinations(&require_url(cli.database_url)?, command).await,
+        Command::Replay { destination, since, until, topic, dry_run } => {
+            let topic = topic.as_deref().map(TopicPattern::parse).transpose()?;
+            let outbox = connect(&require_url(cli.database_url)?).await?;
+            let range = format!(
+                "created from {} to {}{}",
+                humantime::format_rfc3339_seconds(since),
+                until.map_or("now".to_string(), |u| humantime::format_rfc3339_seconds(u).to_string()),
+                topic.as_ref().map_or(String::new(), |t| format!(" with a topic {t} matches"))
+            );
+            let name = crate::outcome::one_line(&destination);
+            if dry_run {
+                let n = outbox.replay_count(&destination, since, until, topic.as_ref()).await?;
+                out!("would replay {n} events {range} to destination {name} (dry run: nothing sent)");
+            } else {
+                let n = outbox.replay(&destination, since, until, topic.as_ref()).await?;
+                out!(
+                    "replaying {n} events {range} to destination {name}: they wait in its parked events, in order per key"
+                );
+            }
+            Ok(())
+        }
         Command::Console { listen, http_token } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let shutdown = shutdown_signal()?;
@@ -65,7 +86,7 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
                 .cleanup(retention, idempotency_retention, pg_outbox_relay::RelayConfig::DEFAULT_JANITOR_BATCH)
                 .await?;
             out!(
-                "removed {} processed events older than {} and {} idempotency receipts older than {}",
+                "removed {} events every destination passed older than {} and {} idempotency receipts older than {}",
                 report.events,
                 humantime::format_duration(retention),
                 report.receipts,
@@ -208,6 +229,17 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         ))
         .into());
     }
+    match args.completion {
+        Some(CompletionArg::Delete) if args.retention.is_none() => tracing::warn!(
+            "--completion no longer applies: delivery writes no outbox row, and --retention says how long delivered \
+             events stay (default 1h); --completion delete is read as --retention 0s"
+        ),
+        Some(_) => tracing::warn!(
+            "--completion no longer applies: delivery writes no outbox row, and --retention says how long delivered \
+             events stay (default 1h); drop the flag"
+        ),
+        None => {}
+    }
     let config = RelayConfig {
         workers: args.workers,
         concurrency: args.concurrency,
@@ -226,11 +258,11 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
         max_attempts: args.max_attempts,
         backoff_base: args.backoff_base,
         backoff_max: args.backoff_max,
-        completion: match args.completion {
-            CompletionArg::Mark => Completion::MarkProcessed,
-            CompletionArg::Delete => Completion::Delete,
+        retention: match (args.retention, args.completion) {
+            (Some(retention), _) => retention,
+            (None, Some(CompletionArg::Delete)) => std::time::Duration::ZERO,
+            (None, _) => RelayConfig::DEFAULT_RETENTION,
         },
-        retention: args.retention,
         idempotency_retention: args.idempotency_retention,
         destination_expiry: args.destination_expiry,
         record_every: args.record_every,
@@ -505,6 +537,20 @@ async fn destinations(db: &Database, command: DestinationCommand) -> Result<(), 
             }
             print_destinations(&destinations);
         }
+        DestinationCommand::Add { name, pattern, since } => {
+            let pattern = TopicPattern::parse(&pattern)?;
+            let replayed = outbox.add_destination(&name, &pattern, since).await?;
+            let name = crate::outcome::one_line(&name);
+            match since {
+                Some(since) => out!(
+                    "added destination {name} (pattern {pattern}), starting at {}: {replayed} retained events wait for it; start a relay with --route '{name}={pattern}=<sink>'",
+                    humantime::format_rfc3339_seconds(since)
+                ),
+                None => out!(
+                    "added destination {name} (pattern {pattern}), starting with the events no destination has passed; start a relay with --route '{name}={pattern}=<sink>'"
+                ),
+            }
+        }
         DestinationCommand::Drop { name } => {
             let buried = outbox.drop_destination(&name).await?;
             out!(
@@ -604,7 +650,7 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
     out!("pending (held by key)     {}", stats.held_by_key);
     out!("pending (delayed)         {}", stats.delayed);
     out!("in flight                 {}", stats.in_flight);
-    out!("processed (kept)          {}", stats.processed);
+    out!("retained (all passed)     {}", stats.retained);
     out!("dead letters              {}", stats.dead_letters);
     out!("oldest pending            {}", age(stats.oldest_pending_age));
     out!("oldest ready (lag)        {}", age(stats.oldest_ready_age));

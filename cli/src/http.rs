@@ -347,7 +347,7 @@ async fn summary(State(console): State<Arc<Console>>) -> Response {
     }
 }
 
-/// One event (pending, processed or dead) with its payload: what the console shows on demand.
+/// One event (delivered, waiting, dead...) with its payload: what the console shows on demand.
 async fn event(State(console): State<Arc<Console>>, Path(id): Path<String>) -> Response {
     let Ok(id) = id.parse::<i64>() else {
         return (StatusCode::BAD_REQUEST, axum::Json(json!({"error": "an event id is a whole number"})))

@@ -105,3 +105,21 @@ pub(crate) fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, S
     let n: usize = text.parse().map_err(|_| format!("expected a whole number from {min} to {max}"))?;
     if (min..=max).contains(&n) { Ok(n) } else { Err(format!("{n} is out of range; expected {min} to {max}")) }
 }
+
+/// A moment: an RFC 3339 time in UTC (`2026-12-05T08:00:00Z`, fractions of a second allowed) or
+/// how long ago (`90m`, `2h`, `7d`), read against this machine's clock.
+pub(crate) fn moment(text: &str) -> Result<std::time::SystemTime, String> {
+    let text = text.trim();
+    if let Ok(at) = humantime::parse_rfc3339_weak(text) {
+        return Ok(at);
+    }
+    if text.starts_with('-') {
+        return Err("a time ago cannot be negative".to_string());
+    }
+    match humantime::parse_duration(text) {
+        Ok(ago) => std::time::SystemTime::now().checked_sub(ago).ok_or_else(|| format!("{text} ago is before 1970")),
+        Err(_) => Err(format!(
+            "{text:?} is neither a time (RFC 3339 in UTC, e.g. 2026-12-05T08:00:00Z) nor a duration ago (e.g. 90m, 2h, 7d)"
+        )),
+    }
+}

@@ -13,7 +13,7 @@
 --
 -- outbox_writer:  services that add events, audit entries and idempotency receipts inside their
 --                 own transactions (Outbox::execute, publish, outbox_relay.publish). It may name
---                 only the columns a writer sets (never an id, attempts, a lease or processed_at),
+--                 only the columns a writer sets (never an id, a transaction id, a lease or a time),
 --                 reads back only ids and receipts, and fills in a receipt's response only through
 --                 outbox_relay.store_response, which touches nothing but the receipt its own
 --                 transaction created. It cannot change events once written, nor touch dead letters.
@@ -70,6 +70,10 @@ grant select, insert, update, delete on outbox_relay.destinations to outbox_rela
 grant select, insert, update, delete on outbox_relay.parked to outbox_relayer;
 -- Deliveries of a claim still in delivery (migration 0017), recorded as they end.
 grant select, insert, update, delete on outbox_relay.early_deliveries to outbox_relayer;
+-- Deliveries of parked events, kept for the retention (migration 0019: `event_state` reads them),
+-- and what became of each event; `outbox-relay replay` copies retained events into `parked`.
+grant select, insert, update, delete on outbox_relay.parked_deliveries to outbox_relayer;
+grant select on outbox_relay.event_state to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.relays to outbox_relayer;
 -- The key that signs the notifications carrying events (migration 0018): the fast path checks it.
 grant select on outbox_relay.notification_key to outbox_relayer;

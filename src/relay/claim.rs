@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 use super::breaker::Breaker;
 use super::busy::Rate;
-use super::config::{Completion, RelayConfig};
+use super::config::RelayConfig;
 use super::fast::{Busy, FastPath, Snapshot};
 use super::held::{Held, NewLock, SharedNewLock};
 use super::lease::Leases;
@@ -75,9 +75,8 @@ impl Turns {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let walk_keys = i32::try_from(config.batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
-        let delete = config.completion == Completion::Delete;
         let bytes = i64::try_from(config.batch_bytes).unwrap_or(i64::MAX);
-        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, delete, bytes, fast_owner }
+        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, bytes, fast_owner }
     }
 
     /// Where the last walk over the parked keys ended: the next one goes on from there.

@@ -6,18 +6,6 @@ use crate::error::{Error, Result};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
-/// What the relay does with an event once it is delivered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Completion {
-    /// Keep the row with `processed_at` set until the retention passes (a second write per
-    /// event, and an index entry to clean up: measurably slower).
-    MarkProcessed,
-    /// Delete the row at once: the cheapest completion, and the default. The audit table and
-    /// the consumers hold the durable record.
-    #[default]
-    Delete,
-}
-
 /// How the relay delivers: workers, batches, timing, retries and housekeeping.
 #[derive(Debug, Clone, PartialEq)]
 #[must_use]
@@ -60,9 +48,13 @@ pub struct RelayConfig {
     /// Share (0 to 1) of each retry delay that is random, so failing events spread out.
     /// Defaults to 0.2.
     pub backoff_jitter: f64,
-    /// Deletes delivered events or marks them processed. Defaults to [`Completion::Delete`].
-    pub completion: Completion,
-    /// Processed events older than this are deleted by the janitor. Defaults to 7 days.
+    /// How long events every destination has passed stay in the outbox, for
+    /// [`Outbox::replay`](crate::Outbox::replay), a destination started in the past and
+    /// `outbox_relay.event_state`: then the sweeper removes them in bulk, oldest first. Delivery
+    /// itself never writes an outbox row (a destination's position is its record); zero removes
+    /// events as soon as every destination has passed them (within a second or so). Counted
+    /// from an event's commit (by the claims' clock: the first claim position taken more than
+    /// the retention ago that sees it). Defaults to 1 h.
     pub retention: Duration,
     /// Idempotency receipts older than this are deleted by the janitor; a key may be reused after
     /// that. Defaults to 7 days.
@@ -157,8 +149,8 @@ impl RelayConfig {
     pub const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(3600);
     /// Default share of a retry delay that is randomized.
     pub const DEFAULT_BACKOFF_JITTER: f64 = 0.2;
-    /// Default age after which processed events are deleted.
-    pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default time events every destination has passed are kept.
+    pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3600);
     /// Default time between recordings of a claim in delivery.
     pub const DEFAULT_RECORD_EVERY: Duration = Duration::from_millis(20);
     /// Default time without a relay after which a destination expires.
@@ -203,7 +195,7 @@ impl RelayConfig {
     /// The longest retry delay, and so the longest `backoff_base` and `backoff_max`: a longer one
     /// is a mistake, not a policy.
     pub const MAX_BACKOFF: Duration = Duration::from_secs(7 * 24 * 3600);
-    /// The longest retention of processed events and receipts (and age for purging dead letters).
+    /// The longest retention of events and receipts (and age for purging dead letters).
     /// 100 years of 365.25 days, as humantime reads `100y`.
     pub const MAX_RETENTION: Duration = Duration::from_secs(3_155_760_000);
     /// The longest interval between janitor passes.
@@ -239,7 +231,6 @@ impl Default for RelayConfig {
             backoff_base: RelayConfig::DEFAULT_BACKOFF_BASE,
             backoff_max: RelayConfig::DEFAULT_BACKOFF_MAX,
             backoff_jitter: RelayConfig::DEFAULT_BACKOFF_JITTER,
-            completion: Completion::default(),
             retention: RelayConfig::DEFAULT_RETENTION,
             idempotency_retention: RelayConfig::DEFAULT_IDEMPOTENCY_RETENTION,
             destination_expiry: RelayConfig::DEFAULT_DESTINATION_EXPIRY,

@@ -9,7 +9,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::config::{Completion, RelayConfig};
+use super::config::RelayConfig;
 use super::handler::{Handler, Slots};
 use super::metrics::{MetricsSnapshot, RelayMetrics};
 use super::pool::{RelayPool, STOP_BOUND, drain};
@@ -206,7 +206,6 @@ impl<H: Handler> Engine<H> {
     /// The parts that claim, deliver, judge and record the destination's batches.
     fn batches(self, shared: &Shared) -> batch::Batches<H> {
         let Engine { to, config, handler, metrics, pool, .. } = self;
-        let delete = config.completion == Completion::Delete;
         let breaker = Arc::new(breaker::Breaker::new(
             config.breaker_threshold,
             config.breaker_probe_min,
@@ -219,7 +218,6 @@ impl<H: Handler> Engine<H> {
                 to: name.clone(),
                 lease: config.lease,
                 hold: config.effective_hold(),
-                delete,
                 work: shared.work.clone(),
                 record_every: config.record_every,
             },
@@ -236,7 +234,7 @@ impl<H: Handler> Engine<H> {
                 metrics: metrics.clone(),
                 row: shared.row.clone(),
             },
-            recorder: record::Recorder { pool: pool.clone(), to: name, delete, metrics: metrics.clone() },
+            recorder: record::Recorder { pool: pool.clone(), to: name, metrics: metrics.clone() },
             timer: shared.timer.clone(),
             row: shared.row.clone(),
             claims: claim::Claims {

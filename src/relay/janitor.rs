@@ -1,4 +1,4 @@
-//! The janitor: deletes processed events and idempotency receipts past their retention, and the
+//! The janitor: deletes idempotency receipts past their retention, claim positions no longer needed, and the
 //! marks of relays that crashed; records which destinations relays serve, warns of those no relay
 //! has served for half their expiry, and expires those past it.
 
@@ -40,8 +40,10 @@ impl Janitor {
             }
             let pass = async {
                 let client = self.pool.client().await?;
+                // (Events are the sweeper's.)
                 let report = crate::admin::cleanup(
                     &*client,
+                    None,
                     config.retention,
                     config.idempotency_retention,
                     config.janitor_batch,

@@ -54,8 +54,6 @@ pub(crate) struct Leases {
     pub(crate) lease: Duration,
     /// How long a claim is held before it is leased (zero: leased at once).
     pub(crate) hold: Duration,
-    /// Delivered outbox rows are deleted (rather than marked processed).
-    pub(crate) delete: bool,
     /// "There may be events": wakes a worker once a lease frees the new events' lock.
     pub(crate) work: Arc<Notify>,
     /// How often what a claim in delivery has delivered so far is recorded (zero: at its end).
@@ -191,11 +189,11 @@ impl Leases {
         token: i64,
         early: &[i64],
     ) -> bool {
-        let (lease, to, delete) = (self.lease, self.to.as_str(), self.delete);
+        let (lease, to) = (self.lease, self.to.as_str());
         let had_new_lock = held.has_new_lock();
         let done: HashSet<i64> = early.iter().copied().collect();
         let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
-        let (was_parked, new): (Vec<i64>, Vec<i64>) = ids.iter().partition(|id| parked.contains(id));
+        let was_parked: Vec<i64> = ids.iter().copied().filter(|id| parked.contains(id)).collect();
         let (parked_done, was_parked): (Vec<i64>, Vec<i64>) = was_parked.into_iter().partition(|id| done.contains(id));
         let mut copies = sql::Copies::default();
         for (id, attempt) in claimed.iter().filter(|(id, _)| !parked.contains(id) && !done.contains(id)) {
@@ -209,9 +207,6 @@ impl Leases {
             }
             if !copies.ids.is_empty() {
                 writes.push(Box::pin(sql::park_new_events(db, to, &copies, Some(token))));
-            }
-            if !new.is_empty() {
-                writes.push(Box::pin(sql::finish_new_events(db, to, &new, delete)));
             }
             if !parked_done.is_empty() {
                 writes.push(Box::pin(sql::complete_parked(db, to, &parked_done, None)));

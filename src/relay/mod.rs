@@ -74,7 +74,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-pub use config::{Completion, RelayConfig};
+pub use config::RelayConfig;
 pub use failure::DeliveryError;
 pub use handler::{Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{HistogramSnapshot, MetricsSnapshot, Percentiles, RelayMetrics};
@@ -204,7 +204,7 @@ impl<H: Handler> Relay<H> {
         // Every destination registered before any claims: new ones start at one same position.
         let mut shutdown = std::pin::pin!(shutdown);
         let registered = tokio::select! {
-            registered = register(&pool, &routes, &metrics, config.completion == Completion::Delete, config.destination_expiry) => Some(registered),
+            registered = register(&pool, &routes, &metrics, config.retention, config.destination_expiry) => Some(registered),
             () = &mut shutdown => None,
         };
         let registered = match registered.transpose() {
@@ -260,7 +260,7 @@ async fn register<H>(
     pool: &RelayPool,
     routes: &[Route<H>],
     metrics: &[Arc<RelayMetrics>],
-    delete: bool,
+    retention: std::time::Duration,
     expiry: std::time::Duration,
 ) -> Result<Vec<sql::Destination>> {
     let regexes: Vec<Option<String>> = routes.iter().map(|r| r.pattern.dotted_regex()).collect();
@@ -274,7 +274,7 @@ async fn register<H>(
         let registered = async {
             // Positions from another cluster (a restored dump) are replaced before any claim.
             rebase::check(pool, metrics).await?;
-            sql::register_destinations(&mut pool.client().await?, &all, delete, expiry).await
+            sql::register_destinations(&mut pool.client().await?, &all, retention, expiry).await
         };
         match registered.await {
             Ok(registered) => {

@@ -2,8 +2,8 @@
 //! or by the lease's token.
 //!
 //! An event claimed from the new ones has passed the destination's position: what still waits
-//! for the destination is copied into its parked events or dead letters, and its outbox row is
-//! then finished. An event claimed from the parked ones changes there. Once a claim is leased
+//! for the destination is copied into its parked events or dead letters (its outbox row is never
+//! written: migration 0019). An event claimed from the parked ones changes there. Once a claim is leased
 //! all its events are parked ones.
 
 use std::collections::HashSet;
@@ -27,8 +27,6 @@ pub(crate) struct Recorder {
     pub(crate) pool: RelayPool,
     /// The destination's name.
     pub(crate) to: String,
-    /// Delivered outbox rows are deleted (rather than marked processed).
-    pub(crate) delete: bool,
     pub(crate) metrics: Arc<RelayMetrics>,
 }
 
@@ -71,9 +69,8 @@ impl Recorder {
 
     /// In the held claim's transaction, committing it.
     async fn commit(&self, held: Held, writes: &Writes, events: usize) -> bool {
-        let recorded = held.commit_after(async |db: &deadpool_postgres::ClientWrapper| {
-            write(db, &self.to, self.delete, None, writes).await
-        });
+        let recorded =
+            held.commit_after(async |db: &deadpool_postgres::ClientWrapper| write(db, &self.to, None, writes).await);
         match recorded.await {
             Ok(()) => true,
             Err(e) => {
@@ -88,8 +85,7 @@ impl Recorder {
         let mut tries = 0;
         loop {
             tries += 1;
-            let written =
-                async { write(&*self.pool.client().await?, &self.to, self.delete, Some(token), writes).await };
+            let written = async { write(&*self.pool.client().await?, &self.to, Some(token), writes).await };
             match written.await {
                 Ok(()) => return true,
                 Err(e) if tries < 4 => {
@@ -108,8 +104,6 @@ impl Recorder {
 /// The outcomes as the statements take them.
 #[derive(Default)]
 struct Writes {
-    /// Every event claimed from the new ones.
-    new_ids: Vec<i64>,
     /// New events that wait: retries and events given back.
     new_waiting: sql::Copies,
     /// New events to the dead letters: ids, errors, attempts.
@@ -131,9 +125,6 @@ impl Writes {
         for (id, attempt, outcome) in &outcomes.events {
             let (id, attempt, given_back) = (*id, *attempt, (*attempt - 1).max(0));
             let parked = parked(id);
-            if !parked {
-                w.new_ids.push(id);
-            }
             let (waiting, buried) = if parked {
                 (&mut w.parked_waiting, &mut w.parked_buried)
             } else {
@@ -162,24 +153,15 @@ impl Writes {
 }
 
 /// Runs the statements of one batch's outcomes for destination `to` on `db`, pipelined (one
-/// round trip for all, run in order: the copies of new events before their rows are finished);
+/// round trip for all, run in order);
 /// `token`: the lease's, or `None` for a held claim.
-async fn write(
-    db: &deadpool_postgres::ClientWrapper,
-    to: &str,
-    delete: bool,
-    token: Option<i64>,
-    w: &Writes,
-) -> Result<()> {
+async fn write(db: &deadpool_postgres::ClientWrapper, to: &str, token: Option<i64>, w: &Writes) -> Result<()> {
     let mut writes: Vec<BoxFuture<'_, Result<u64>>> = Vec::new();
     if !w.new_waiting.ids.is_empty() {
         writes.push(Box::pin(sql::park_new_events(db, to, &w.new_waiting, None)));
     }
     if !w.new_buried.0.is_empty() {
         writes.push(Box::pin(sql::bury_new_events(db, to, &w.new_buried.0, &w.new_buried.1, &w.new_buried.2)));
-    }
-    if !w.new_ids.is_empty() {
-        writes.push(Box::pin(sql::finish_new_events(db, to, &w.new_ids, delete)));
     }
     if !w.parked_delivered.is_empty() {
         writes.push(Box::pin(sql::complete_parked(db, to, &w.parked_delivered, token)));

@@ -1,18 +1,18 @@
-//! The sweeper: finishes the outbox rows that every destination has passed but none finished.
+//! The sweeper: removes, in bulk, the outbox rows that every destination has passed once their
+//! retention is over (migration 0019: delivery writes no outbox row, so this is where rows go).
 //!
-//! A claim finishes the rows it passes when every other destination has passed them already;
-//! a row whose last destination to pass it did not take it (its pattern does not match) is left
-//! for the sweeper, as is one that no destination's pattern matches (it goes to the dead letters
-//! of the destination '', saying so). With one destination that takes every topic, the sweeper
-//! finds nothing. It goes on from where it ended (a transaction id), so it never walks again
-//! over the rows it finished, and reads at most a batch a sweep: a destination that is down (whose
-//! position holds rows) costs a batch's read a second, not the backlog's.
+//! A row that no destination's pattern matches goes to the dead letters of the destination '' as
+//! it goes, saying so. The sweeper goes on from where it ended (a transaction id), so it never
+//! walks again over the rows it removed, and reads at most a batch a sweep, and only rows whose
+//! retention is over: a destination that is down (whose position holds rows) costs a batch's
+//! read a second, not its backlog's, and the retained rows cost nothing. After a full batch it
+//! sweeps again at once, so that a drain's rows go at the pace they came.
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::config::{Completion, RelayConfig};
+use super::config::RelayConfig;
 use super::pool::RelayPool;
 use crate::sql;
 
@@ -30,12 +30,12 @@ pub(crate) struct Sweeper {
 impl Sweeper {
     pub(crate) async fn run(self, stop: CancellationToken) {
         let batch = i64::try_from(self.config.janitor_batch.max(1)).unwrap_or(i64::MAX);
-        let delete = self.config.completion == Completion::Delete;
         let mut from = sql::SweepFrom::default();
         let mut failing = false;
         let mut locked = Locked::default();
         loop {
-            let swept = async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, delete).await };
+            let swept =
+                async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, self.config.retention).await };
             let mut pause = SWEEP_EVERY;
             match swept.await {
                 Ok(swept) => {
@@ -59,7 +59,10 @@ impl Sweeper {
                         );
                     }
                     if swept.finished > 0 {
-                        tracing::debug!(events = swept.finished, "finished events every destination passed");
+                        tracing::debug!(
+                            events = swept.finished,
+                            "removed events every destination passed, past their retention"
+                        );
                     }
                     let moved = swept.next.as_ref().is_some_and(|next| next.moved_from(&from));
                     if swept.read >= batch && moved {
@@ -73,7 +76,7 @@ impl Sweeper {
                 // Once per streak: the rows wait, and are finished when it works again.
                 Err(e) if !failing => {
                     failing = true;
-                    tracing::warn!(error = %e, "sweeping the outbox failed; events every destination passed stay until it works (trying every second)");
+                    tracing::warn!(error = %e, "sweeping the outbox failed; events every destination passed stay past their retention until it works (trying every second)");
                 }
                 Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed again"),
             }

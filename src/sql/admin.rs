@@ -8,7 +8,11 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, EventState, FoundEvent, Health, Pause, QueueStats};
 
 /// The queue at a glance, over every destination. New events (in the outbox, not yet passed by
-/// every destination) count as ready, or delayed; a destination's parked event is *ready* when it
+/// every destination: read through the `xid` index from the lowest xmin of the destinations'
+/// positions, so the events kept for the retention below it are not read) count as ready, or
+/// delayed; the rest of the outbox is *retained* (every destination has passed it: counted while
+/// the table holds less than 100,000 rows, the planner's estimate of its rows beyond, so that a
+/// status of an outbox retaining millions of events reads no more than its new ones); a destination's parked event is *ready* when it
 /// is due and deliverable: without a key, or the head (lowest id) of its key there; a due event
 /// behind its key's head (which is in flight, in a retry's backoff, or delayed) is *held by its
 /// key*, not lag. One scan of the outbox and one of the parked events (`offset 0` keeps the
@@ -18,13 +22,23 @@ const QUEUE_STATS: &str = "\
 with heads as (
     select destination, min(id) as id from outbox_relay.parked where key is not null group by destination, key
 ),
+low as (
+    select coalesce(min(pg_snapshot_xmin(case when p.after_id is null then p.snapshot else p.since end)), '0'::xid8) as xid
+      from (select name from outbox_relay.destinations
+            union all select '' where not exists (select 1 from outbox_relay.destinations)) d cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+),
 n as (
-    select count(*) filter (where processed_at is null and available_at <= now()) as ready,
-           count(*) filter (where processed_at is null and available_at > now()) as delayed,
-           count(*) filter (where processed_at is not null) as processed,
-           min(created_at) filter (where processed_at is null) as oldest,
-           min(available_at) filter (where processed_at is null and available_at <= now()) as oldest_ready
-      from outbox_relay.outbox
+    select count(*) filter (where available_at <= now()) as ready,
+           count(*) filter (where available_at > now()) as delayed,
+           greatest((select case when c.reltuples < 100000 then (select count(*) from outbox_relay.outbox)
+                                 else c.reltuples::int8 end
+                       from pg_class c where c.oid = 'outbox_relay.outbox'::regclass) - count(*), 0) as processed,
+           min(created_at) as oldest,
+           min(available_at) filter (where available_at <= now()) as oldest_ready
+      from outbox_relay.outbox e
+     where e.xid >= (select l.xid from low l) and e.xid <> '0'::xid8 and not outbox_relay.passed_by_all(e.xid, e.id)
 ),
 q as (
     select (select ready from n) + count(*) filter (where ready) as pending,
@@ -39,7 +53,7 @@ q as (
                    available_at <= now() and (key is null or (destination, id) in (select destination, id from heads)) as ready
               from outbox_relay.parked o offset 0) o
 )
-select pending, held_by_key, delayed, in_flight, processed,
+select pending, held_by_key, delayed, in_flight, processed as retained,
        (select count(*) from outbox_relay.dead_letters) as dead_letters,
        (select count(*) from outbox_relay.dead_letters where destination = '') as unrouted,
        (case when oldest is not null then (least(greatest(extract(epoch from now()) - extract(epoch from oldest), -9e12), 9e12) * 1000)::int8 end) as oldest_pending_age_ms,
@@ -48,7 +62,7 @@ select pending, held_by_key, delayed, in_flight, processed,
        pg_notification_queue_usage() as notification_queue_usage
   from q";
 
-/// Counts ready, held, delayed, in-flight, processed and dead events.
+/// Counts ready, held, delayed, in-flight, retained and dead events.
 pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
     let row = one(db, QUEUE_STATS, &[], "reading the queue's state").await?;
     Ok(QueueStats {
@@ -56,7 +70,7 @@ pub(crate) async fn queue_stats(db: &impl Db) -> Result<QueueStats> {
         held_by_key: row.get("held_by_key"),
         delayed: row.get("delayed"),
         in_flight: row.get("in_flight"),
-        processed: row.get("processed"),
+        retained: row.get("retained"),
         dead_letters: row.get("dead_letters"),
         unrouted: row.get("unrouted"),
         oldest_pending_age: crate::timestamp::millis(row.get("oldest_pending_age_ms")),
@@ -283,27 +297,35 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
     })
 }
 
-/// Events with this id or key, in the outbox (new or processed), waiting for a destination, or
-/// dead: the one with the id first, then newest first.
+/// Events with this id or key: each retained event at each destination whose pattern matches it
+/// (`outbox_relay.event_state`, migration 0019), and the copies waiting for a destination or
+/// dead whose outbox row is gone (removed after its retention): the one with the id first, then
+/// newest first.
 const EVENT_LOOKUP: &str = "\
 select * from (
-  (select id, topic, key, payload, created_at, attempts, null::text as last_error,
-          case when processed_at is not null then 'processed' else 'new' end as state,
-          case when isfinite(coalesce(processed_at, available_at)) then coalesce(processed_at, available_at) end
-            as since,
-          null::text as destination
-     from outbox_relay.outbox where id = $1 or key = $2
-    order by coalesce(id = $1, false) desc, id desc limit $3)
+  (select s.id, s.topic, s.key, e.payload, s.created_at, s.attempts, s.last_error, s.state,
+          case when s.state = 'delivered' then s.delivered_at
+               when s.state = 'dead' then s.failed_at
+               when s.state in ('pending', 'unrouted') then e.available_at
+               when isfinite(s.due_at) then s.due_at end as since,
+          s.destination
+     from outbox_relay.event_state s join outbox_relay.outbox e on e.id = s.id
+    where s.id = $1 or s.key = $2
+    order by coalesce(s.id = $1, false) desc, s.id desc limit $3)
   union all
   (select id, topic, key, payload, created_at, attempts, last_error,
           case when available_at > now() and lease_token is not null then 'in flight'
-               when available_at > now() then 'delayed' else 'pending' end,
-          available_at, destination
-     from outbox_relay.parked where id = $1 or key = $2
+               when available_at > now() and last_error is not null then 'retrying'
+               when available_at > now() then 'delayed' else 'waiting' end,
+          case when isfinite(available_at) then available_at end, destination
+     from outbox_relay.parked p where (id = $1 or key = $2)
+      and not exists (select 1 from outbox_relay.outbox e where e.id = p.id and e.uuid = p.uuid)
     order by coalesce(id = $1, false) desc, id desc limit $3)
   union all
   (select id, topic, key, payload, created_at, attempts, last_error, 'dead', failed_at, destination
-     from outbox_relay.dead_letters where id = $1 or key = $2
+     from outbox_relay.dead_letters d where (id = $1 or key = $2)
+      and not exists (select 1 from outbox_relay.outbox e where e.id = d.id and e.uuid = d.uuid
+                         and exists (select 1 from outbox_relay.destinations x where x.name = d.destination))
     order by coalesce(id = $1, false) desc, id desc limit $3)
 ) found
 order by coalesce(id = $1, false) desc, id desc, destination nulls first limit $3";

@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
-use super::outcomes::{Copies, complete_parked, early_deliveries_passed, finish_new_events, park_new_events};
+use super::outcomes::{Copies, complete_parked, early_deliveries_passed, park_new_events};
 use super::{Db, Replanned, all, one};
 use crate::error::Result;
 use crate::payload::Payload;
@@ -87,8 +87,6 @@ pub(crate) struct Turn {
     pub(crate) walk_keys: i32,
     /// Topics not to claim (paused). A paused head holds its key's later events back.
     pub(crate) paused: std::sync::Arc<[String]>,
-    /// Outbox rows every destination has passed are deleted (else marked processed).
-    pub(crate) delete: bool,
     /// The most bytes of payload a claim takes (past its first event).
     pub(crate) bytes: i64,
     /// The backend pid of the relay's listener while it owns the destination's fast path (its
@@ -296,10 +294,9 @@ async fn claim_new(
             }
         }
         if !park.ids.is_empty() {
-            // A copy waits for this destination; the outbox row is done with once every
-            // destination has passed it.
+            // A copy waits for this destination (the outbox row is not written: the position
+            // moved past it).
             park_new_events(db, &to.name, &park, None).await?;
-            finish_new_events(db, &to.name, &park.ids, turn.delete).await?;
             claimed.parked_new = true;
             // A delayed one may be due before anything the claim saw parked: the relay must
             // wake for it (the marker was read before it was parked).
@@ -309,13 +306,8 @@ async fn claim_new(
                 claimed.next_due = Some(claimed.next_due.map_or(due, |was| was.min(due)));
             }
         }
-        if !copied.is_empty() {
-            // Their copies wait for this destination (or were done with).
-            finish_new_events(db, &to.name, &copied, turn.delete).await?;
-        }
         if !early.is_empty() {
             // Passed by the position like the rest: nothing waits for this destination.
-            finish_new_events(db, &to.name, &early, turn.delete).await?;
             early_deliveries_passed(db, &to.name, &early).await?;
             claimed.early += early.len();
         }

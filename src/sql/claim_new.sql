@@ -18,9 +18,8 @@
 -- delta from its snapshot to this statement's: the events of transactions past its xmax and of
 -- those in progress then, that this statement sees (an event this statement cannot see is not in
 -- the delta: its transaction is in progress for this statement's snapshot too, so in the next
--- delta's list), and not finished already (`processed_at`: every destination passed it, as a
--- destination registered again, or positions started afresh, may find). Nothing below the position is read, so no dead entry of a delivered event is
--- ever on the path. Of the delta, the events the pattern matches are taken; the position moves
+-- delta's list). Nothing below the position is read, so no event delivered before (kept for the
+-- retention, migration 0019) and no dead entry of one removed is ever on the path. Of the delta, the events the pattern matches are taken; the position moves
 -- past the others too. A delta with more matching events than the batch (in events or in bytes) goes on from `after_id`,
 -- in id order, between the two snapshots kept. The position was read before the lock: if another
 -- claim's commit overtook it in between, the insert of the next position conflicts and nothing
@@ -51,13 +50,13 @@ pos as materialized (
 delta as materialized (
     select e.id, e.matches from pos k cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.xid <> '0'::xid8 and e.processed_at is null
+         where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.xid <> '0'::xid8
          order by e.xid) e
     union all
     select e.id, e.matches from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
         select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
-         where k.after_id is null and e.xid = x.xid and e.xid <> '0'::xid8 and e.processed_at is null
+         where k.after_id is null and e.xid = x.xid and e.xid <> '0'::xid8
          order by e.xid) e
 ),
 cand as materialized (
@@ -66,7 +65,7 @@ cand as materialized (
         union all
         select c.id from pos k cross join lateral (
             select e.id from outbox_relay.outbox e
-             where k.after_id is not null and e.id > k.after_id and e.processed_at is null
+             where k.after_id is not null and e.id > k.after_id
                and pg_visible_in_snapshot(e.xid, k.snapshot) and not pg_visible_in_snapshot(e.xid, k.since)
                and ($6::text is null or ('.' || e.topic) ~ $6::text)
              order by e.id limit $1::int8 + 1) c
@@ -124,7 +123,7 @@ moved as (
 -- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
 -- one primary key probe each: no plan may choose to walk an index from its start, past the
 -- dead entries a held snapshot keeps.)
-select o.id, o.topic, o.key, o.payload, o.created_at, least(o.attempts, 2147483646) + 1 as attempt,
+select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
        o.uuid, o.headers,

@@ -49,17 +49,18 @@ async fn refuse_change_while_served(db: &impl Db, name: &str, was: &str, pattern
 const DESTINATION_SET_PATTERN: &str =
     "update outbox_relay.destinations set pattern = $2, topic_regex = $3 where name = $1";
 
-/// Waits for every registered destination's new events' lock: a claim in progress may delete
-/// events it passed that the new destination, starting from its position, would not see.
+/// Waits for every registered destination's new events' lock: a claim in progress moves a
+/// position the new destination may start from.
 pub(super) const DESTINATIONS_WAIT_FOR_CLAIMS: &str = "\
 select count(pg_advisory_xact_lock(1869901932, lock_id)::text) from (
     select lock_id from outbox_relay.destinations order by lock_id
 ) d";
 
 /// Where a destination registered now starts: at the newest position of the registered
-/// destination that is furthest behind (no event it has not passed was finished), or at the
+/// destination that is furthest behind (no event it has not passed was removed), or at the
 /// origin's when none is registered: the events it has not passed are still in the outbox. Then
-/// the statement inserts the destination (`registered`, a CTE of its own) and its position.
+/// the statement inserts the destination (`registered`, a CTE of its own, which records where it
+/// `started`: the events that snapshot sees were never its own) and its position.
 macro_rules! destination_insert {
     ($registered:literal) => {
         concat!(
@@ -100,14 +101,16 @@ select lock_id from registered"
 
 /// Registers a new destination.
 const DESTINATION_INSERT: &str = destination_insert!(
-    "insert into outbox_relay.destinations (name, pattern, topic_regex) values ($1, $2, $3)
+    "insert into outbox_relay.destinations (name, pattern, topic_regex, started)
+    select $1, $2, $3, (select case when f.after_id is null then f.snapshot else f.since end from furthest_behind f)
     returning name, lock_id"
 );
 
 /// Registers again, under its own lock number, a destination dropped while a relay served it.
 const DESTINATION_REINSERT: &str = destination_insert!(
-    "insert into outbox_relay.destinations (name, pattern, topic_regex, lock_id) overriding system value
-    values ($1, $2, $3, $4) on conflict do nothing
+    "insert into outbox_relay.destinations (name, pattern, topic_regex, lock_id, started) overriding system value
+    select $1, $2, $3, $4, (select case when f.after_id is null then f.snapshot else f.since end from furthest_behind f)
+    on conflict do nothing
     returning name, lock_id"
 );
 
@@ -134,14 +137,13 @@ const REGISTRATION_SWEEP_BATCH: i64 = 10_000;
 /// Registers the destinations `all`, or finds them and sets their patterns, in one transaction:
 /// the new ones start at one same position (so that none of a relay's destinations misses what
 /// another of them claims first). Before a destination is added or its pattern changes, with
-/// every destination's claims held off, every row all destinations have passed is finished
-/// (`delete`: deleted, else marked processed) against the patterns they were passed under: a
-/// row no pattern matched goes to the dead letters now, and is not taken by a pattern that never
-/// saw it.
+/// every destination's claims held off, the rows all destinations have passed whose `retention`
+/// is over are removed against the patterns they were passed under: a row no pattern matched
+/// goes to the dead letters now, and is not counted as a new pattern's that never saw it.
 pub(crate) async fn register_destinations(
     client: &mut deadpool_postgres::Object,
     all: &[ToRegister<'_>],
-    delete: bool,
+    retention: std::time::Duration,
     expiry: std::time::Duration,
 ) -> Result<Vec<Registered>> {
     let fail = |e| crate::error::Error::database("registering the destinations", e);
@@ -164,7 +166,7 @@ pub(crate) async fn register_destinations(
         one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
         let mut from = SweepFrom::default();
         loop {
-            let swept = sweep_outbox(&tx, &from, REGISTRATION_SWEEP_BATCH, delete).await?;
+            let swept = sweep_outbox(&tx, &from, REGISTRATION_SWEEP_BATCH, retention).await?;
             match swept.next {
                 Some(next) if swept.read >= REGISTRATION_SWEEP_BATCH && next != from => from = next,
                 _ => break,
@@ -227,34 +229,40 @@ pub(crate) async fn reregister_destination(client: &mut deadpool_postgres::Objec
     Ok(registered)
 }
 
-/// Finishes the outbox rows that every registered destination has passed: deletes them (`$3`)
-/// or marks them processed. It reads at most `$2` rows in xid order from the transaction `$1`
-/// on (where the last sweep ended), up to the lowest xmax of the positions' snapshots, and
-/// finishes those that every destination has passed (a destination has passed an event when its
-/// newest position's snapshot sees the event's transaction, or the event is in the position's cut
-/// delta at or below `after_id`, as in `OUTBOX_FINISH`). A row that no destination's pattern
-/// matches goes to the dead letters of the destination '' instead, saying so.
+/// Removes the outbox rows that every registered destination has passed and whose retention is
+/// over (committed more than `$3` microseconds ago: the newest position taken before then sees
+/// them). It reads at most `$2` rows in xid order from
+/// the transaction `$1` on (where the last sweep ended), up to the lowest xmax of the positions'
+/// snapshots and the xmax of the newest position taken before the retention's start (so it reads
+/// no row the retention keeps), and removes those that every destination has passed (a
+/// destination has passed an event when its newest position's snapshot sees the event's
+/// transaction, or the event is in the position's cut delta at or below `after_id`:
+/// `outbox_relay.passed`). A row that no destination's pattern matches goes to the dead letters of
+/// the destination '' as it goes, saying so.
 ///
-/// Returns how many rows it finished, how many of those went to the dead letters, how many it
+/// Returns how many rows it removed, how many of those went to the dead letters, how many it
 /// read, how many it skipped because another session had them locked, and where the next sweep
 /// starts, as (xid, id) from `($1, $4)` on, a total order (one transaction may have written more
-/// rows than a batch): at the first row it read that it could not finish (some destination has
-/// not passed it, or it was locked), else past what it read. So a row is read again only while a
-/// destination has not passed it, and then at most `$2` rows a sweep. With no destination
-/// registered it reads nothing and stays where it is. Positions from another cluster (migration
-/// 0014) pass nothing.
+/// rows than a batch): at the first row it read that it could not remove (some destination has
+/// not passed it, its retention is not over, or it was locked), else past what it read. So a row
+/// is read again only while it must stay, and then at most `$2` rows a sweep. With no destination
+/// registered, the origin's position (where the first one will start, the last one's once it was
+/// dropped) says what was passed, and no row is unrouted. Positions from another cluster
+/// (migration 0014) pass nothing.
 ///
 /// A transaction still running when the cursor passes its id (its rows cannot be seen yet) is
-/// owed: the sweep returns it among `owed`, the next one reads its unfinished rows (`$5`, one
-/// probe each), and it stays owed while it runs or while rows of it were read. The cursor used
-/// to stop at the oldest transaction running instead; one held open for minutes (a report, a
-/// forgotten session) then made every sweep read again every row deleted since it began,
-/// 57,000 buffers a sweep after 90 s at 800 events/s, a number that grows with the hold.
+/// owed: the sweep returns it among `owed`, the next one reads its rows (`$5`, one probe each),
+/// and it stays owed while it runs or while rows of it were read. The cursor used to stop at the
+/// oldest transaction running instead; one held open for minutes (a report, a forgotten session)
+/// then made every sweep read again every row deleted since it began, 57,000 buffers a sweep
+/// after 90 s at 800 events/s, a number that grows with the hold.
 const OUTBOX_SWEEP: &str = include_str!("sweep.sql");
 
 /// What one sweep did.
 pub(crate) struct Swept {
+    /// Rows removed.
     pub(crate) finished: i64,
+    /// Of those, rows no destination's pattern matches, now in the dead letters of ''.
     pub(crate) unrouted: i64,
     /// Rows it read: a full batch means more may wait.
     pub(crate) read: i64,
@@ -289,10 +297,17 @@ impl Default for SweepFrom {
     }
 }
 
-/// Finishes up to `batch` outbox rows that every destination has passed, from `from` on.
-pub(crate) async fn sweep_outbox(db: &impl Db, from: &SweepFrom, batch: i64, delete: bool) -> Result<Swept> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&from.xid, &batch, &delete, &from.id, &from.owed];
-    let row = one(db, OUTBOX_SWEEP, &params, "finishing events every destination passed").await?;
+/// Removes up to `batch` outbox rows that every destination has passed and that are older than
+/// `retention`, from `from` on.
+pub(crate) async fn sweep_outbox(
+    db: &impl Db,
+    from: &SweepFrom,
+    batch: i64,
+    retention: std::time::Duration,
+) -> Result<Swept> {
+    let retention = super::micros(retention);
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [&from.xid, &batch, &retention, &from.id, &from.owed];
+    let row = one(db, OUTBOX_SWEEP, &params, "removing events every destination passed").await?;
     let next = match (row.get::<_, Option<String>>("next_xid"), row.get::<_, Option<i64>>("next_id")) {
         (Some(xid), Some(id)) => Some(SweepFrom { xid, id, owed: row.get("owed") }),
         _ => None,
@@ -475,4 +490,73 @@ async fn drop_or_expire(client: &mut deadpool_postgres::Object, name: &str, expi
     count(&tx, DESTINATION_DROP_EARLY, &[&name], doing).await?;
     tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
     Ok(Dropped::Done(buried))
+}
+
+/// Sends retained events of the destination `$1` created in [`$2`, `$3`) again, those whose
+/// topic `$4` matches (null: all): `outbox_relay.replay` (migration 0019) says how.
+const REPLAY: &str = "select outbox_relay.replay($1, $2, $3, $4)";
+
+/// Copies the retained events of `destination` created in [`since`, `until`) (whose topic
+/// `topic_regex` matches, if any) into its parked events, to be delivered again; returns how many.
+/// `dry_run`: in a transaction rolled back, to count them.
+pub(crate) async fn replay_on(
+    client: &mut deadpool_postgres::Object,
+    destination: &str,
+    since: std::time::SystemTime,
+    until: Option<std::time::SystemTime>,
+    topic_regex: Option<&str>,
+    dry_run: bool,
+) -> Result<u64> {
+    let doing = "replaying events to a destination";
+    let tx = client.transaction().await.map_err(|e| crate::error::Error::database(doing, e))?;
+    let copied = replay(&tx, destination, since, until, topic_regex).await?;
+    if dry_run { tx.rollback().await } else { tx.commit().await }
+        .map_err(|e| crate::error::Error::database(doing, e))?;
+    Ok(copied)
+}
+
+pub(crate) async fn replay(
+    db: &impl Db,
+    destination: &str,
+    since: std::time::SystemTime,
+    until: Option<std::time::SystemTime>,
+    topic_regex: Option<&str>,
+) -> Result<u64> {
+    let until = until.map_or(tokio_postgres::types::Timestamp::PosInfinity, tokio_postgres::types::Timestamp::Value);
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&destination, &since, &until, &topic_regex];
+    let copied: i64 = one(db, REPLAY, &params, "replaying events to a destination").await?.get(0);
+    Ok(copied.max(0) as u64)
+}
+
+/// What adding a destination did.
+pub(crate) enum Added {
+    /// It was registered; so many retained events were replayed to it.
+    Done(u64),
+    /// A destination of that name is registered already, with this pattern.
+    Exists(String),
+}
+
+/// Registers the destination `to` ahead of any relay, where a relay would (at the position of
+/// the destination furthest behind), and with `since`, replays to it in the same transaction the
+/// retained events created from then on that its position has passed: so that it starts in the
+/// past, its keys' replayed events before any new one.
+pub(crate) async fn add_destination(
+    client: &mut deadpool_postgres::Object,
+    to: &ToRegister<'_>,
+    since: Option<std::time::SystemTime>,
+) -> Result<Added> {
+    let doing = "adding a destination";
+    let tx = client.transaction().await.map_err(|e| crate::error::Error::database(doing, e))?;
+    count(&tx, DESTINATIONS_LOCK, &[], doing).await?;
+    if let Some(row) = all_rows(&tx, DESTINATION_GET, &[&to.name], doing).await?.first() {
+        return Ok(Added::Exists(row.get("pattern")));
+    }
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&to.name, &to.pattern, &to.topic_regex];
+    one(&tx, DESTINATION_INSERT, &params, doing).await?;
+    let replayed = match since {
+        Some(since) => replay(&tx, to.name, since, None, None).await?,
+        None => 0,
+    };
+    tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
+    Ok(Added::Done(replayed))
 }

@@ -117,33 +117,26 @@ pub(crate) async fn insert_audit(db: &impl Db, entry: &AuditEntry<'_>, idempoten
     Ok(one(db, AUDIT_INSERT, &params, "adding an audit entry").await?.get(0))
 }
 
-/// The oldest processed events first, through their own index (migration 0015): never a walk of
-/// the primary key, past every dead entry a held transaction keeps.
-const EVENT_DELETE_EXPIRED: &str = "\
-delete from outbox_relay.outbox where id = any (array(
-    select id from outbox_relay.outbox
-     where processed_at < now() - $1::int8 * interval '1 microsecond'
-     order by processed_at
-     limit $2
-       for update skip locked
-))";
-
-/// Deletes up to `batch` events processed more than `age` ago; rows others delete are skipped.
-pub(crate) async fn delete_processed_events(db: &impl Db, age: Duration, batch: i64) -> Result<u64> {
-    count(db, EVENT_DELETE_EXPIRED, &[&micros(age), &batch], "deleting old processed events").await
-}
-
-/// Every position but each destination's newest (the one that counts; a claim reads it from the
-/// end of the index, so the dead rows this leaves are never on its path).
+/// Claim positions no longer needed. Each destination's newest is the one that counts (a claim
+/// reads it from the end of the index, so the dead rows this leaves are never on its path); the
+/// others say when events were passed (`outbox_relay.event_state`), and are kept for the
+/// retention (`$1` microseconds): all of them for ten minutes, then the first of each destination's
+/// ten seconds (a delivery time read from them is exact for ten minutes, and at most ten seconds
+/// late after). The sweeper reads the newest position older than the retention (src/sql/sweep.sql):
+/// the first of its ten seconds stands for it.
 ///
-/// Only rows older than ten minutes go: a claim detects that another overtook its read of the
+/// Nothing younger than ten minutes goes: a claim detects that another overtook its read of the
 /// position by the next row's key, so that row must outlive any claim statement in flight.
 const POSITIONS_PRUNE: &str = "\
 delete from outbox_relay.positions p
  where p.at < now() - interval '10 minutes'
-   and p.n < (select max(q.n) from outbox_relay.positions q where q.destination = p.destination)";
+   and p.n < (select max(q.n) from outbox_relay.positions q where q.destination = p.destination)
+   and (p.at < now() - $1::int8 * interval '1 microsecond' - interval '10 minutes'
+        or floor(extract(epoch from p.at) / 10) = floor(extract(epoch from (
+               select q.at from outbox_relay.positions q
+                where q.destination = p.destination and q.n < p.n order by q.destination, q.n desc limit 1)) / 10))";
 
-/// Deletes the old positions; returns how many.
-pub(crate) async fn prune_positions(db: &impl Db) -> Result<u64> {
-    count(db, POSITIONS_PRUNE, &[], "deleting old claim positions").await
+/// Deletes the positions no longer needed with events kept for `retention`; returns how many.
+pub(crate) async fn prune_positions(db: &impl Db, retention: Duration) -> Result<u64> {
+    count(db, POSITIONS_PRUNE, &[&super::micros(retention)], "deleting old claim positions").await
 }

@@ -6,12 +6,14 @@
 //! caller owns runs it unprepared ([`Unprepared`]: parse, bind and execute in one round trip,
 //! nothing left behind on the caller's connection). Errors name what was being done.
 
-/// The outbox rows `e` that wait for destination `d` whose position is `p` (its newest row): not
-/// finished, matched by its pattern, and not passed by its position. (`finish.sql` and
-/// `sweep.sql` state the same test of a position.)
+/// The outbox rows `e` that wait for destination `d` whose position is `p` (its newest row):
+/// matched by its pattern, and not passed by its position (`outbox_relay.passed`, migration 0019;
+/// `sweep.sql` states the same test). Read through the `xid` index from the position's xmin: the
+/// events kept for the retention below it are not read.
 macro_rules! waiting_for_destination {
     () => {
-        "e.processed_at is null and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+        "e.xid >= pg_snapshot_xmin(case when p.after_id is null then p.snapshot else p.since end) and e.xid <> '0'::xid8
+           and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
            and not (pg_visible_in_snapshot(e.xid, case when p.after_id is null then p.snapshot else p.since end)
                     or (p.after_id is not null and e.id <= p.after_id and pg_visible_in_snapshot(e.xid, p.snapshot)))"
     };

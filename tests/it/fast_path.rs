@@ -93,7 +93,12 @@ async fn events_go_from_their_notification_to_the_handler_and_are_recorded_once(
         }
     }
     eventually("every event recorded delivered", || async {
-        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        support::count(
+            &writer,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
     })
     .await;
     // Each went one way: from its notification, or (heard of while the claim after a fast batch
@@ -175,7 +180,12 @@ async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
     assert!(at(first) < at(second), "order per key: {delivered:?}");
     assert!(delivered.contains(&other));
     eventually("all recorded", || async {
-        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        support::count(
+            &writer,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
             && support::count(&writer, "select count(*) from outbox_relay.parked").await == 0
     })
     .await;
@@ -189,7 +199,12 @@ async fn a_key_whose_event_waits_for_a_retry_holds_its_next_event_back() {
         publish_sql(&writer, "order.placed", "{}", Some("k")).await;
         deliveries.next().await;
         eventually("recorded", || async {
-            support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+            support::count(
+                &writer,
+                "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+            )
+            .await
+                == 0
         })
         .await;
         if relay.snapshot().fast_delivered > before {
@@ -246,7 +261,12 @@ async fn a_slow_delivery_from_a_notification_is_leased_and_holds_back_only_its_k
     let late: Vec<i64> = deliveries.take(2).await.into_iter().map(|d| d.event.id).collect();
     assert_eq!(late, vec![slow, next_of_its_key], "retried, then its key's next event");
     eventually("all recorded", || async {
-        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        support::count(
+            &writer,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
             && support::count(&writer, "select count(*) from outbox_relay.parked").await == 0
     })
     .await;
@@ -329,7 +349,12 @@ async fn notifications_lost_with_the_listeners_connection_are_caught_by_a_claim(
     let delivered: Vec<Event> = deliveries.take(20).await.into_iter().map(|d| d.event).collect();
     once_and_in_order(&delivered);
     eventually("all recorded", || async {
-        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        support::count(
+            &writer,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
     })
     .await;
     assert!(relay.snapshot().reconnects >= 1);
@@ -364,7 +389,12 @@ async fn one_relay_of_two_owns_the_fast_path_and_the_other_takes_it_when_it_dies
     once_and_in_order(&events);
     assert!(delivered.iter().all(|d| d.by == "first"), "only the owner takes new events");
     eventually("all recorded", || async {
-        support::count(&writer, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        support::count(
+            &writer,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
     })
     .await;
     assert!(!second.snapshot().fast_path_armed && !off.snapshot().fast_path_armed);

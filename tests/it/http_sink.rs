@@ -93,7 +93,7 @@ async fn redirects_are_never_followed_and_the_error_names_the_location() {
     }
     assert_eq!(*reached.lock().unwrap(), 0, "the redirect's target must never be reached");
     let stats = db.outbox.queue_stats().await.unwrap();
-    assert_eq!((stats.processed, stats.dead_letters), (0, 0));
+    assert_eq!((stats.retained, stats.dead_letters), (0, 0));
 }
 
 /// A receiver answering 500 with a body that never ends: only a few KiB are read, so the attempt

@@ -16,7 +16,7 @@ mod needs_kafka {
     /// Every event of the outbox finished: passed by the destination, and nothing waits.
     async fn all_delivered(db: &TestDb, events: i64) -> bool {
         let stats = db.outbox.queue_stats().await.unwrap();
-        stats.processed == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
+        stats.retained == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
     }
 
     async fn uuids(db: &TestDb, topic: &str) -> HashSet<String> {

@@ -55,7 +55,7 @@ async fn rescue(db: &TestDb, ids: &[i64]) -> Vec<Event> {
     assert_eq!(got.iter().map(|e| e.id).collect::<Vec<_>>(), ids);
     rescuer.stop().await;
     let client = db.client().await;
-    let pending = "select count(*) from outbox_relay.outbox where processed_at is null";
+    let pending = "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)";
     assert_eq!(count(&client, pending).await, 0);
     assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 0, "nothing waits any more");
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
@@ -181,7 +181,7 @@ async fn a_delivery_that_outlives_its_lease_keeps_its_events_until_it_ends() {
     assert_eq!((delivered, retried, dead), (5, 0, 0), "one attempt each, no failure recorded");
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
     assert_eq!(
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await,
+        count(&client, "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)").await,
         5,
         "every outbox row passed"
     );

@@ -16,6 +16,7 @@ mod inbox;
 mod kafka;
 mod leases;
 mod limits;
+mod log;
 mod migrations;
 mod orders;
 mod orders_service;

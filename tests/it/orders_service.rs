@@ -246,17 +246,18 @@ async fn embedded_relay_delivers_the_event() {
 
     let id = order_id(&service.post(Some("checkout-1"), &ana()).await);
     let client = db.client().await;
-    // The relay's default completion deletes a delivered event (the audit entry stays).
+    // Delivered: `event_state` says so (the row is kept for the retention, as is the audit entry).
     eventually("the order.placed event is delivered", || async {
-        let left: i64 = client
+        let delivered: i64 = client
             .query_one(
-                "select count(*) from outbox_relay.outbox where topic = 'order.placed' and key = $1",
+                "select count(*) from outbox_relay.event_state
+                  where topic = 'order.placed' and key = $1 and state = 'delivered'",
                 &[&id.to_string()],
             )
             .await
             .unwrap()
             .get(0);
-        left == 0
+        delivered == 1
     })
     .await;
     let count = |sql: &'static str| async { client.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) };

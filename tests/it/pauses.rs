@@ -17,7 +17,7 @@ async fn attempts(db: &TestDb, id: i64) -> (i32, bool) {
         .client()
         .await
         .query_one(
-            "select coalesce(p.attempts, o.attempts), p.id is not null or o.processed_at is null
+            "select coalesce(p.attempts, 0), p.id is not null or not outbox_relay.passed_by_all(o.xid, o.id)
                from outbox_relay.outbox o
                full join (select * from outbox_relay.parked where destination = 'default') p on p.id = o.id
               where coalesce(o.id, p.id) = $1",

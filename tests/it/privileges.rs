@@ -66,9 +66,8 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
     let next_id: i64 =
         admin.query_one("select last_value + 1 from outbox_relay.outbox_id_seq", &[]).await.unwrap().get(0);
     for forbidden in [
-        "insert into outbox_relay.outbox (topic, payload, attempts) values ('p.t', '{}', 2147483647)".to_string(),
+        "insert into outbox_relay.outbox (topic, payload, xid) values ('p.t', '{}', '1')".to_string(),
         "insert into outbox_relay.outbox (topic, payload, created_at) values ('p.t', '{}', 'infinity')".to_string(),
-        "insert into outbox_relay.outbox (topic, payload, processed_at) values ('p.t', '{}', now())".to_string(),
         // (a lease, a retry or a delay of the relay's is a copy parked for a destination)
         "insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, lease_token)
          values ('default', 1, gen_random_uuid(), 'p.t', '{}', now(), 1)"

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use pg_outbox_relay::{Completion, DeliveryError, Event, NewEvent, RelayConfig, handler_fn};
+use pg_outbox_relay::{DeliveryError, Event, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 
-use crate::factory::OutboxRow;
+use crate::factory::{self, OutboxRow};
 use crate::harness::TestDb;
 use crate::relay_support::{
     self as support, Deliveries, config, count, eventually, listener_pid, listener_ready, recorder, relay_waiting,
@@ -32,20 +32,23 @@ async fn ten_thousand_events_two_relays_each_delivered_exactly_once() {
         .await
         .unwrap();
     let (handler, mut deliveries) = recorder();
-    // The shipped completion and hold: delivered rows are deleted in the claim's transaction.
-    let cfg = RelayConfig { workers: 4, completion: Completion::Delete, ..config() };
+    // The shipped hold; delivered rows removed by the sweepers as the relays go (a retention of 0).
+    let cfg = RelayConfig { workers: 4, retention: Duration::ZERO, ..config() };
     assert_eq!(cfg.hold, RelayConfig::default().hold);
     let a = support::start(&db.outbox, cfg.clone(), handler.labelled("a"));
     let b = support::start(&db.outbox, cfg, handler.labelled("b"));
     let delivered = deliveries.take(10_000).await;
-    a.stop().await;
-    b.stop().await;
 
     let counts = deliveries.counts();
     assert_eq!(counts.len(), 10_000);
     assert!(counts.values().all(|n| *n == 1), "no event twice");
     assert!(deliveries.is_empty());
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 0, "every delivered row deleted");
+    eventually("every delivered row removed", || async {
+        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
     let by_a = delivered.iter().filter(|d| d.by == "a").count();
     eprintln!("relay a delivered {by_a}, relay b {}", 10_000 - by_a);
 }
@@ -188,7 +191,7 @@ async fn a_failing_sink_is_retried_until_it_recovers() {
         .client()
         .await
         .query_one(
-            "select (select processed_at is not null from outbox_relay.outbox where id = $1),
+            "select (select outbox_relay.passed_by_all(xid, id) from outbox_relay.outbox where id = $1),
                     (select count(*) from outbox_relay.parked where id = $1),
                     (select count(*) from outbox_relay.dead_letters where id = $1)",
             &[&id],
@@ -327,7 +330,10 @@ async fn graceful_shutdown_finishes_in_flight_work_and_leaves_no_lease() {
     assert_eq!(deliveries.take(5).await.len(), 5, "the claimed batch was finished");
     let client = db.client().await;
     assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 0, "no lease, nothing waits");
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await,
+        0
+    );
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
@@ -361,23 +367,53 @@ async fn deliveries_past_the_grace_period_are_cut_off_and_their_events_released(
 }
 
 #[tokio::test]
-async fn delete_completion_removes_delivered_rows() {
+async fn a_zero_retention_removes_delivered_rows_in_bulk() {
     let db = TestDb::new().await;
     let (handler, mut deliveries) = recorder();
-    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, handler);
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
     db.outbox.publish_all(&(0..10).map(|n| NewEvent::new("t", json!(n))).collect::<Vec<_>>()).await.unwrap();
     deliveries.take(10).await;
+    let client = db.client().await;
+    eventually("the sweeper removed the delivered rows", || async {
+        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
     relay.stop().await;
-    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.outbox").await, 0);
+}
+
+/// Delivery writes nothing to an outbox row (migration 0019): every delivered row is as its
+/// insert left it (`xmax` 0: no update, delete or row lock ever touched it), and kept for the
+/// retention, passed by every destination.
+#[tokio::test]
+async fn delivery_writes_no_outbox_row() {
+    let db = TestDb::new().await;
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, config(), handler);
+    let mut events: Vec<NewEvent> = (0..300).map(|n| NewEvent::new("order.placed", json!(n))).collect();
+    events.extend((0..200).map(|n| NewEvent::new("order.placed", json!(n)).key(format!("k{}", n % 7))));
+    db.outbox.publish_all(&events).await.unwrap();
+    for n in 0..20 {
+        db.outbox.publish(&NewEvent::new("order.updated", json!(n)).key("one")).await.unwrap();
+    }
+    deliveries.take(520).await;
+    relay.stop().await;
+    let client = db.client().await;
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)").await,
+        520
+    );
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where xmax <> '0'::xid").await, 0);
 }
 
 #[tokio::test]
-async fn the_janitor_removes_old_processed_events_and_receipts_in_batches() {
+async fn a_cleanup_removes_passed_events_past_the_retention_and_receipts_in_batches() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let day = Duration::from_secs(86400);
-    OutboxRow::new("old").processed_ago(8 * day).insert_many(&client, 25).await;
-    OutboxRow::new("recent").processed_ago(Duration::ZERO).insert(&client).await;
+    OutboxRow::new("old").created_ago(8 * day).insert_many(&client, 25).await;
+    factory::pass_everything(&client, 8 * day).await;
+    OutboxRow::new("recent").created_ago(8 * day).insert(&client).await;
+    factory::pass_everything(&client, Duration::ZERO).await;
     OutboxRow::new("pending").created_ago(30 * day).insert(&client).await;
     client
         .batch_execute(
@@ -396,7 +432,11 @@ async fn the_janitor_removes_old_processed_events_and_receipts_in_batches() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(left, vec!["pending", "recent"], "pending events are never cleaned, whatever their age");
+    assert_eq!(
+        left,
+        vec!["pending", "recent"],
+        "events not passed are never removed, and passed ones only once passed for the retention"
+    );
     assert_eq!(count(&client, "select count(*) from outbox_relay.idempotency").await, 1);
 }
 

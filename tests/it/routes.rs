@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pg_outbox_relay::sink::HttpSink;
-use pg_outbox_relay::{Completion, DeliveryError, Event, Handler, RelayConfig, Route};
+use pg_outbox_relay::{DeliveryError, Event, Handler, RelayConfig, Route};
 use tokio::time::Instant;
 
 use crate::harness::TestDb;
@@ -92,7 +92,7 @@ async fn an_event_routed_to_two_destinations_reaches_each_once_and_then_nothing_
     let db = TestDb::new().await;
     let (erp, mut to_erp) = recorder();
     let (audit, mut to_audit) = recorder();
-    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let cfg = RelayConfig { retention: Duration::ZERO, ..config() };
     let routes = vec![
         Route::new("erp", "order.*", erp.labelled("erp")).unwrap(),
         Route::new("audit", "#", audit.labelled("audit")).unwrap(),
@@ -246,13 +246,15 @@ async fn order_per_key_holds_per_destination_under_failures() {
 }
 
 /// An event that no destination's pattern matches is not dropped: it goes to the dead letters
-/// of the destination '' saying so, `queue_stats` counts it, and once a route for it exists a
-/// retry delivers it.
+/// of the destination '' saying so when it is removed (its retention over: here at once),
+/// `queue_stats` counts it, and once a route for it exists a retry delivers it.
 #[tokio::test]
 async fn an_event_no_route_matches_goes_to_the_dead_letters_and_a_retry_delivers_it() {
     let db = TestDb::new().await;
     let (erp, mut to_erp) = recorder();
-    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("erp", "order.#", erp.clone()).unwrap()]);
+    let cfg = RelayConfig { retention: Duration::ZERO, ..config() };
+    let relay =
+        support::start_routes(&db.outbox, cfg.clone(), vec![Route::new("erp", "order.#", erp.clone()).unwrap()]);
     publish(&db, "user.created", 1, 1).await;
     publish(&db, "order.placed", 1, 1).await;
     to_erp.next().await;
@@ -270,7 +272,7 @@ async fn an_event_no_route_matches_goes_to_the_dead_letters_and_a_retry_delivers
 
     let (users, mut to_users) = recorder();
     let routes = vec![Route::new("erp", "order.#", erp).unwrap(), Route::new("users", "user.*", users).unwrap()];
-    let relay = support::start_routes(&db.outbox, config(), routes);
+    let relay = support::start_routes(&db.outbox, cfg, routes);
     eventually("the new destination registered", || async {
         db.outbox.destinations().await.unwrap().iter().any(|d| d.name == "users" && d.relays == 1)
     })
@@ -297,7 +299,7 @@ async fn an_event_no_route_matches_goes_to_the_dead_letters_and_a_retry_delivers
 #[tokio::test]
 async fn a_new_destination_starts_where_the_others_are_and_dropping_one_lets_its_events_go() {
     let db = TestDb::new().await;
-    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let cfg = RelayConfig { retention: Duration::ZERO, ..config() };
     let (a, mut to_a) = recorder();
     let relay = support::start_routes(&db.outbox, cfg.clone(), vec![Route::new("a", "#", a.clone()).unwrap()]);
     publish(&db, "order.placed", 5, 5).await;
@@ -366,7 +368,7 @@ async fn the_sweeper_finishes_passed_rows_while_an_older_transaction_stays_open(
     let held = db.client().await;
     held.batch_execute("begin; select pg_current_xact_id();").await.unwrap();
     let (a, mut to_a) = recorder();
-    let cfg = RelayConfig { completion: Completion::Delete, ..config() };
+    let cfg = RelayConfig { retention: Duration::ZERO, ..config() };
     let routes = vec![Route::new("a", "order.#", a.clone()).unwrap(), Route::new("b", "mail.#", a).unwrap()];
     let relay = support::start_routes(&db.outbox, cfg, routes);
     publish(&db, "user.created", 1, 1).await;
@@ -410,7 +412,7 @@ async fn a_dead_letter_names_the_destination_that_refused_the_event_and_its_retr
     let a = Flaky { log: a_log.clone(), refuses: |_, refused| refused == 0 };
     let routes =
         vec![Route::new("a", "#", Either::Flaky(a)).unwrap(), Route::new("b", "#", Either::Recorder(b)).unwrap()];
-    let cfg = RelayConfig { max_attempts: 1, completion: Completion::Delete, ..config() };
+    let cfg = RelayConfig { max_attempts: 1, retention: Duration::ZERO, ..config() };
     let relay = support::start_routes(&db.outbox, cfg, routes);
     publish(&db, "order.placed", 1, 1).await;
     let delivered = to_b.next().await;

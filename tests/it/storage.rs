@@ -6,11 +6,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use pg_outbox_relay::{Completion, NewEvent, RelayConfig, publish};
+use pg_outbox_relay::{NewEvent, RelayConfig, publish};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, Deliveries, config, eventually};
+use crate::relay_support::{self as support, Deliveries, config, count, eventually};
 
 /// Takes deliveries until every id of `ids` has arrived; returns them in arrival order.
 async fn until_delivered(deliveries: &mut Deliveries, ids: &[i64]) -> Vec<(i64, Option<String>)> {
@@ -88,7 +88,7 @@ async fn delivery_goes_on_while_a_transaction_holds_its_snapshot() {
     let long = publish(&long_tx, &NewEvent::new("report.nightly", json!({}))).await.unwrap();
 
     let (recorder, mut deliveries) = support::recorder();
-    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, recorder);
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, recorder);
     let mut published = Vec::new();
     for round in 0..30 {
         let events: Vec<NewEvent> = (0..100)
@@ -179,21 +179,28 @@ async fn a_dump_in_progress_holds_up_neither_delivery_nor_the_janitor() {
 /// When `tests/fixtures/live_0007.sql` was written; its times are shifted by now() minus this.
 const LIVE_0007_WRITTEN_AT: &str = "2026-12-01 20:42:45+00";
 
-/// The migrations of the 0007 release, as that release applied and recorded them.
-const MIGRATIONS_TO_0007: [(i32, &str, &str); 7] = [
-    (1, "create_outbox_tables", include_str!("../../migrations/0001_create_outbox_tables.sql")),
-    (2, "notify_only_waiting_relays", include_str!("../../migrations/0002_notify_only_waiting_relays.sql")),
-    (3, "harden_rows_and_writer_path", include_str!("../../migrations/0003_harden_rows_and_writer_path.sql")),
-    (4, "order_per_key_and_breaker", include_str!("../../migrations/0004_order_per_key_and_breaker.sql")),
-    (5, "claim_paths", include_str!("../../migrations/0005_claim_paths.sql")),
-    (6, "pauses", include_str!("../../migrations/0006_pauses.sql")),
-    (7, "payloads_as_written", include_str!("../../migrations/0007_payloads_as_written.sql")),
-];
+/// The migrations up to `upto`, as the releases of then applied and recorded them.
+fn migrations_to(upto: i32) -> Vec<(i32, &'static str, &'static str)> {
+    let all = [
+        (1, "create_outbox_tables", include_str!("../../migrations/0001_create_outbox_tables.sql")),
+        (2, "notify_only_waiting_relays", include_str!("../../migrations/0002_notify_only_waiting_relays.sql")),
+        (3, "harden_rows_and_writer_path", include_str!("../../migrations/0003_harden_rows_and_writer_path.sql")),
+        (4, "order_per_key_and_breaker", include_str!("../../migrations/0004_order_per_key_and_breaker.sql")),
+        (5, "claim_paths", include_str!("../../migrations/0005_claim_paths.sql")),
+        (6, "pauses", include_str!("../../migrations/0006_pauses.sql")),
+        (7, "payloads_as_written", include_str!("../../migrations/0007_payloads_as_written.sql")),
+        (8, "snapshot_reads", include_str!("../../migrations/0008_snapshot_reads.sql")),
+        (9, "xid_is_the_inserters", include_str!("../../migrations/0009_xid_is_the_inserters.sql")),
+        (10, "delivery_limit", include_str!("../../migrations/0010_delivery_limit.sql")),
+        (11, "global_event_ids_and_inbox", include_str!("../../migrations/0011_global_event_ids_and_inbox.sql")),
+        (12, "destinations", include_str!("../../migrations/0012_destinations.sql")),
+        (13, "event_headers", include_str!("../../migrations/0013_event_headers.sql")),
+    ];
+    all.into_iter().filter(|(v, _, _)| *v <= upto).collect()
+}
 
-/// Loads the live installation of `tests/fixtures/live_0007.sql` into `db`, an empty database
-/// brought to migration 0007 as that release did it, its times shifted so that what was due
-/// later is as far ahead as it was; then migrates it with this build.
-async fn load_live_0007(db: &TestDb) {
+/// Brings `db`, an empty database, to migration `upto` as the releases of then did it.
+async fn migrate_as_released(db: &TestDb, upto: i32) {
     use sha2::Digest;
     let client = db.client().await;
     client
@@ -205,7 +212,7 @@ async fn load_live_0007(db: &TestDb) {
         )
         .await
         .unwrap();
-    for (version, name, sql) in MIGRATIONS_TO_0007 {
+    for (version, name, sql) in migrations_to(upto) {
         client.batch_execute(sql).await.unwrap();
         let checksum: String = sha2::Sha256::digest(sql.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
         client
@@ -216,6 +223,14 @@ async fn load_live_0007(db: &TestDb) {
             .await
             .unwrap();
     }
+}
+
+/// Loads the live installation of `tests/fixtures/live_0007.sql` into `db`, an empty database
+/// brought to migration 0007 as that release did it, its times shifted so that what was due
+/// later is as far ahead as it was; then migrates it with this build.
+async fn load_live_0007(db: &TestDb) {
+    migrate_as_released(db, 7).await;
+    let client = db.client().await;
     client.batch_execute(include_str!("../fixtures/live_0007.sql")).await.unwrap();
     let shift = format!("(now() - '{LIVE_0007_WRITTEN_AT}'::timestamptz)");
     client
@@ -283,7 +298,7 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
     // Ready: 15, 17, 18, 19; held by its key: 7; delayed: the retries 6 and 8 and the event 14;
     // leased: 16.
     assert_eq!(
-        (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight, stats.processed, stats.dead_letters),
+        (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight, stats.retained, stats.dead_letters),
         (4, 1, 3, 1, 9, 1),
         "{stats:?}"
     );
@@ -324,7 +339,7 @@ async fn a_live_0007_installation_keeps_its_events_dead_letters_and_receipts() {
             "select id, attempts, last_error is not null, lease_token is not null from outbox_relay.parked
               where destination = 'default'
              union all
-             select id, attempts, false, false from outbox_relay.outbox where processed_at is null
+             select id, 0, false, false from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)
              order by id",
             &[],
         )
@@ -378,7 +393,7 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
     // Every claim held to its end (a lease would park its events: churn per lease, which the
     // parked indexes hold; this test is about the new events' path).
     let relay_config = RelayConfig {
-        completion: Completion::Delete,
+        retention: Duration::ZERO,
         hold: Duration::from_secs(60),
         lease: Duration::from_secs(300),
         ..config()
@@ -456,4 +471,115 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
         );
     }
     holder.batch_execute("rollback").await.unwrap();
+}
+
+/// When `tests/fixtures/live_0013.sql` was written; its times are shifted by now() minus this.
+const LIVE_0013_WRITTEN_AT: &str = "2026-12-05 08:50:31+00";
+
+/// Loads the live installation of `tests/fixtures/live_0013.sql` (two destinations) into `db`,
+/// an empty database brought to migration 0013 as that release did it, its times shifted so
+/// that what was due later is as far ahead as it was; then migrates it with this build.
+async fn load_live_0013(db: &TestDb) {
+    migrate_as_released(db, 13).await;
+    let client = db.client().await;
+    client.batch_execute(include_str!("../fixtures/live_0013.sql")).await.unwrap();
+    let shift = format!("(now() - '{LIVE_0013_WRITTEN_AT}'::timestamptz)");
+    client
+        .batch_execute(&format!(
+            "alter table outbox_relay.outbox disable trigger user;
+             update outbox_relay.outbox set created_at = created_at + {shift}, available_at = available_at + {shift},
+                    processed_at = processed_at + {shift};
+             alter table outbox_relay.outbox enable trigger user;
+             update outbox_relay.parked set created_at = created_at + {shift}, available_at = available_at + {shift},
+                    parked_at = parked_at + {shift};
+             update outbox_relay.dead_letters set created_at = created_at + {shift}, failed_at = failed_at + {shift};
+             update outbox_relay.idempotency set created_at = created_at + {shift};
+             update outbox_relay.pauses set paused_at = paused_at + {shift};
+             update outbox_relay.positions set at = at + {shift};"
+        ))
+        .await
+        .unwrap();
+    let report = db.outbox.migrate().await.unwrap();
+    assert_eq!(report.applied.first().map(|(v, _)| *v), Some(14), "{report:?}");
+}
+
+/// A live installation written by the 0013 release (`tests/fixtures/live_0013.sql`, two
+/// destinations: erp takes every topic, mailer `mail.#`), migrated to the outbox as a log
+/// (migration 0019). Every state survives, at each destination: delivered events are retained
+/// and read as delivered, the dead letters, the retries in backoff, the follower held by its key,
+/// the pauses (one destination's, every destination's), the delay, the lease of the killed relay;
+/// the events never claimed go to the destinations whose patterns match, once; a lifted pause
+/// and a retried dead letter deliver; and nothing that waits is sent.
+#[tokio::test]
+async fn a_live_0013_installation_keeps_each_destinations_state_as_a_log() {
+    let db = TestDb::empty().await;
+    load_live_0013(&db).await;
+    let client = db.client().await;
+    let retained = "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)";
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 19);
+    let state = |id: i64| {
+        let client = &client;
+        async move {
+            client
+                .query(
+                    "select destination, state, attempts from outbox_relay.event_state where id = $1 order by destination",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get::<_, Option<String>>(0).unwrap_or_default(), r.get::<_, String>(1), r.get::<_, i32>(2)))
+                .collect::<Vec<_>>()
+        }
+    };
+    let s = |d: &str, st: &str, a: i32| (d.to_string(), st.to_string(), a);
+    assert_eq!(state(3).await, [s("erp", "delivered", 1), s("mailer", "delivered", 1)]);
+    assert_eq!(state(6).await, [s("erp", "delivered", 1), s("mailer", "dead", 1)]);
+    assert_eq!(state(7).await, [s("erp", "delivered", 1), s("mailer", "retrying", 1)]);
+    assert_eq!(state(8).await, [s("erp", "delivered", 1), s("mailer", "waiting", 0)]);
+    assert_eq!(state(9).await, [s("erp", "retrying", 1)]);
+    assert_eq!(state(10).await, [s("erp", "dead", 1)]);
+    assert_eq!(state(15).await, [s("erp", "delayed", 0), s("mailer", "delayed", 0)]);
+    assert_eq!(state(16).await, [s("erp", "delivered", 1), s("mailer", "in flight", 1)]);
+    assert_eq!(state(18).await, [s("erp", "pending", 0), s("mailer", "pending", 0)]);
+    assert_eq!(count(&client, retained).await, 16, "1 to 16: every destination passed them");
+
+    let (erp, mut to_erp) = support::recorder();
+    let (mailer, mut to_mailer) = support::recorder();
+    let routes = vec![
+        pg_outbox_relay::Route::new("erp", "#", erp.labelled("erp")).unwrap(),
+        pg_outbox_relay::Route::new("mailer", "mail.#", mailer.labelled("mailer")).unwrap(),
+    ];
+    let relay = support::start_routes(&db.outbox, config(), routes);
+    until_delivered(&mut to_erp, &[17, 18, 19]).await;
+    until_delivered(&mut to_mailer, &[18]).await;
+    assert!(db.outbox.resume(Some("report.daily")).await.unwrap());
+    until_delivered(&mut to_erp, &[14]).await;
+    assert!(db.outbox.resume_destination("mailer", Some("mail.digest")).await.unwrap());
+    until_delivered(&mut to_mailer, &[13]).await;
+    assert_eq!(db.outbox.retry_dead_letters(&[10]).await.unwrap(), vec![10]);
+    until_delivered(&mut to_erp, &[10]).await;
+    let sentinel = db.outbox.publish(&NewEvent::new("mail.send", json!({"n": "last"})).key("mail-9")).await.unwrap();
+    until_delivered(&mut to_erp, &[sentinel]).await;
+    until_delivered(&mut to_mailer, &[sentinel]).await;
+    relay.stop().await;
+    let delivered = |counts: std::collections::HashMap<i64, usize>| {
+        assert!(counts.values().all(|n| *n == 1), "{counts:?}");
+        let mut ids: Vec<i64> = counts.into_keys().collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_eq!(delivered(to_erp.counts()), [10, 14, 17, 18, 19, sentinel]);
+    assert_eq!(delivered(to_mailer.counts()), [13, 18, sentinel], "what waits (7, 8, 15, 16) waits");
+    assert_eq!(state(7).await, [s("erp", "delivered", 1), s("mailer", "retrying", 1)]);
+    assert_eq!(state(16).await, [s("erp", "delivered", 1), s("mailer", "in flight", 1)]);
+    assert_eq!(state(13).await, [s("erp", "delivered", 1), s("mailer", "delivered", 1)]);
+    assert_eq!(state(10).await, [s("erp", "delivered", 1)]);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 1, "the mailer's, of 6");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.idempotency").await, 2);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.audit").await, 2);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.inbox").await, 4);
+    // Nothing the migration kept is lost to the retention: a row is removed only once every
+    // destination passed it and it is an hour old.
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where id <= 19").await, 19);
 }

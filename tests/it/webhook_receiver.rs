@@ -44,7 +44,7 @@ async fn every_event_delivered_twice_is_committed_once() {
         relay.snapshot().delivered >= 60
             && count(
                 &outbox_db.client().await,
-                "select count(*) from outbox_relay.outbox where processed_at is not null",
+                "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)",
             )
             .await
                 == 60
@@ -68,7 +68,7 @@ async fn every_event_delivered_twice_is_committed_once() {
         relay.snapshot().delivered >= 120
             && count(
                 &outbox_db.client().await,
-                "select count(*) from outbox_relay.outbox where processed_at is not null",
+                "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)",
             )
             .await
                 == 120

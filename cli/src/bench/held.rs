@@ -75,6 +75,7 @@ pub(super) fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Valu
             "latency_ms": latencies(p).as_ref().map(percentiles_json),
             "backlog_max": p.backlog_max,
             "backlog_end": p.backlog_end,
+            "outbox_bytes": p.outbox_bytes,
             "relay_cpu_share": share(p.relay_cpu),
             "backend_cpu_share": share(p.backend_cpu),
             "relay_and_backends_cpu_share": share(p.relay_and_backends_cpu()),
@@ -170,4 +171,14 @@ pub(super) fn print_held(args: &BenchArgs, held: &HeldReport) {
         bench::HELD_WINDOW.as_secs(),
         held.duplicates
     );
+    out!(
+        "  the outbox on disk at the end of each phase: {} with nothing held, {} with a transaction held (indexes and TOAST included)",
+        format_bytes(held.clear.outbox_bytes),
+        format_bytes(held.held.outbox_bytes)
+    );
+}
+
+/// `bytes` in MB (or kB below one).
+fn format_bytes(bytes: i64) -> String {
+    if bytes < 1_000_000 { format!("{:.0} kB", bytes as f64 / 1e3) } else { format!("{:.1} MB", bytes as f64 / 1e6) }
 }

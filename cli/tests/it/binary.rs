@@ -29,24 +29,20 @@ pub fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
-/// Starts `outbox-relay run` with these arguments; delivered rows are kept (`--completion mark`,
-/// unless the arguments say otherwise) so that tests can read what became of each event.
+/// Starts `outbox-relay run` with these arguments (delivered rows are kept for the default
+/// retention, an hour, so that tests can read what became of each event).
 pub fn spawn_run(url: &str, args: &[&str]) -> Child {
-    if args.contains(&"--completion") {
-        spawn_run_as_shipped(url, args)
-    } else {
-        spawn_run_as_shipped(url, &[args, &["--completion", "mark"]].concat())
-    }
+    spawn_run_as_shipped(url, args)
 }
 
-/// Starts `outbox-relay run` with exactly these arguments (the defaults delete delivered rows).
+/// Starts `outbox-relay run` with exactly these arguments.
 pub fn spawn_run_as_shipped(url: &str, args: &[&str]) -> Child {
     spawn_run_as_shipped_with_env(url, args, &[])
 }
 
 /// [`spawn_run`] with these environment variables too.
 pub fn spawn_run_with_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> Child {
-    spawn_run_as_shipped_with_env(url, &[args, &["--completion", "mark"]].concat(), env)
+    spawn_run_as_shipped_with_env(url, args, env)
 }
 
 fn spawn_run_as_shipped_with_env(url: &str, args: &[&str], env: &[(&str, &str)]) -> Child {

@@ -10,13 +10,13 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::factory::OutboxRow;
+use crate::factory::{OutboxRow, pass_everything};
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, eventually};
 
 use crate::binary::{BIN, cli, cli_within, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate};
 
-/// Also: with the default completion, delivered rows are deleted.
+/// Also: with the shipped defaults, delivered rows are kept for the retention, read as delivered.
 #[tokio::test]
 async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
     let db = TestDb::new().await;
@@ -42,11 +42,16 @@ async fn run_stdout_prints_json_lines_and_stops_cleanly_on_sigterm() {
     assert_eq!(seen[1]["id"], json!(second));
     assert!(humantime::parse_rfc3339(seen[1]["created_at"].as_str().unwrap()).is_ok());
     let client = db.client().await;
-    eventually("the delivered rows deleted", || async {
-        client.query_one("select count(*) from outbox_relay.outbox", &[]).await.unwrap().get::<_, i64>(0) == 0
+    eventually("the delivered rows kept, read as delivered", || async {
+        client
+            .query_one("select count(*) from outbox_relay.event_state where state = 'delivered'", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 2
     })
     .await;
-    // Deleted as delivered: nothing waits for the destination, nothing was dead-lettered.
+    // Nothing waits for the destination, nothing was dead-lettered.
     let stats = db.outbox.queue_stats().await.unwrap();
     assert_eq!((stats.pending, stats.held_by_key, stats.delayed, stats.in_flight), (0, 0, 0, 0), "{stats:?}");
     assert_eq!(stats.dead_letters, 0, "{stats:?}");
@@ -99,7 +104,7 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     // delivered at last), the bad one dead-lettered.
     eventually("all three events settled", || async {
         let stats = db.outbox.queue_stats().await.unwrap();
-        stats.processed == 3
+        stats.retained == 3
             && stats.dead_letters == 1
             && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
     })
@@ -125,12 +130,12 @@ async fn run_http_delivers_retries_5xx_and_dead_letters_4xx() {
     assert!(dead[0].last_error.contains("400"), "{}", dead[0].last_error);
 }
 
-/// `events` rows in the outbox, every one passed by the destination (marked processed), and
+/// `events` rows in the outbox, every one passed by the destination (retained), and
 /// nothing waiting for it any more (no copy parked for a retry, a delay or a lease): each
 /// delivered or dead-lettered.
 pub async fn settled(db: &TestDb, events: i64) -> bool {
     let stats = db.outbox.queue_stats().await.unwrap();
-    stats.processed == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
+    stats.retained == events && (stats.pending, stats.held_by_key, stats.delayed, stats.in_flight) == (0, 0, 0, 0)
 }
 
 /// The test kit's NATS server (`NATS_URL`, or a private `nats-server -js`).
@@ -163,10 +168,11 @@ pub async fn stream_for(js: &async_nats::jetstream::Context, prefix: &str) -> as
 async fn status_json_matches_the_table() {
     let db = TestDb::new().await;
     let client = db.client().await;
+    OutboxRow::new("done").insert(&client).await;
+    pass_everything(&client, Duration::ZERO).await;
     OutboxRow::new("ready").created_ago(Duration::from_secs(5)).insert(&client).await;
     OutboxRow::new("ready").insert(&client).await;
     OutboxRow::new("later").available_in(Duration::from_secs(3600)).insert(&client).await;
-    OutboxRow::new("done").processed_ago(Duration::ZERO).insert(&client).await;
     client
         .batch_execute(
             "insert into outbox_relay.parked (destination, id, uuid, topic, payload, created_at, available_at,
@@ -183,7 +189,7 @@ async fn status_json_matches_the_table() {
     assert_eq!(status["pending"], json!(2));
     assert_eq!(status["delayed"], json!(1));
     assert_eq!(status["in_flight"], json!(1));
-    assert_eq!(status["processed"], json!(1));
+    assert_eq!(status["retained"], json!(1));
     assert_eq!(status["dead_letters"], json!(1));
     assert!(status["oldest_pending_age_ms"].as_i64().unwrap() >= 5000, "{status}");
     assert_eq!(status["max_attempts"], json!(3));
@@ -275,7 +281,9 @@ async fn cleanup_prints_what_it_removed() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let three_days = Duration::from_secs(3 * 86400);
-    OutboxRow::new("old").processed_ago(three_days).insert_many(&client, 4).await;
+    OutboxRow::new("old").created_ago(three_days).insert_many(&client, 4).await;
+    pass_everything(&client, three_days).await;
+    OutboxRow::new("new").insert(&client).await;
     client
         .batch_execute(
             "insert into outbox_relay.idempotency (key, fingerprint, created_at) values ('k', '\\x00', now() - interval '3 days');",
@@ -284,7 +292,12 @@ async fn cleanup_prints_what_it_removed() {
         .unwrap();
     let output = cli(&db.url, &["cleanup", "--retention", "2d", "--idempotency-retention", "2d"]).await;
     assert!(output.status.success(), "{}", stderr(&output));
-    assert!(stdout(&output).contains("removed 4 processed events"), "{}", stdout(&output));
+    assert!(stdout(&output).contains("removed 4 events every destination passed"), "{}", stdout(&output));
+    assert_eq!(
+        crate::relay_support::count(&client, "select count(*) from outbox_relay.outbox").await,
+        1,
+        "the event not passed stays"
+    );
     assert!(stdout(&output).contains("1 idempotency receipts"), "{}", stdout(&output));
 }
 
@@ -543,7 +556,7 @@ mod needs_nats {
         let delivered: Vec<i64> = client
             .query(
                 "select id from outbox_relay.outbox o
-              where processed_at is not null
+              where outbox_relay.passed_by_all(xid, id)
                 and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
                 &[],
             )
@@ -604,7 +617,7 @@ mod needs_nats {
             "drain_share_of_claim_delete_loop",
             "claim_delete_loop_alike_rows_per_s",
             "drain_share_of_claim_delete_loop_alike",
-            "drain_mark_processed_events_per_s",
+            "drain_retention_0_events_per_s",
             "drain_keyed_events_per_s",
             "stdout_events_per_s",
             "nats_events_per_s",

@@ -79,8 +79,8 @@ async fn publish_everything(db: &TestDb) -> HashMap<i64, String> {
     stored
 }
 
-/// Makes every event deliverable again (the runs keep delivered rows: `--completion mark`): a
-/// copy of each parked for the destination, due now, as a retry is.
+/// Makes every event deliverable again (the runs keep delivered rows for the retention): a copy
+/// of each parked for the destination, due now, as a retry is.
 async fn redeliver(db: &TestDb) {
     let client = db.client().await;
     let parked = client

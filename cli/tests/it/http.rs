@@ -200,7 +200,7 @@ async fn a_pause_from_the_command_outlives_a_relay_restart() {
     let held = publish(&db, "mail.send", json!({})).await;
     let relay = spawn_run(&db.url, &["--sink", "stdout"]);
     let other = publish(&db, "erp.sync", json!({})).await;
-    // Delivered: passed by the destination (kept, marked processed), no copy of it waiting for
+    // Delivered: passed by the destination (kept for the retention), no copy of it waiting for
     // the destination (a paused event waits as one), not dead-lettered.
     let delivered = |id: i64| {
         let db = &db;
@@ -208,7 +208,7 @@ async fn a_pause_from_the_command_outlives_a_relay_restart() {
             db.client()
                 .await
                 .query_one(
-                    "select coalesce((select processed_at is not null from outbox_relay.outbox where id = $1), false)
+                    "select coalesce((select outbox_relay.passed_by_all(xid, id) from outbox_relay.outbox where id = $1), false)
                         and not exists (select 1 from outbox_relay.parked where id = $1)
                         and not exists (select 1 from outbox_relay.dead_letters where id = $1)",
                     &[&id],
@@ -648,16 +648,18 @@ mod needs_browser {
         assert_eq!(delivered["id"], json!(id), "{delivered}");
         let done = page.find(fantoccini::Locator::Css(".done")).await.expect("the console says what it did");
         assert_eq!(done.text().await.unwrap(), format!("retried dead letter {id}"));
-        // Looked up: the outbox row, passed (kept, marked processed), and nothing else once the
-        // delivery is recorded: no copy waiting for the destination, no dead letter.
+        // Looked up: delivered to the destination, once the delivery is recorded: no copy
+        // waiting for it, no dead letter.
         let found = until("the delivery recorded", || async {
             page.goto(&format!("{base}/?lookup={id}")).await.ok()?;
             let found = page.find(fantoccini::Locator::Id("lookup-result")).await.ok()?.text().await.ok()?;
-            let waiting = ["pending", "delayed", "in flight", "dead"].iter().any(|state| found.contains(state));
+            let waiting = ["pending", "waiting", "delayed", "retrying", "in flight", "dead"]
+                .iter()
+                .any(|state| found.contains(state));
             (!waiting).then_some(found)
         })
         .await;
-        assert!(found.contains("processed"), "{found}");
+        assert!(found.contains("delivered"), "{found}");
 
         browser.client.clone().close().await.unwrap();
         drop(browser);

@@ -18,7 +18,7 @@ use pg_outbox_relay_testkit::support::{PATIENCE, count, eventually, eventually_w
 
 /// The events not yet recorded delivered (nor dead-lettered): outbox rows the destination has
 /// not passed, and copies parked for it (a retry, a lease).
-const WAITING: &str = "select id from outbox_relay.outbox where processed_at is null
+const WAITING: &str = "select id from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)
                        union select id from outbox_relay.parked where destination = 'default'";
 
 /// How many events are not yet recorded delivered (see [`WAITING`]).
@@ -176,8 +176,6 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
         "--poll-interval",
         "100ms",
         // the rows kept, to compare with what the receiver saw
-        "--completion",
-        "mark",
     ];
     let first = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
@@ -234,7 +232,10 @@ async fn relay_killed_mid_batch_redelivers_only_what_was_in_flight() {
         first_log.lock().unwrap()
     );
     assert_eq!(waiting(&client).await, 0);
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await,
+        0
+    );
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
@@ -269,7 +270,7 @@ async fn killed_in_a_slow_delivery(kill_after: usize, flags: &[&str]) {
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.kill", EVENTS).await;
     let concurrency = CONCURRENCY.to_string();
-    let mut args = vec!["--sink", &sink, "--concurrency", &concurrency, "--fixed-concurrency", "--completion", "mark"];
+    let mut args = vec!["--sink", &sink, "--concurrency", &concurrency, "--fixed-concurrency"];
     args.extend_from_slice(flags);
     let first = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
@@ -327,20 +328,7 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.freeze", EVENTS).await;
-    let args = [
-        "--sink",
-        &sink,
-        "--batch-size",
-        "10",
-        "--lease",
-        "2s",
-        "--hold",
-        "1s",
-        "--poll-interval",
-        "100ms",
-        "--completion",
-        "mark",
-    ];
+    let args = ["--sink", &sink, "--batch-size", "10", "--lease", "2s", "--hold", "1s", "--poll-interval", "100ms"];
     let frozen = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
     eventually("the first relay delivering", || {
@@ -395,7 +383,7 @@ async fn sighup_mid_backlog_is_logged_and_changes_nothing() {
     let db = TestDb::new().await;
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.hangup", EVENTS).await;
-    let args = ["--sink", &sink, "--workers", "2", "--batch-size", "10", "--completion", "mark"];
+    let args = ["--sink", &sink, "--workers", "2", "--batch-size", "10"];
     let relay = RelayProcess::spawn(&db.url, &args);
     let requests = receiver.requests.clone();
     eventually("the relay delivered 30 events", || {
@@ -436,7 +424,7 @@ async fn sighup_reloads_a_changed_config_mid_backlog_and_delivers_nothing_twice(
     std::fs::write(&config, file("1")).unwrap();
     let path = config.to_str().unwrap();
     // (at most 2 requests at once: the backlog lasts about 3 s, the reloads happen in it)
-    let args = ["--config", path, "--workers", "2", "--batch-size", "10", "--completion", "mark", "--concurrency", "2"];
+    let args = ["--config", path, "--workers", "2", "--batch-size", "10", "--concurrency", "2"];
     let relay = RelayProcess::spawn_logging(&db.url, &args, "info");
     let requests = receiver.requests.clone();
     let delivered = |n: usize| {
@@ -487,7 +475,7 @@ async fn a_relay_killed_in_a_leased_delivery_from_a_notification_loses_nothing()
     let db = TestDb::new().await;
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.fast", 0).await;
-    let args = ["--sink", &sink, "--completion", "mark", "--hold", "200ms", "--lease", "2s", "--timeout", "1h"];
+    let args = ["--sink", &sink, "--hold", "200ms", "--lease", "2s", "--timeout", "1h"];
     let first = RelayProcess::spawn_logging(&db.url, &args, "info,pg_outbox_relay::relay::fast=debug");
     eventually("the relay's fast path armed", || {
         let log = first.log();
@@ -509,7 +497,8 @@ async fn a_relay_killed_in_a_leased_delivery_from_a_notification_loses_nothing()
     .await;
     let next_of_its_key = publish("{}", "k").await;
     let other = publish("{}", "other").await;
-    let recorded = format!("select count(*) from outbox_relay.outbox where id = {other} and processed_at is not null");
+    let recorded =
+        format!("select count(*) from outbox_relay.outbox where id = {other} and outbox_relay.passed_by_all(xid, id)");
     eventually("another key's event delivered and recorded meanwhile", || async {
         count(&client, &recorded).await == 1
     })
@@ -544,7 +533,7 @@ async fn two_relays_one_killed_while_it_owns_the_fast_path_lose_nothing_and_keep
     let db = TestDb::new().await;
     let client = db.client().await;
     let (receiver, sink) = slow_receiver_with_backlog(&client, "fault.fast", 0).await;
-    let args = ["--sink", &sink, "--completion", "mark"];
+    let args = ["--sink", &sink];
     let owns = "from their notifications (fast path)";
     let first = RelayProcess::spawn_logging(&db.url, &args, "info");
     eventually("the first relay owns the fast path", || {

@@ -248,7 +248,9 @@ async fn a_sequence_caching_ids_is_named_at_start() {
     eventually("the event delivered", || async {
         count(
             &client,
-            &format!("select count(*) from outbox_relay.outbox where id = {id} and processed_at is not null"),
+            &format!(
+                "select count(*) from outbox_relay.outbox where id = {id} and outbox_relay.passed_by_all(xid, id)"
+            ),
         )
         .await
             == 1

@@ -49,7 +49,7 @@ async fn a_relay_whose_destination_was_removed_under_it_registers_it_again() {
     let first = db.outbox.publish(&NewEvent::new("order.placed", json!({}))).await.unwrap();
     until_delivered(&mut deliveries, &[first]).await;
     eventually("the delivery recorded", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 1
+        count(&client, "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)").await == 1
     })
     .await;
     // An operator's hand past every check.
@@ -73,7 +73,13 @@ async fn a_relay_whose_destination_was_removed_under_it_registers_it_again() {
     let arrived = until_delivered(&mut deliveries, &[after]).await;
     relay.stop().await;
     // `next` was published while erp had no position: it reaches erp or is the one event lost to
-    // the operator's hand, never delivered twice.
-    assert!(arrived.iter().all(|id| *id == next || *id == after), "{arrived:?}");
-    assert!(deliveries.counts().values().all(|n| *n == 1), "{:?}", deliveries.counts());
+    // the operator's hand. With no destination left, erp starts again from the origin: `first`,
+    // kept for the retention, may come once more (at least once; its uuid lets a consumer drop
+    // it). Nothing else comes twice.
+    assert!(arrived.iter().all(|id| *id == first || *id == next || *id == after), "{arrived:?}");
+    assert!(
+        deliveries.counts().iter().all(|(id, n)| *n == 1 || (*id == first && *n == 2)),
+        "{:?}",
+        deliveries.counts()
+    );
 }

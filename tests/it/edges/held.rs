@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pg_outbox_relay::{Completion, NewEvent, RelayConfig};
+use pg_outbox_relay::{NewEvent, RelayConfig};
 use serde_json::json;
 
 use super::until_delivered;
@@ -14,18 +14,16 @@ use crate::storage::OUTBOX_TUPLES_READ;
 /// The sweeper's statement, as the relay runs it (`src/sql/destinations.rs`).
 const SWEEP: &str = include_str!("../../../src/sql/sweep.sql");
 
-/// The claim of new events and the recording of their delivery (`src/sql/events.rs`,
-/// `src/sql/outcomes.rs`).
+/// The claim of new events (`src/sql/claim.rs`).
 const CLAIM: &str = include_str!("../../../src/sql/claim_new.sql");
-const FINISH: &str = include_str!("../../../src/sql/finish.sql");
 
 /// Where a sweep starts: (xid, id) and the transactions it owes.
 type Cursor = (String, i64, Vec<String>);
 
-/// One sweep of at most 1,000 rows from `from`, deleting what every destination passed; returns
-/// where the next one starts.
+/// One sweep of at most 1,000 rows from `from`, removing what every destination passed (a
+/// retention of 0); returns where the next one starts.
 async fn sweep(client: &tokio_postgres::Client, from: &Cursor) -> Cursor {
-    let row = client.query_one(SWEEP, &[&from.0, &1000i64, &true, &from.1, &from.2]).await.unwrap();
+    let row = client.query_one(SWEEP, &[&from.0, &1000i64, &0i64, &from.1, &from.2]).await.unwrap();
     (row.get("next_xid"), row.get("next_id"), row.get("owed"))
 }
 
@@ -54,7 +52,7 @@ async fn a_sweep_reads_no_row_deleted_under_a_held_transaction() {
     let holder = db.client().await;
     holder.batch_execute("begin; select txid_current()").await.unwrap();
     let (handler, mut deliveries) = recorder();
-    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, handler);
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
     let mut ids = Vec::new();
     for round in 0..6 {
         let events: Vec<NewEvent> = (0..500)
@@ -63,12 +61,12 @@ async fn a_sweep_reads_no_row_deleted_under_a_held_transaction() {
         ids.extend(db.outbox.publish_all(&events).await.unwrap());
     }
     until_delivered(&mut deliveries, &ids).await;
-    relay.stop().await;
     let client = db.client().await;
-    eventually("the delivered events deleted", || async {
+    eventually("the delivered events removed", || async {
         count(&client, "select count(*) from outbox_relay.outbox").await == 0
     })
     .await;
+    relay.stop().await;
     client.batch_execute("set plan_cache_mode = force_generic_plan; set enable_seqscan = off").await.unwrap();
     let from = caught_up(&client).await;
     client.batch_execute("begin").await.unwrap();
@@ -95,7 +93,7 @@ async fn a_transaction_open_while_the_sweeper_passes_it_is_swept_once_it_commits
         .unwrap();
     let (handler, mut deliveries) = recorder();
     let route = pg_outbox_relay::Route::new("orders", "order.#", handler).unwrap();
-    let relay = support::start_routes(&db.outbox, config(), vec![route]);
+    let relay = support::start_routes(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, vec![route]);
     // Later transactions commit and are delivered while the writer's stays open; the sweeper
     // (once a second) goes past the writer's id meanwhile.
     for round in 0..3 {
@@ -117,7 +115,7 @@ async fn a_transaction_open_while_the_sweeper_passes_it_is_swept_once_it_commits
     eventually("its outbox row finished", || async {
         count(
             &client,
-            "select count(*) from outbox_relay.outbox where topic = 'nobody.listens' and processed_at is null",
+            "select count(*) from outbox_relay.outbox where topic = 'nobody.listens' and not outbox_relay.passed_by_all(xid, id)",
         )
         .await
             == 0
@@ -165,7 +163,7 @@ async fn statements_by_id_read_a_few_entries_after_the_outbox_was_analyzed_empty
     holder.batch_execute("begin; select txid_current()").await.unwrap();
     // The destination `default`, registered by a relay, its position past every event.
     let (handler, mut deliveries) = recorder();
-    let relay = support::start(&db.outbox, RelayConfig { completion: Completion::Delete, ..config() }, handler);
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
     let first = db.outbox.publish(&NewEvent::new("order.placed", json!({"first": true}))).await.unwrap();
     until_delivered(&mut deliveries, &[first]).await;
     relay.stop().await;
@@ -200,26 +198,17 @@ async fn statements_by_id_read_a_few_entries_after_the_outbox_was_analyzed_empty
     // The claims and the sweeper caught up: the position and the cursor past the dead rows (each
     // read once, as they pass them).
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 0}))).await.unwrap();
+    assert!(id > 0);
     reading(&client, CLAIM, &claim).await;
-    reading(&client, FINISH, &[&"default", &vec![id], &true]).await;
     let from = caught_up(&client).await;
     let mut reads = Vec::new();
-    // A claim, and its delivery recorded.
+    // A claim, and the sweeper's removal of the event it passed.
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 1}))).await.unwrap();
     let (rows, read) = reading(&client, CLAIM, &claim).await;
     assert!(rows.iter().any(|r| r.get::<_, Option<i64>>(0) == Some(id)));
     reads.push(("claim", read));
-    let (rows, read) = reading(&client, FINISH, &[&"default", &vec![id], &true]).await;
-    assert_eq!(rows[0].get::<_, i64>(0), 1, "the delivered event deleted");
-    reads.push(("recording a delivery", read));
-    // A claim whose delivery was not recorded (the relay stopped in between): the sweeper
-    // finishes the event.
-    let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 2}))).await.unwrap();
-    let (rows, read) = reading(&client, CLAIM, &claim).await;
-    assert!(rows.iter().any(|r| r.get::<_, Option<i64>>(0) == Some(id)));
-    reads.push(("claim", read));
-    let (rows, read) = reading(&client, SWEEP, &[&from.0, &1000i64, &true, &from.1, &from.2]).await;
-    assert_eq!(rows[0].get::<_, i64>("finished"), 1, "the sweeper finished the event");
+    let (rows, read) = reading(&client, SWEEP, &[&from.0, &1000i64, &0i64, &from.1, &from.2]).await;
+    assert_eq!(rows[0].get::<_, i64>("finished"), 1, "the sweeper removed the event");
     reads.push(("a sweep", read));
     holder.batch_execute("rollback").await.unwrap();
     assert!(

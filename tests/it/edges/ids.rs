@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pg_outbox_relay::{Completion, DeliveryError, NewEvent, RelayConfig, handler_fn};
+use pg_outbox_relay::{DeliveryError, NewEvent, RelayConfig, handler_fn};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -19,7 +19,7 @@ fn refusing() -> impl pg_outbox_relay::Handler + Clone {
 
 /// Delivered rows deleted, so that their ids are free in the outbox.
 fn quick() -> RelayConfig {
-    RelayConfig { poll_interval: Duration::from_millis(100), completion: Completion::Delete, ..config() }
+    RelayConfig { poll_interval: Duration::from_millis(100), retention: Duration::ZERO, ..config() }
 }
 
 /// What the parked events and dead letters hold: (id, uuid text) each, in id order.
@@ -51,6 +51,10 @@ async fn one_parked_one_buried(db: &TestDb) -> (Running, i64, i64, Vec<(i64, Str
     let waiting = db.outbox.publish(&later).await.unwrap();
     let refused = db.outbox.publish(&NewEvent::new("refused", json!({"n": 2}))).await.unwrap();
     kept_until(&client, 1, 1).await;
+    eventually("their outbox rows removed (a retention of 0)", || async {
+        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
     let (parked, dead) = (kept(&client, "parked").await, kept(&client, "dead_letters").await);
     assert_eq!((parked[0].0, dead[0].0), (waiting, refused));
     (relay, waiting, refused, parked, dead)
@@ -110,16 +114,19 @@ async fn events_given_an_old_events_id_by_hand_are_refused_and_kept() {
     }
     assert_eq!(kept(&client, "parked").await, parked_before, "the old parked event is untouched");
     assert_eq!(kept(&client, "dead_letters").await, dead_before, "the old dead letter is untouched");
-    let in_outbox = "select count(*) from outbox_relay.outbox where processed_at is null";
-    let rows = client.query("select id, topic, processed_at::text from outbox_relay.outbox", &[]).await.unwrap();
-    let rows: Vec<(i64, String, Option<String>)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
+    let in_outbox = "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)";
+    let rows = client
+        .query("select id, topic, outbox_relay.passed_by_all(xid, id) from outbox_relay.outbox", &[])
+        .await
+        .unwrap();
+    let rows: Vec<(i64, String, bool)> = rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))).collect();
     assert_eq!(count(&client, in_outbox).await, 2, "the new events are kept: {rows:?}");
 
     // The operator's way out: the new events under fresh ids.
     client
         .batch_execute(&format!(
             "update outbox_relay.outbox set id = nextval('outbox_relay.outbox_id_seq'), xid = pg_current_xact_id()
-              where id in ({waiting}, {refused}) and processed_at is null"
+              where id in ({waiting}, {refused}) and not outbox_relay.passed_by_all(xid, id)"
         ))
         .await
         .unwrap();

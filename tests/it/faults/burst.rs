@@ -135,7 +135,7 @@ async fn the_listener_keeps_reading_under_a_burst_so_the_notification_queue_stay
     let delivered = count(
         &fake,
         "select count(*) from outbox_relay.outbox o
-          where o.processed_at is not null
+          where outbox_relay.passed_by_all(o.xid, o.id)
             and not exists (select 1 from outbox_relay.parked p where p.id = o.id)
             and not exists (select 1 from outbox_relay.dead_letters d where d.id = o.id)",
     )

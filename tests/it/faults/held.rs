@@ -68,7 +68,7 @@ async fn a_terminated_session_gives_its_held_claim_back_at_once() {
     assert!(client.query_one("select pg_terminate_backend($1)", &[&holder]).await.unwrap().get::<_, bool>(0));
 
     eventually("the events delivered again and recorded", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is not null").await == 3
+        count(&client, "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)").await == 3
     })
     .await;
     // The first deliveries finish now; their transaction is gone, so nothing of them is recorded.
@@ -77,7 +77,10 @@ async fn a_terminated_session_gives_its_held_claim_back_at_once() {
     relay.stop().await;
     assert_eq!(snapshot.delivered, 3, "only the redeliveries recorded: {snapshot:?}");
     assert!(seen.lock().unwrap().values().all(|n| *n == 2), "each event twice: {seen:?}");
-    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await, 0);
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await,
+        0
+    );
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
 
@@ -163,7 +166,8 @@ async fn killed_mid_held_claim(fail_first: bool) {
     let second = support::start(&db.outbox, rescuing, handler);
     let got: Vec<Event> = deliveries.take(EVENTS as usize / 2).await.into_iter().map(|d| d.event).collect();
     eventually("nothing waits any more", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where processed_at is null").await == 0
+        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await
+            == 0
             && count(&client, "select count(*) from outbox_relay.parked").await == 0
     })
     .await;
