@@ -1,6 +1,7 @@
-//! The janitor: deletes idempotency receipts past their retention, claim positions no longer needed, and the
-//! marks of relays that crashed; records which destinations relays serve, warns of those no relay
-//! has served for half their expiry, and expires those past it.
+//! The janitor: deletes idempotency receipts past their retention, claim positions no longer
+//! needed, and the marks of relays that crashed; records which destinations relays serve, warns
+//! of those no relay has served for half their expiry, and expires those past it. (Events every
+//! destination has passed are the sweeper's.)
 
 use std::collections::HashMap;
 use std::time::Duration;

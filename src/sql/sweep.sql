@@ -1,8 +1,9 @@
 -- The sweeper's statement (src/sql/destinations.rs runs it, and says what it does and returns):
 -- removes the outbox rows every destination has passed that were committed more than $3
--- microseconds ago (their retention is over: the newest position taken before then sees them), from the cursor ($1 xid, $4 id) on, at most $2 rows, and the rows of the
--- transactions the cursor passed while they ran ($5); a row no destination's pattern matches goes
--- to the dead letters of the destination '' as it goes.
+-- microseconds ago (their retention is over: the newest position taken before then sees them),
+-- from the cursor ($1 xid, $4 id) on, at most $2 rows, and the rows of the transactions the
+-- cursor passed while they ran ($5); a row no destination's pattern matches goes to the dead
+-- letters of the destination '' as it goes.
 with newest as materialized (
     select p.since, p.snapshot, p.after_id
       from (select name from outbox_relay.destinations

@@ -88,9 +88,18 @@ impl OutboxRow {
 /// current snapshot for every registered destination (for the origin, the position the first
 /// destination starts from, while none is), taken `ago` before now (the sweeper removes passed
 /// events only once a position older than the retention sees them). Events committed later are
-/// not passed.
+/// not passed. Positions taken since that moment are moved before it, so that the claims' clock
+/// still runs forward (the sweeper finds the newest position before a moment by its time).
 pub async fn pass_everything(client: &Client, ago: Duration) {
     let micros = i64::try_from(ago.as_micros()).expect("an offset of less than 290,000 years");
+    client
+        .execute(
+            "update outbox_relay.positions set at = now() - $1::int8 * interval '1 microsecond' - interval '1 second'
+              where at > now() - $1::int8 * interval '1 microsecond' - interval '1 second'",
+            &[&micros],
+        )
+        .await
+        .expect("moving the positions' times back");
     client
         .execute(
             "insert into outbox_relay.positions (destination, n, since, snapshot, after_id, at)

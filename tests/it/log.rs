@@ -23,6 +23,19 @@ async fn publish_each(db: &TestDb, topic: &str, n: usize, keys: usize) -> Vec<i6
     ids
 }
 
+/// Until every registered destination's position has passed every event in the outbox.
+async fn until_every_destination_passed_everything(db: &TestDb) {
+    eventually("every destination passed every event", || async {
+        count(
+            &db.client().await,
+            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
+        )
+        .await
+            == 0
+    })
+    .await;
+}
+
 /// The ids each key got, in the order delivered.
 fn per_key(events: &[Event]) -> HashMap<String, Vec<i64>> {
     let mut keys: HashMap<String, Vec<i64>> = HashMap::new();
@@ -55,15 +68,7 @@ async fn a_replay_of_a_range_reaches_one_destination_of_two_in_order_per_key_wit
     let first: Vec<Event> = to_erp.take(50).await.into_iter().map(|d| d.event).collect();
     to_audit.take(50).await;
     let uuids: HashMap<i64, uuid::Uuid> = first.iter().map(|e| (e.id, e.uuid)).collect();
-    eventually("both destinations passed every event", || async {
-        count(
-            &db.client().await,
-            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
-        )
-        .await
-            == 0
-    })
-    .await;
+    until_every_destination_passed_everything(&db).await;
 
     assert_eq!(db.outbox.replay_count("erp", since, Some(until), None).await.unwrap(), 30, "a dry run counts");
     assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.parked").await, 0, "and copies nothing");
@@ -121,15 +126,7 @@ async fn a_destination_added_in_the_past_gets_the_retained_events_since_then_fir
     let retained = publish_each(&db, "mail.send", 8, 2).await;
     publish_each(&db, "order.placed", 4, 2).await;
     to_erp.take(17).await;
-    eventually("the ERP passed every event", || async {
-        count(
-            &db.client().await,
-            "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)",
-        )
-        .await
-            == 0
-    })
-    .await;
+    until_every_destination_passed_everything(&db).await;
 
     let mail = TopicPattern::parse("mail.#").unwrap();
     assert_eq!(db.outbox.add_destination("mailer", &mail, Some(since)).await.unwrap(), 8);
@@ -293,11 +290,11 @@ async fn a_cleanup_killed_in_the_middle_loses_nothing_and_the_next_one_finishes(
         .batch_execute(
             "insert into outbox_relay.outbox (topic, key, payload, created_at)
              select 'order.placed', 'k' || (g % 50), jsonb_build_object('n', g), now() - interval '2 days'
-               from generate_series(1, 30000) g",
+               from generate_series(1, 60000) g",
         )
         .await
         .unwrap();
-    crate::factory::pass_everything(&client, Duration::from_secs(86400)).await;
+    crate::factory::pass_everything(&client, Duration::ZERO).await;
     client
         .batch_execute(
             "insert into outbox_relay.outbox (topic, payload, created_at)
@@ -306,18 +303,26 @@ async fn a_cleanup_killed_in_the_middle_loses_nothing_and_the_next_one_finishes(
         .await
         .unwrap();
     let passed = "select count(*) from outbox_relay.outbox where payload ? 'n'";
-    let outbox = db.outbox.clone();
-    let cleanup =
-        tokio::spawn(async move { outbox.cleanup(Duration::from_secs(3600), Duration::from_secs(3600), 50).await });
+    // The cleanup on connections of its own, named so that the test can end their session.
+    let separator = if db.url.contains('?') { '&' } else { '?' };
+    let url = format!("{}{separator}application_name=cleanup_under_test", db.url);
+    let outbox = pg_outbox_relay::Outbox::connect(&url).await.unwrap();
+    let cleanup = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { outbox.cleanup(Duration::ZERO, Duration::from_secs(3600), 20).await }
+    });
     let killer = db.client().await;
     support::until("the cleanup's session terminated in the middle", || async {
-        if count(&killer, passed).await > 29_000 {
+        if cleanup.is_finished() {
+            panic!("the cleanup ended before it was terminated");
+        }
+        if count(&killer, passed).await > 59_000 {
             return None;
         }
         let row = killer
             .query_one(
                 "select count(pg_terminate_backend(pid)) from pg_stat_activity
-                  where pid <> pg_backend_pid() and query like '-- The sweeper''s statement%'",
+                  where application_name = 'cleanup_under_test'",
                 &[],
             )
             .await
@@ -326,11 +331,12 @@ async fn a_cleanup_killed_in_the_middle_loses_nothing_and_the_next_one_finishes(
     })
     .await;
     let first = cleanup.await.unwrap();
+    outbox.pool().close();
     let left = count(&client, passed).await;
-    eprintln!("the first cleanup, terminated: {first:?}; {left} of 30,000 passed events left");
+    eprintln!("the first cleanup, terminated: {first:?}; {left} of 60,000 passed events left");
     assert!(first.is_err() && left > 0, "the cleanup was terminated in the middle: {first:?}, {left} left");
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where payload ? 'late'").await, 100);
-    let second = db.outbox.cleanup(Duration::from_secs(3600), Duration::from_secs(3600), 50).await.unwrap();
+    let second = db.outbox.cleanup(Duration::ZERO, Duration::from_secs(3600), 1000).await.unwrap();
     assert_eq!(second.events as i64, left, "the second removes what the first left");
     assert_eq!(count(&client, passed).await, 0);
     assert_eq!(
