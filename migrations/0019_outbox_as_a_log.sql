@@ -181,6 +181,11 @@ begin
     if topic_regex is not null then
         perform '' ~ topic_regex;
     end if;
+    -- The destination's new events are claimed by one transaction at a time under this lock:
+    -- taking it waits for a claim in delivery (held) to commit, so that none of its events is
+    -- still in delivery while its key's replayed ones are claimed, and no claim moves the
+    -- position meanwhile.
+    perform pg_advisory_xact_lock(1869901932, d.lock_id);
     with q as (
         select p.since, p.snapshot, p.after_id from outbox_relay.positions p
          where p.destination = d.name order by p.n desc limit 1

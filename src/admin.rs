@@ -145,6 +145,13 @@ pub(crate) async fn cleanup(
     }
     step(bound, "deleting old claim positions", sql::prune_positions(db, retention)).await?;
     loop {
+        let doing = "deleting old records of parked deliveries";
+        let n = step(bound, doing, sql::delete_expired_parked_deliveries(db, retention, batch)).await?;
+        if n < batch as u64 {
+            break;
+        }
+    }
+    loop {
         let n =
             step(bound, "deleting expired receipts", sql::delete_expired_receipts(db, idempotency_retention, batch))
                 .await?;

@@ -110,6 +110,11 @@ pub(crate) fn parse_count(text: &str, min: usize, max: usize) -> Result<usize, S
 /// how long ago (`90m`, `2h`, `7d`), read against this machine's clock.
 pub(crate) fn moment(text: &str) -> Result<std::time::SystemTime, String> {
     let text = text.trim();
+    if text.len() > 10 && (text[10..].contains('+') || text[10..].contains('-')) {
+        return Err(format!(
+            "{text:?}: give the time in UTC (ending in Z, e.g. 2026-12-05T08:00:00Z), not with an offset"
+        ));
+    }
     if let Ok(at) = humantime::parse_rfc3339_weak(text) {
         return Ok(at);
     }

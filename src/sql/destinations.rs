@@ -131,6 +131,69 @@ pub(crate) struct ToRegister<'a> {
     pub(crate) topic_regex: Option<&'a str>,
 }
 
+/// Before the destinations change (one added, a pattern changed, one dropped or expired): every
+/// outbox row every destination has passed that no destination's pattern matches (a destination
+/// whose starting position had passed it does not count: it never had it) goes to the dead
+/// letters of '' now, whatever its retention, and leaves the outbox: judged later, against the
+/// changed destinations, it could be counted as one's that never saw it, and removed unsent.
+/// Reads every retained row (a registration that changes something, a drop: rare); run under the
+/// destinations' lock with their claims held off.
+const BURY_UNROUTED: &str = "\
+with newest as materialized (
+    select p.since, p.snapshot, p.after_id
+      from outbox_relay.destinations d cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+),
+gone as materialized (
+    select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at
+      from outbox_relay.outbox e
+     where exists (select 1 from outbox_relay.destinations)
+       and not exists (select 1 from outbox_relay.destinations d
+                        where (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+                          and (d.started is null or not pg_visible_in_snapshot(e.xid, d.started)))
+       and not exists (select 1 from newest p
+                        where pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+                           or not outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))
+       for update of e skip locked
+),
+buried as (
+    insert into outbox_relay.dead_letters (destination, id, uuid, topic, key, payload, headers, created_at, attempts, last_error)
+    select '', g.id, g.uuid, g.topic, g.key, g.payload, g.headers, g.created_at, 0,
+           'no destination''s pattern matches its topic (the destinations: '
+           || (select string_agg(d.name || ' ' || d.pattern, ', ' order by d.name) from outbox_relay.destinations d)
+           || ')'
+      from gone g
+    on conflict (destination, id) do update set failed_at = now(), last_error = excluded.last_error
+     where dead_letters.uuid = excluded.uuid
+    returning id
+)
+delete from outbox_relay.outbox where id = any (array(select id from buried))";
+
+/// When a destination is dropped: the outbox rows every destination has passed that no other
+/// destination takes (its pattern, and its start before them) were the dropped one's alone; they
+/// go now, rather than count as unrouted when their retention ends.
+const DESTINATION_FORGET_ITS_OWN: &str = "\
+with newest as materialized (
+    select p.since, p.snapshot, p.after_id
+      from outbox_relay.destinations d cross join lateral (
+        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
+         where q.destination = d.name order by q.n desc limit 1) p
+)
+delete from outbox_relay.outbox e
+ where not exists (select 1 from outbox_relay.destinations d
+                    where d.name <> $1
+                      and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+                      and (d.started is null or not pg_visible_in_snapshot(e.xid, d.started)))
+   and not exists (select 1 from newest p
+                    where pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+                       or not outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))";
+
+/// Buries the unrouted rows every destination has passed (`BURY_UNROUTED`); returns how many.
+pub(crate) async fn bury_unrouted(db: &impl Db) -> Result<u64> {
+    count(db, BURY_UNROUTED, &[], "burying the events no destination's pattern matches").await
+}
+
 /// How many rows one statement of the sweep that registration runs reads.
 const REGISTRATION_SWEEP_BATCH: i64 = 10_000;
 
@@ -164,6 +227,7 @@ pub(crate) async fn register_destinations(
     let changes = all.iter().zip(&found).any(|(to, found)| found.as_ref().is_none_or(|(was, _)| was != to.pattern));
     if changes {
         one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], "registering a destination").await?;
+        bury_unrouted(&tx).await?;
         let mut from = SweepFrom::default();
         loop {
             let swept = sweep_outbox(&tx, &from, REGISTRATION_SWEEP_BATCH, retention).await?;
@@ -477,6 +541,8 @@ async fn drop_or_expire(client: &mut deadpool_postgres::Object, name: &str, expi
         one(&tx, DESTINATION_WAIT_FOR_CLAIM, &[&name], doing).await?;
         "the destination was dropped while the event waited for it".to_string()
     };
+    bury_unrouted(&tx).await?;
+    count(&tx, DESTINATION_FORGET_ITS_OWN, &[&name], doing).await?;
     count(&tx, ORIGIN_MOVE, &[&name], doing).await?;
     let registered = count(&tx, DESTINATION_DELETE, &[&name], doing).await? > 0;
     // Parked events of a name no longer registered (a destination of the migration, a retried
@@ -488,6 +554,7 @@ async fn drop_or_expire(client: &mut deadpool_postgres::Object, name: &str, expi
     count(&tx, DESTINATION_DROP_POSITIONS, &[&name], doing).await?;
     count(&tx, DESTINATION_DROP_PAUSES, &[&name], doing).await?;
     count(&tx, DESTINATION_DROP_EARLY, &[&name], doing).await?;
+    count(&tx, "delete from outbox_relay.parked_deliveries where destination = $1", &[&name], doing).await?;
     tx.commit().await.map_err(|e| crate::error::Error::database(doing, e))?;
     Ok(Dropped::Done(buried))
 }
@@ -551,8 +618,15 @@ pub(crate) async fn add_destination(
     if let Some(row) = all_rows(&tx, DESTINATION_GET, &[&to.name], doing).await?.first() {
         return Ok(Added::Exists(row.get("pattern")));
     }
+    one(&tx, DESTINATIONS_WAIT_FOR_CLAIMS, &[], doing).await?;
+    bury_unrouted(&tx).await?;
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] = [&to.name, &to.pattern, &to.topic_regex];
     one(&tx, DESTINATION_INSERT, &params, doing).await?;
+    // It expires as a relay's would if no relay ever serves it (a mistyped name must not keep
+    // every event in the outbox for good); a relay that registers it sets its own expiry.
+    let names = [to.name];
+    let expiry = crate::RelayConfig::DEFAULT_DESTINATION_EXPIRY.as_secs_f64();
+    count(&tx, DESTINATIONS_SERVED_FROM_NOW, &[&names.as_slice(), &expiry], doing).await?;
     let replayed = match since {
         Some(since) => replay(&tx, to.name, since, None, None).await?,
         None => 0,

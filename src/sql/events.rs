@@ -140,3 +140,18 @@ delete from outbox_relay.positions p
 pub(crate) async fn prune_positions(db: &impl Db, retention: Duration) -> Result<u64> {
     count(db, POSITIONS_PRUNE, &[&super::micros(retention)], "deleting old claim positions").await
 }
+
+/// Records of deliveries of parked events older than the retention (`$1` microseconds), at most
+/// `$2` of them, oldest first.
+const PARKED_DELIVERIES_EXPIRED: &str = "\
+delete from outbox_relay.parked_deliveries where (destination, id) in (
+    select destination, id from outbox_relay.parked_deliveries
+     where delivered_at < now() - $1::int8 * interval '1 microsecond'
+     order by delivered_at limit $2
+       for update skip locked)";
+
+/// Deletes up to `batch` records of parked deliveries older than `retention`; returns how many.
+pub(crate) async fn delete_expired_parked_deliveries(db: &impl Db, retention: Duration, batch: i64) -> Result<u64> {
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&super::micros(retention), &batch];
+    count(db, PARKED_DELIVERIES_EXPIRED, &params, "deleting old records of parked deliveries").await
+}

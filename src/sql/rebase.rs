@@ -147,6 +147,14 @@ select d.name, coalesce((select max(q.n) from outbox_relay.positions q where q.d
   from (select name from outbox_relay.destinations
         union all select '' where exists (select 1 from outbox_relay.positions where destination = '')) d";
 
+/// Every position but each destination's (and the origin's) newest, which the rebase just wrote.
+const REBASE_FOREIGN_POSITIONS_GONE: &str = "\
+delete from outbox_relay.positions p
+ where p.n < (select max(q.n) from outbox_relay.positions q where q.destination = p.destination)";
+
+/// The destinations' starts (snapshots of the other cluster).
+const REBASE_STARTS_GONE: &str = "update outbox_relay.destinations set started = null where started is not null";
+
 const INSTALLATION_RECORD: &str = "\
 insert into outbox_relay.installation (system_identifier)
 select system_identifier from pg_control_system()
@@ -187,6 +195,10 @@ pub(crate) async fn rebase_positions(client: &mut deadpool_postgres::Object) -> 
     super::count(&tx, REBASE_BURY_UNREADABLE, &[], doing).await?;
     let events = super::count(&tx, REBASE_ROWS, &[], doing).await?;
     super::count(&tx, REBASE_POSITIONS, &[&snapshot], doing).await?;
+    // The other cluster's positions and starts mean nothing here (the sweeper would take their
+    // times and snapshots for this cluster's, `event_state` would hide every new event).
+    super::count(&tx, REBASE_FOREIGN_POSITIONS_GONE, &[], doing).await?;
+    super::count(&tx, REBASE_STARTS_GONE, &[], doing).await?;
     super::count(&tx, INSTALLATION_RECORD, &[], doing).await?;
     tx.commit().await.map_err(fail)?;
     Ok(Some(Rebased { why, events }))

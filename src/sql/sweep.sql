@@ -56,7 +56,7 @@ seen as materialized (
 ),
 ahead as materialized (select s.* from seen s where not s.owed),
 gone as materialized (
-    select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at
+    select e.id, e.xid, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at
       from outbox_relay.outbox e
      where e.id = any (array(select s.id from seen s where s.passed and s.old))
        for update of e skip locked
@@ -69,7 +69,9 @@ unrouted as materialized (
            || ')'
       from gone g
      where exists (select 1 from outbox_relay.destinations)
-       and not exists (select 1 from outbox_relay.destinations d where d.topic_regex is null or ('.' || g.topic) ~ d.topic_regex)
+       and not exists (select 1 from outbox_relay.destinations d
+                        where (d.topic_regex is null or ('.' || g.topic) ~ d.topic_regex)
+                          and (d.started is null or not pg_visible_in_snapshot(g.xid, d.started)))
     on conflict (destination, id) do update set failed_at = now(), last_error = excluded.last_error
      where dead_letters.uuid = excluded.uuid
     returning id

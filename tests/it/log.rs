@@ -346,3 +346,34 @@ async fn a_cleanup_killed_in_the_middle_loses_nothing_and_the_next_one_finishes(
     );
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
 }
+
+/// An event no destination's pattern matches is judged when the destinations change, not only
+/// when its retention ends: a destination added within the hour (whose start had passed the
+/// event: it never had it) does not make it routed, and it goes to the dead letters of '' then.
+#[tokio::test]
+async fn an_unrouted_event_is_dead_lettered_before_a_destination_is_added() {
+    let db = TestDb::new().await;
+    let (orders, mut to_orders) = recorder();
+    let relay = support::start_routes(&db.outbox, config(), vec![Route::new("orders", "order.*", orders).unwrap()]);
+    let lost = db.outbox.publish(&NewEvent::new("mail.sent", json!({"n": 1}))).await.unwrap();
+    db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 2}))).await.unwrap();
+    to_orders.next().await;
+    until_every_destination_passed_everything(&db).await;
+    relay.stop().await;
+    let every = TopicPattern::parse("#").unwrap();
+    db.outbox.add_destination("archive", &every, None).await.unwrap();
+    let client = db.client().await;
+    let dead = count(
+        &client,
+        &format!("select count(*) from outbox_relay.dead_letters where destination = '' and id = {lost}"),
+    )
+    .await;
+    assert_eq!(dead, 1, "the unrouted event in the dead letters of ''");
+    assert_eq!(count(&client, &format!("select count(*) from outbox_relay.outbox where id = {lost}")).await, 0);
+    let expiry: bool = client
+        .query_one("select expire_after is not null from outbox_relay.destinations where name = 'archive'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(expiry, "a destination added by hand expires if no relay ever serves it");
+}
