@@ -131,30 +131,57 @@ pub(crate) struct ToRegister<'a> {
     pub(crate) topic_regex: Option<&'a str>,
 }
 
-/// Before the destinations change (one added, a pattern changed, one dropped or expired): every
-/// outbox row every destination has passed that no destination's pattern matches (a destination
-/// whose starting position had passed it does not count: it never had it) goes to the dead
-/// letters of '' now, whatever its retention, and leaves the outbox: judged later, against the
-/// changed destinations, it could be counted as one's that never saw it, and removed unsent.
-/// Reads every retained row (a registration that changes something, a drop: rare); run under the
-/// destinations' lock with their claims held off.
-const BURY_UNROUTED: &str = "\
-with newest as materialized (
+/// Each registered destination's newest position, once per statement (a CTE named `newest`).
+macro_rules! newest_positions {
+    () => {
+        "newest as materialized (
     select p.since, p.snapshot, p.after_id
       from outbox_relay.destinations d cross join lateral (
         select q.since, q.snapshot, q.after_id from outbox_relay.positions q
          where q.destination = d.name order by q.n desc limit 1) p
-),
+)"
+    };
+}
+
+/// Whether every position of `newest` has passed the outbox row `e` (none of them another
+/// cluster's, migration 0014), as `sweep.sql` tests it.
+macro_rules! passed_by_newest {
+    () => {
+        "not exists (select 1 from newest p
+                        where pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
+                           or not outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))"
+    };
+}
+
+/// Whether the destination `d` takes the outbox row `e`: its pattern matches the topic, and its
+/// starting position had not passed the event (a destination registered later never had it).
+macro_rules! takes_event {
+    () => {
+        "(d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
+                          and (d.started is null or not pg_visible_in_snapshot(e.xid, d.started))"
+    };
+}
+
+/// Before the destinations change (one added, a pattern changed, one dropped or expired): every
+/// outbox row every destination has passed that no destination takes goes to the dead letters of
+/// '' now, whatever its retention, and leaves the outbox: judged later, against the changed
+/// destinations, it could be counted as one's that never saw it, and removed unsent. Reads every
+/// retained row (a registration that changes something, a drop: rare); run under the
+/// destinations' lock with their claims held off.
+const BURY_UNROUTED: &str = concat!(
+    "with ",
+    newest_positions!(),
+    ",
 gone as materialized (
     select e.id, e.uuid, e.topic, e.key, e.payload, e.headers, e.created_at
       from outbox_relay.outbox e
      where exists (select 1 from outbox_relay.destinations)
-       and not exists (select 1 from outbox_relay.destinations d
-                        where (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
-                          and (d.started is null or not pg_visible_in_snapshot(e.xid, d.started)))
-       and not exists (select 1 from newest p
-                        where pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
-                           or not outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))
+       and not exists (select 1 from outbox_relay.destinations d where ",
+    takes_event!(),
+    ")
+       and ",
+    passed_by_newest!(),
+    "
        for update of e skip locked
 ),
 buried as (
@@ -168,26 +195,23 @@ buried as (
      where dead_letters.uuid = excluded.uuid
     returning id
 )
-delete from outbox_relay.outbox where id = any (array(select id from buried))";
+delete from outbox_relay.outbox where id = any (array(select id from buried))"
+);
 
-/// When a destination is dropped: the outbox rows every destination has passed that no other
-/// destination takes (its pattern, and its start before them) were the dropped one's alone; they
-/// go now, rather than count as unrouted when their retention ends.
-const DESTINATION_FORGET_ITS_OWN: &str = "\
-with newest as materialized (
-    select p.since, p.snapshot, p.after_id
-      from outbox_relay.destinations d cross join lateral (
-        select q.since, q.snapshot, q.after_id from outbox_relay.positions q
-         where q.destination = d.name order by q.n desc limit 1) p
-)
+/// When a destination (`$1`) is dropped: the outbox rows every destination has passed that no
+/// other destination takes were the dropped one's alone; they go now, rather than count as
+/// unrouted when their retention ends.
+const DESTINATION_FORGET_ITS_OWN: &str = concat!(
+    "with ",
+    newest_positions!(),
+    "
 delete from outbox_relay.outbox e
- where not exists (select 1 from outbox_relay.destinations d
-                    where d.name <> $1
-                      and (d.topic_regex is null or ('.' || e.topic) ~ d.topic_regex)
-                      and (d.started is null or not pg_visible_in_snapshot(e.xid, d.started)))
-   and not exists (select 1 from newest p
-                    where pg_snapshot_xmax(p.snapshot) > pg_snapshot_xmax(pg_current_snapshot())
-                       or not outbox_relay.passed(e.xid, e.id, p.since, p.snapshot, p.after_id))";
+ where not exists (select 1 from outbox_relay.destinations d where d.name <> $1 and ",
+    takes_event!(),
+    ")
+   and ",
+    passed_by_newest!()
+);
 
 /// Buries the unrouted rows every destination has passed (`BURY_UNROUTED`); returns how many.
 pub(crate) async fn bury_unrouted(db: &impl Db) -> Result<u64> {
