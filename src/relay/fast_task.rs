@@ -38,6 +38,9 @@ const LEASE_RETRY: Duration = Duration::from_secs(1);
 /// trickle cost the relay and its backends, one per event. A relay killed meanwhile sends those
 /// deliveries again (at least once), as it does what was in flight.
 const RECORD_LINGER: Duration = Duration::from_millis(100);
+/// At a stop, how often the claim that records what is left is tried, and how far apart.
+const STOP_RECORD_TRIES: u32 = 40;
+const STOP_RECORD_RETRY: Duration = Duration::from_millis(25);
 
 /// The fast path's task and what it needs.
 pub(crate) struct FastTask<H> {
@@ -89,8 +92,16 @@ impl<H: Handler> FastTask<H> {
                 unrecorded_since = None;
             }
         }
-        if unrecorded_since.is_some() || fast.undecided_left() {
+        // Recorded before the relay stops, so that a restart does not send it again. A claim of
+        // a worker may hold the new events a moment (this claim is then turned away, and the
+        // workers are stopping): try again, for at most about a second.
+        let mut tries = 0;
+        while (unrecorded_since.take().is_some() || fast.undecided_left()) && tries < STOP_RECORD_TRIES {
+            if tries > 0 {
+                tokio::time::sleep(STOP_RECORD_RETRY).await;
+            }
             self.record(&fast).await;
+            tries += 1;
         }
     }
 
