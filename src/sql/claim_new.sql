@@ -48,23 +48,25 @@ pos as materialized (
 -- from the first and filters on xid: that walk would pass every event ever delivered), each
 -- event with whether the pattern matches it, then sorted.
 delta as materialized (
-    select e.id, e.matches from pos k cross join lateral (
-        select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
+    select e.id, e.ctid, e.matches, e.stored from pos k cross join lateral (
+        select e.id, e.ctid, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
+               pg_column_size(e.payload) as stored from outbox_relay.outbox e
          where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.xid <> '0'::xid8
          order by e.xid) e
     union all
-    select e.id, e.matches from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
+    select e.id, e.ctid, e.matches, e.stored from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
-        select e.id, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches from outbox_relay.outbox e
+        select e.id, e.ctid, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
+               pg_column_size(e.payload) as stored from outbox_relay.outbox e
          where k.after_id is null and e.xid = x.xid and e.xid <> '0'::xid8
          order by e.xid) e
 ),
 cand as materialized (
-    select x.id from (
-        select d.id from delta d where d.matches
+    select x.id, x.ctid, x.stored from (
+        select d.id, d.ctid, d.stored from delta d where d.matches
         union all
-        select c.id from pos k cross join lateral (
-            select e.id from outbox_relay.outbox e
+        select c.id, c.ctid, c.stored from pos k cross join lateral (
+            select e.id, e.ctid, pg_column_size(e.payload) as stored from outbox_relay.outbox e
              where k.after_id is not null and e.id > k.after_id
                and pg_visible_in_snapshot(e.xid, k.snapshot) and not pg_visible_in_snapshot(e.xid, k.since)
                and ($6::text is null or ('.' || e.topic) ~ $6::text)
@@ -72,24 +74,37 @@ cand as materialized (
     ) x order by x.id limit $1::int8 + 1
 ),
 -- The batch: at most $1 events, and no more bytes of payload than $7 (but always the first), so
--- that a relay's memory follows its batch size however large the events are. The sizes are added
--- one event at a time, in id order, and only until the bound is passed: a payload stored inline
--- counts its stored size, a larger one its text's length (read from TOAST only for the events
--- that may be taken, never for a whole delta of large events).
-ids as materialized (
-    select coalesce(array_agg(c.id order by c.id), '{}') as a from cand c
+-- that a relay's memory follows its batch size however large the events are. A payload stored
+-- inline counts its stored size, a larger one its text's length. When every candidate is stored
+-- inline (the sizes came with the scan) the sizes are summed in one pass; otherwise they are
+-- added one event at a time, in id order, and only until the bound is passed (a larger payload's
+-- text read from TOAST only for the events that may be taken, never for a whole delta of large
+-- events). The two ways count the same bytes.
+small as materialized (
+    select coalesce(bool_and(c.stored < 1024), true) as all_inline from cand c
 ),
-sized(n, id, upto) as (
-    select 1, i.a[1], (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.id = i.a[1])
+ids as materialized (
+    select coalesce(array_agg(c.id order by c.id), '{}') as a, coalesce(array_agg(c.ctid order by c.id), '{}') as t
+      from cand c where not (select m.all_inline from small m)
+),
+sized(n, id, ctid, upto) as (
+    select 1, i.a[1], i.t[1], (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.ctid = i.t[1])
       from ids i where cardinality(i.a) > 0
     union all
-    select s.n + 1, i.a[s.n + 1],
-           s.upto + (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.id = i.a[s.n + 1])
+    select s.n + 1, i.a[s.n + 1], i.t[s.n + 1],
+           s.upto + (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.ctid = i.t[s.n + 1])
       from sized s, ids i
      where s.n < least(cardinality(i.a), $1::int4) and s.upto <= $7::int8
 ),
 taken as materialized (
-    select s.id from sized s where s.n = 1 or s.upto <= $7::int8 order by s.id
+    select t.id, t.ctid from (
+        select w.id, w.ctid from (
+            select c.id, c.ctid, row_number() over w as n, sum(c.stored) over w as upto
+              from cand c window w as (order by c.id rows unbounded preceding)) w
+         where (select m.all_inline from small m) and w.n <= $1::int8 and (w.n = 1 or w.upto <= $7::int8)
+        union all
+        select s.id, s.ctid from sized s where s.n = 1 or s.upto <= $7::int8
+    ) t order by t.id
 ),
 moved as (
     insert into outbox_relay.positions (destination, n, since, snapshot, after_id)
@@ -120,12 +135,13 @@ moved as (
 -- transaction counter (another cluster's: nothing was claimed on its word), whether the
 -- destination has no position at all (it was dropped while this relay served it), and this
 -- statement's snapshot (the fast path drops what it sees: this claim took it).
--- (Each probe is a scalar subquery ordered as its index, and the events are read from `taken`,
--- one primary key probe each: no plan may choose to walk an index from its start, past the
--- dead entries a held snapshot keeps.)
+-- (Each probe is a scalar subquery ordered as its index, and the events are read again by the
+-- tuple ids the scan found (`taken`: a TID scan, no index descent; the row version the scan
+-- saw stays at its tuple id while this statement's snapshot sees it): no plan may choose to walk an index
+-- from its start, past the dead entries a held snapshot keeps.)
 select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
-            then (extract(epoch from clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
+            then (date_part('epoch', clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
        o.uuid, o.headers,
        o.available_at <= clock_timestamp() and coalesce(o.topic <> all($3::text[]), true)
        and (o.key is null or (
@@ -146,7 +162,7 @@ select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered,
        null::text as snapshot
   from outbox_relay.outbox o
- where o.id = any (array(select t.id from taken t)) and exists (select 1 from moved)
+ where o.ctid = any (array(select t.ctid from taken t)) and exists (select 1 from moved)
 union all
 select null, null, null, null, null, null, null, null, null, null, null, null,
        (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e

@@ -583,3 +583,88 @@ async fn a_live_0013_installation_keeps_each_destinations_state_as_a_log() {
     // destination passed it and it is an hour old.
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where id <= 19").await, 19);
 }
+
+/// The claim's byte bound takes the same events whether it sums the sizes in one pass (every
+/// candidate stored inline) or one event at a time (a payload in TOAST among them): the longest
+/// prefix in id order, at most the batch, whose payloads count no more than the bound (a payload
+/// stored inline counts its stored size, a larger one its text's length), but always the first.
+/// Checked on both of the claim's paths: the delta of new transactions and a cut delta going on
+/// from its last id.
+#[tokio::test]
+async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_one() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let every = pg_outbox_relay::TopicPattern::parse("#").unwrap();
+    let bound = 2_000i64;
+    // Inline payloads of different sizes; then the same with payloads in TOAST among them (one
+    // of them larger than the bound on its own, taken alone when it comes first).
+    for (name, toasted) in [("inline", false), ("toasted", true)] {
+        db.outbox.add_destination(name, &every, None).await.unwrap();
+        client
+            .execute(
+                "insert into outbox_relay.outbox (topic, payload)
+                 select 'bytes.counted', jsonb_build_object('n', g,
+                        'pad', case when $1 and g % 7 = 3
+                                    then (select string_agg(md5(g::text || '.' || i), '') from generate_series(1, 40 + 20 * (g % 3)) i)
+                                    else repeat('x', (g * 37) % 300) end)
+                   from generate_series(1, 120) g",
+                &[&toasted],
+            )
+            .await
+            .unwrap();
+        let stored_large: i64 = client
+            .query_one(
+                "select count(*) from outbox_relay.outbox where pg_column_size(payload) >= 1024 and topic = 'bytes.counted'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(stored_large > 0, toasted, "{name}: payloads in TOAST");
+        let lock_id: i32 = client
+            .query_one("select lock_id from outbox_relay.destinations where name = $1", &[&name])
+            .await
+            .unwrap()
+            .get(0);
+        let mut claimed = Vec::new();
+        let mut claims = 0;
+        loop {
+            // What the bound should take from what is left, in id order.
+            let left: Vec<(i64, i64)> = client
+                .query(
+                    "select id, outbox_relay.payload_bytes(payload) from outbox_relay.outbox
+                      where topic = 'bytes.counted' and id > $1 order by id",
+                    &[&claimed.last().copied().unwrap_or(0i64)],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| (r.get(0), r.get(1)))
+                .collect();
+            let mut expected = Vec::new();
+            let mut upto = 0;
+            for (id, bytes) in left.iter().take(500) {
+                upto += bytes;
+                if !expected.is_empty() && upto > bound {
+                    break;
+                }
+                expected.push(*id);
+            }
+            let paused: Vec<String> = Vec::new();
+            let every_topic: Option<String> = None;
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
+                [&500i64, &false, &paused, &name, &lock_id, &every_topic, &bound, &0i32];
+            let rows = client.query(CLAIM, &params).await.unwrap();
+            let ids: Vec<i64> = rows.iter().filter_map(|r| r.get::<_, Option<i64>>(0)).collect();
+            assert_eq!(ids, expected, "{name}: claim {claims}");
+            if ids.is_empty() {
+                break;
+            }
+            claimed.extend(ids);
+            claims += 1;
+        }
+        assert_eq!(claimed.len(), 120, "{name}: every event claimed once");
+        assert!(claims > 10, "{name}: {claims} claims (the bound cut them)");
+        client.execute("delete from outbox_relay.outbox", &[]).await.unwrap();
+    }
+}
