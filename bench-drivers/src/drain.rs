@@ -8,6 +8,7 @@ use pg_outbox_relay::{
 };
 use tokio::sync::oneshot;
 
+use super::cpu::{CpuProfile, CpuSample};
 use super::latency::stop_relay;
 use super::{BoxError, db};
 
@@ -102,22 +103,35 @@ pub async fn drain_to_each<H: Handler + Clone>(
     names: &[&str],
     handler: H,
 ) -> Result<Duration, BoxError> {
+    Ok(drain_each_measured(outbox, setup, names, handler).await?.elapsed)
+}
+
+/// [`drain_to_each`], with the drain's other figures.
+pub async fn drain_each_measured<H: Handler + Clone>(
+    outbox: &Outbox,
+    setup: DrainSetup,
+    names: &[&str],
+    handler: H,
+) -> Result<Drained, BoxError> {
     let routes = names.iter().map(|name| Route::new(*name, "#", handler.clone())).collect::<Result<Vec<_>, _>>()?;
-    Ok(drain_routes(outbox, setup, setup.config(), routes).await?.elapsed)
+    drain_routes(outbox, setup, setup.config(), routes).await
 }
 
 /// A drain's figures.
-pub(super) struct Drained {
+pub struct Drained {
     /// When the relay was started.
     pub started: Instant,
     /// From then to the last delivery recorded.
     pub elapsed: Duration,
     /// The relay's metrics at the end.
     pub metrics: MetricsSnapshot,
+    /// Where the machine's CPU went meanwhile (this process runs the relay).
+    pub cpu: CpuProfile,
 }
 
-/// [`drain_with`], returning when the relay started and its metrics at the end too.
-pub(super) async fn drain_measured<H: Handler>(
+/// [`drain_with`], returning when the relay started, its metrics at the end and where the CPU
+/// went too.
+pub async fn drain_measured<H: Handler>(
     outbox: &Outbox,
     setup: DrainSetup,
     config: RelayConfig,
@@ -145,6 +159,7 @@ async fn drain_routes<H: Handler>(
     let (shutdown, stop) = oneshot::channel::<()>();
     let events = setup.events as u64;
 
+    let cpu = CpuSample::now();
     let started = Instant::now();
     let task = tokio::spawn(relay.run(async move {
         stop.await.ok();
@@ -158,6 +173,7 @@ async fn drain_routes<H: Handler>(
     })
     .await;
     let elapsed = started.elapsed();
+    let cpu = cpu.profile();
 
     stop_relay(Some(shutdown), Some(task)).await?;
     let snapshot = metrics.snapshot();
@@ -171,7 +187,7 @@ async fn drain_routes<H: Handler>(
         )
         .into());
     }
-    Ok(Drained { started, elapsed, metrics: snapshot })
+    Ok(Drained { started, elapsed, metrics: snapshot, cpu })
 }
 
 /// Empties the outbox and the destinations (each drain's relay registers its own, starting from
@@ -274,5 +290,103 @@ async fn claim_delete_until_empty(client: &tokio_postgres::Client, claim: &str) 
             })
             .unwrap_or(0);
         client.batch_execute("COMMIT").await.map_err(db("COMMIT"))?;
+    }
+}
+
+/// The floor of a drain: what reading the events costs with no write per event. One client
+/// loops over
+///
+/// ```text
+/// BEGIN;
+/// SELECT id, topic, key, payload, created_at, uuid, headers FROM outbox_relay.outbox
+///  WHERE id > $last ORDER BY id LIMIT $batch;          -- every column decoded, as a relay would
+/// INSERT INTO <a scratch table> (n, after_id) VALUES ($n, $new_last);   -- one row per batch
+/// COMMIT;
+/// ```
+///
+/// in the relay's session settings (`synchronous_commit = off`, generic plans), until a read
+/// comes back empty. One client, in id order, because a destination's new events are read in
+/// order by one transaction at a time; it keeps no lock, checks no key and delivers nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLoop {
+    /// Events pre-filled and read.
+    pub events: usize,
+    /// Rows per read.
+    pub batch: usize,
+}
+
+/// Truncates and pre-fills the outbox as the drain does, then returns how long [`ReadLoop`]
+/// took to read every row (only the loop is timed).
+pub async fn read_loop_time(outbox: &Outbox, reference: ReadLoop) -> Result<Duration, BoxError> {
+    if reference.events == 0 || reference.batch == 0 {
+        return Err("the read loop needs events and a batch size".into());
+    }
+    prefill(outbox, reference.events, None).await?;
+    let mut client = outbox.url().connect().await?;
+    client
+        .batch_execute(
+            "set synchronous_commit = off; set plan_cache_mode = force_generic_plan; set jit = off;
+             create temporary table read_loop_positions (n int8 primary key, after_id int8 not null,
+                                                         at timestamptz not null default now())",
+        )
+        .await
+        .map_err(db("preparing the read loop"))?;
+    let read = client
+        .prepare(
+            "select id, topic, key, payload, created_at, uuid, headers from outbox_relay.outbox
+              where id > $1 order by id limit $2",
+        )
+        .await
+        .map_err(db("preparing the read"))?;
+    let record = client
+        .prepare("insert into read_loop_positions (n, after_id) values ($1, $2)")
+        .await
+        .map_err(db("preparing the position's insert"))?;
+    let batch = i64::try_from(reference.batch)?;
+    let (mut last, mut n, mut read_rows) = (0i64, 0i64, 0usize);
+    let started = Instant::now();
+    loop {
+        let tx = client.transaction().await.map_err(db("BEGIN"))?;
+        let rows = tx.query(&read, &[&last, &batch]).await.map_err(db("reading events"))?;
+        if rows.is_empty() {
+            tx.commit().await.map_err(db("COMMIT"))?;
+            break;
+        }
+        for row in &rows {
+            let id: i64 = row.try_get(0)?;
+            let _topic: String = row.try_get(1)?;
+            let _key: Option<String> = row.try_get(2)?;
+            let payload: Raw = row.try_get(3)?;
+            let _created_at: std::time::SystemTime = row.try_get(4)?;
+            let _uuid: Raw = row.try_get(5)?;
+            let _headers: Option<Raw> = row.try_get(6)?;
+            std::hint::black_box(payload.0.to_vec());
+            last = last.max(id);
+        }
+        read_rows += rows.len();
+        n += 1;
+        tx.execute(&record, &[&n, &last]).await.map_err(db("recording the position"))?;
+        tx.commit().await.map_err(db("COMMIT"))?;
+    }
+    let elapsed = started.elapsed();
+    if read_rows != reference.events {
+        return Err(format!("the read loop read {read_rows} of {} rows", reference.events).into());
+    }
+    Ok(elapsed)
+}
+
+/// A column's bytes as the server sent them (binary format), whatever its type.
+struct Raw<'a>(&'a [u8]);
+
+impl<'a> tokio_postgres::types::FromSql<'a> for Raw<'a> {
+    fn from_sql(
+        _: &tokio_postgres::types::Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        Ok(Raw(raw))
+    }
+
+    fn accepts(_: &tokio_postgres::types::Type) -> bool {
+        true
     }
 }

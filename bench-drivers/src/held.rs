@@ -21,6 +21,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
+use super::cpu::machine_cpu;
 use super::trickle::{
     backend_cpu, backend_cpu_spent, backend_pid, cpu_spent, event_id, measuring_connection, process_cpu, stop_child,
 };
@@ -391,14 +392,4 @@ pub async fn held_snapshot(outbox: &Outbox, mut relay: Command, setup: HeldSnaps
         }
     }
     Ok(HeldReport { clear, held, duplicates: duplicates.load(Ordering::Relaxed) })
-}
-
-/// Busy CPU time of the whole machine (all cores: user, nice, system, irq, softirq, steal), from
-/// the first line of `/proc/stat`.
-fn machine_cpu() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let fields: Vec<u64> =
-        stat.lines().next()?.split_whitespace().skip(1).map(|f| f.parse().unwrap_or(0)).collect::<Vec<_>>();
-    let busy: u64 = [0, 1, 2, 5, 6, 7].iter().map(|i| fields.get(*i).copied().unwrap_or(0)).sum();
-    Some(Duration::from_secs_f64(busy as f64 / super::trickle::clock_ticks_per_second() as f64))
 }

@@ -92,6 +92,7 @@
 #![warn(missing_docs)]
 
 mod brokers;
+mod cpu;
 mod drain;
 mod held;
 mod latency;
@@ -105,8 +106,10 @@ mod write;
 pub use pg_outbox_relay::Percentiles;
 
 pub use self::brokers::{AmqpDrain, KafkaBench};
+pub use self::cpu::{CpuProfile, CpuSample};
 pub use self::drain::{
-    ClaimDeleteLoop, DrainSetup, claim_delete_time, drain_throughput, drain_time, drain_to, drain_to_each, drain_with,
+    ClaimDeleteLoop, DrainSetup, Drained, ReadLoop, claim_delete_time, drain_each_measured, drain_measured,
+    drain_throughput, drain_time, drain_to, drain_to_each, drain_with, read_loop_time,
 };
 pub use self::held::{HELD_WINDOW, HELD_WRITERS, HeldReport, HeldSnapshot, Phase, Window, held_snapshot};
 pub use self::latency::{LatencyProbe, WakePath, latency};

@@ -289,7 +289,7 @@ pub async fn drain_to_receiver(
     receiver: &Receiver,
 ) -> Result<ReceiverRun, BoxError> {
     let before = receiver.counts();
-    let Drained { started, elapsed, metrics } = drain_measured(outbox, setup, config, receiver.sink()?).await?;
+    let Drained { started, elapsed, metrics, .. } = drain_measured(outbox, setup, config, receiver.sink()?).await?;
     let after = receiver.counts();
     // (a receiver may serve several drains: only this one's requests count)
     let counts = Counts {

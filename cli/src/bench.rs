@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use pg_outbox_relay_bench as bench;
 use pg_outbox_relay_bench::{
-    BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, NotifyMode, Percentiles, ReceiverKind, ReceiversReport,
+    BenchDb, ClaimDeleteLoop, DrainSetup, HeldReport, NotifyMode, Percentiles, ReadLoop, ReceiverKind, ReceiversReport,
     ServerInfo, Settings, Trickle, TrickleReport, WakePath,
 };
 use serde_json::json;
@@ -46,13 +46,7 @@ struct Report {
     notify_claim_first: Percentiles,
     in_process: Percentiles,
     poll: Percentiles,
-    /// The relay's drain with the given workers and batch (median of the rounds).
-    drain: f64,
-    /// The claim-and-delete loop on the same cluster, 4 clients and batches of 100 (median of
-    /// the rounds).
-    claim_delete: f64,
-    /// The same loop with the drain's workers and batch size.
-    claim_delete_alike: f64,
+    drains: Drains,
     removed_drain: f64,
     keyed_drain: f64,
     receivers: ReceiversReport,
@@ -84,6 +78,9 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
         let stage = async |outbox: &pg_outbox_relay::Outbox| sinks::stage(&args, outbox).await;
         measure_only(&args, &server, sinks::step(&args), stage, sinks::SinksReport::json, sinks::SinksReport::print)
             .await
+    } else if args.drain_only {
+        let stage = async |outbox: &pg_outbox_relay::Outbox| drain_rounds(&args, outbox).await;
+        measure_only(&args, &server, drain_step(&args), stage, drains_json, |d| print_drains(&args, d)).await
     } else if args.latency_only {
         let step = format!("latency: {ROUNDS} alternating rounds of {} samples on each path", args.samples);
         let stage = async |outbox: &pg_outbox_relay::Outbox| latency_rounds(&args, outbox).await;
@@ -171,6 +168,8 @@ fn database(args: &BenchArgs) -> &'static str {
         "cli_sinks"
     } else if args.latency_only {
         "cli_latency"
+    } else if args.drain_only {
+        "cli_drain"
     } else {
         DATABASE
     }
@@ -203,26 +202,9 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
     progress(format!("latency ({poll}), {} samples", args.poll_samples()));
     let poll = latency(poll, args.poll_samples()).await?;
 
-    let setup = DrainSetup {
-        events: args.events,
-        workers: args.workers,
-        batch_size: args.batch_size,
-        ..DrainSetup::defaults(args.events)
-    };
-    let (clients, batch) = REFERENCE_LOOP;
-    let reference = ClaimDeleteLoop { events: args.events, clients, batch };
-    let alike = ClaimDeleteLoop { events: args.events, clients: args.workers, batch: args.batch_size };
-    progress(format!(
-        "drain: {} events, the relay ({} workers, batch {}, otherwise its defaults) and the bare claim-and-delete loop ({clients} clients, batch {batch}; and {} clients, batch {}), alternately, {ROUNDS} rounds",
-        args.events, args.workers, args.batch_size, args.workers, args.batch_size
-    ));
-    let (mut drains, mut loops, mut alikes) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        loops.push(rate(args.events, bench::claim_delete_time(&outbox, reference).await?));
-        drains.push(rate(args.events, bench::drain_time(&outbox, setup).await?));
-        alikes.push(rate(args.events, bench::claim_delete_time(&outbox, alike).await?));
-    }
-    let (drain, claim_delete, claim_delete_alike) = (median(&mut drains), median(&mut loops), median(&mut alikes));
+    let setup = drain_setup(args);
+    progress(drain_step(args));
+    let drains = drain_rounds(args, &outbox).await?;
     progress("drain, delivered events removed as the drain goes (retention 0)".to_string());
     let removed_drain = bench::drain_throughput(&outbox, DrainSetup { retention: Duration::ZERO, ..setup }).await?;
     progress(format!("drain, the events over {KEYS} keys (each key in order)"));
@@ -274,9 +256,7 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         notify_claim_first,
         in_process,
         poll,
-        drain,
-        claim_delete,
-        claim_delete_alike,
+        drains,
         removed_drain,
         keyed_drain,
         receivers,
@@ -288,6 +268,103 @@ async fn measure(args: &BenchArgs, server: &BenchDb) -> Result<Report, BenchErro
         tps_no_trigger,
         held,
     })
+}
+
+/// The drain's figures: the relay and the loops it is compared with, medians of [`ROUNDS`]
+/// alternating rounds.
+struct Drains {
+    /// The relay's drain with the given workers and batch.
+    drain: f64,
+    /// The claim-and-delete loop, [`REFERENCE_LOOP`]'s clients and batch.
+    claim_delete: f64,
+    /// The same loop with the drain's workers and batch size.
+    claim_delete_alike: f64,
+    /// The floor: one client reading the events in id order, the drain's batch size, one row
+    /// written per batch and none per event ([`bench::ReadLoop`]).
+    read_floor: f64,
+}
+
+/// The relay's drain setup: `args`' events, workers and batch, its defaults otherwise.
+fn drain_setup(args: &BenchArgs) -> DrainSetup {
+    DrainSetup {
+        events: args.events,
+        workers: args.workers,
+        batch_size: args.batch_size,
+        ..DrainSetup::defaults(args.events)
+    }
+}
+
+fn drain_step(args: &BenchArgs) -> String {
+    let (clients, batch) = REFERENCE_LOOP;
+    format!(
+        "drain: {} events, the relay ({} workers, batch {}, otherwise its defaults), the bare claim-and-delete loop ({clients} clients, batch {batch}; and {} clients, batch {}) and the floor (one client reading them, batch {}, no write per event), alternately, {ROUNDS} rounds",
+        args.events, args.workers, args.batch_size, args.workers, args.batch_size, args.batch_size
+    )
+}
+
+/// The drain and its references in alternating rounds.
+async fn drain_rounds(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<Drains, BenchError> {
+    let setup = drain_setup(args);
+    let (clients, batch) = REFERENCE_LOOP;
+    let reference = ClaimDeleteLoop { events: args.events, clients, batch };
+    let alike = ClaimDeleteLoop { events: args.events, clients: args.workers, batch: args.batch_size };
+    let read = ReadLoop { events: args.events, batch: args.batch_size };
+    let (mut drains, mut loops, mut alikes, mut reads) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        loops.push(rate(args.events, bench::claim_delete_time(outbox, reference).await?));
+        drains.push(rate(args.events, bench::drain_time(outbox, setup).await?));
+        reads.push(rate(args.events, bench::read_loop_time(outbox, read).await?));
+        alikes.push(rate(args.events, bench::claim_delete_time(outbox, alike).await?));
+    }
+    Ok(Drains {
+        drain: median(&mut drains),
+        claim_delete: median(&mut loops),
+        claim_delete_alike: median(&mut alikes),
+        read_floor: median(&mut reads),
+    })
+}
+
+fn drains_json(d: &Drains) -> serde_json::Value {
+    json!({
+        "drain_events_per_s": rounded(d.drain, 1),
+        "claim_delete_loop_rows_per_s": rounded(d.claim_delete, 1),
+        "claim_delete_loop_clients": REFERENCE_LOOP.0,
+        "claim_delete_loop_batch": REFERENCE_LOOP.1,
+        "drain_share_of_claim_delete_loop": rounded(d.drain / d.claim_delete, 3),
+        "claim_delete_loop_alike_rows_per_s": rounded(d.claim_delete_alike, 1),
+        "drain_share_of_claim_delete_loop_alike": rounded(d.drain / d.claim_delete_alike, 3),
+        "read_floor_events_per_s": rounded(d.read_floor, 1),
+        "drain_share_of_read_floor": rounded(d.drain / d.read_floor, 3),
+        "read_floor_share_of_claim_delete_loop": rounded(d.read_floor / d.claim_delete, 3),
+    })
+}
+
+fn print_drains(args: &BenchArgs, d: &Drains) {
+    out!("drain of {} events, {} workers, batch {} (medians of {ROUNDS}):", args.events, args.workers, args.batch_size);
+    out!("  {:<52}{:>10} events/s", "the relay (keeping delivered events: the default)", grouped(d.drain));
+    let (clients, batch) = REFERENCE_LOOP;
+    out!(
+        "  {:<52}{:>10} rows/s",
+        format!("the bare claim-and-delete loop, {clients} clients, batch {batch}"),
+        grouped(d.claim_delete)
+    );
+    out!("  the relay drains at {:.0} % of that loop's rate", d.drain / d.claim_delete * 100.0);
+    out!(
+        "  {:<52}{:>10} rows/s",
+        format!("the same loop, {} clients, batch {}", args.workers, args.batch_size),
+        grouped(d.claim_delete_alike)
+    );
+    out!("  the relay drains at {:.0} % of that loop's rate", d.drain / d.claim_delete_alike * 100.0);
+    out!(
+        "  {:<52}{:>10} rows/s",
+        format!("the floor: one client reading them, batch {}", args.batch_size),
+        grouped(d.read_floor)
+    );
+    out!(
+        "  the relay drains at {:.0} % of the floor; the floor is {:.0} % of the claim-and-delete loop",
+        d.drain / d.read_floor * 100.0,
+        d.read_floor / d.claim_delete * 100.0
+    );
 }
 
 /// The latency paths the latency stage measures, in the order of a round.
@@ -383,13 +460,6 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         "latency_inprocess_above_floor_ms": above_floor_json(&r.in_process, &r.floor),
         "latency_notify_claim_first_above_floor_ms": above_floor_json(&r.notify_claim_first, &r.floor),
         "latency_poll_ms": percentiles_json(&r.poll),
-        "drain_events_per_s": rounded(r.drain, 1),
-        "claim_delete_loop_rows_per_s": rounded(r.claim_delete, 1),
-        "claim_delete_loop_clients": REFERENCE_LOOP.0,
-        "claim_delete_loop_batch": REFERENCE_LOOP.1,
-        "drain_share_of_claim_delete_loop": rounded(r.drain / r.claim_delete, 3),
-        "claim_delete_loop_alike_rows_per_s": rounded(r.claim_delete_alike, 1),
-        "drain_share_of_claim_delete_loop_alike": rounded(r.drain / r.claim_delete_alike, 3),
         "drain_retention_0_events_per_s": rounded(r.removed_drain, 1),
         "drain_keyed_events_per_s": rounded(r.keyed_drain, 1),
         "drain_keys": KEYS,
@@ -425,6 +495,7 @@ fn to_json(args: &BenchArgs, r: &Report) -> serde_json::Value {
         settings,
         server_json(r.embedded, &r.info),
         held_json(args, &r.held),
+        drains_json(&r.drains),
         receivers_json(&r.receivers),
         r.sinks.json(),
     ])
@@ -497,21 +568,7 @@ fn print_table(args: &BenchArgs, r: &Report) {
         );
     }
     out!();
-    out!("drain of {} events, {} workers, batch {} (medians of {ROUNDS}):", args.events, args.workers, args.batch_size);
-    out!("  {:<52}{:>10} events/s", "the relay, deleting delivered events (the default)", grouped(r.drain));
-    let (clients, batch) = REFERENCE_LOOP;
-    out!(
-        "  {:<52}{:>10} rows/s",
-        format!("the bare claim-and-delete loop, {clients} clients, batch {batch}"),
-        grouped(r.claim_delete)
-    );
-    out!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete * 100.0);
-    out!(
-        "  {:<52}{:>10} rows/s",
-        format!("the same loop, {} clients, batch {}", args.workers, args.batch_size),
-        grouped(r.claim_delete_alike)
-    );
-    out!("  the relay drains at {:.0} % of that loop's rate", r.drain / r.claim_delete_alike * 100.0);
+    print_drains(args, &r.drains);
     out!("  {:<52}{:>10} events/s", "the relay, removing them as it goes (retention 0)", grouped(r.removed_drain));
     out!(
         "  {:<52}{:>10} events/s",

@@ -93,6 +93,12 @@ pub(crate) struct BenchArgs {
     /// floor.
     #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only"])]
     pub(crate) latency_only: bool,
+    /// Run only the drain stage, in alternating rounds: the relay, the bare claim-and-delete loop
+    /// (4 clients, batch 100; and --workers clients, --batch-size), and the floor (one client
+    /// reading the events in id order, --batch-size a read, one row written per batch and none
+    /// per event).
+    #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only", "latency_only"])]
+    pub(crate) drain_only: bool,
     /// An argument added to the `outbox-relay run --sink stdout` processes of the trickle and the
     /// held-snapshot stages (repeat it for several: `--relay-arg=--no-fast-path`), to measure a
     /// setting against the defaults.

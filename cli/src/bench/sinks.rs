@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use pg_outbox_relay::Outbox;
-use pg_outbox_relay_bench::{self as bench, AmqpDrain, DrainSetup, KafkaBench};
+use pg_outbox_relay_bench::{self as bench, AmqpDrain, CpuProfile, DrainSetup, Drained, KafkaBench};
 use serde_json::json;
 
 use super::common::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
@@ -20,6 +20,29 @@ pub(super) struct SinksReport {
     pub(super) nats: Result<f64, String>,
     pub(super) amqp: Result<f64, String>,
     pub(super) kafka: Result<KafkaFigures, String>,
+    /// Where the machine's CPU went during each drain (stdout, two destinations, NATS,
+    /// RabbitMQ, Kafka), over every round.
+    pub(super) cpu: [CpuProfile; 5],
+}
+
+/// The drains of [`SinksReport::cpu`], in its order.
+const DRAINS: [&str; 5] = ["stdout", "stdout_two_destinations", "nats", "amqp", "kafka"];
+
+/// The commands a CPU profile names (the rest are summed as others).
+const PROFILED: usize = 3;
+
+fn cpu_json(profile: &CpuProfile) -> serde_json::Value {
+    let cores: serde_json::Map<String, serde_json::Value> =
+        profile.top(PROFILED).into_iter().map(|(command, cores)| (command, json!(rounded(cores, 3)))).collect();
+    json!({ "machine_busy_share": profile.machine_share().map(|s| rounded(s, 3)), "cores_by_command": cores })
+}
+
+/// The machine's busy share and the commands that spent the most, e.g. `machine 97 % busy:
+/// postgres 1.02, outbox-relay 0.61, nats-server 0.31 cores`.
+fn cpu_line(profile: &CpuProfile) -> String {
+    let busy = profile.machine_share().map_or("?".to_owned(), |s| format!("{:.0}", s * 100.0));
+    let top: Vec<String> = profile.top(PROFILED).into_iter().map(|(c, cores)| format!("{c} {cores:.2}")).collect();
+    format!("CPU: machine {busy} % busy; {} cores", top.join(", "))
 }
 
 /// The Kafka drain beside a plain producer on the same broker.
@@ -49,21 +72,26 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
         }
     }
     let mut rates: [Vec<f64>; 6] = Default::default();
+    let mut cpu: [CpuProfile; 5] = Default::default();
+    let config = setup.config();
     for round in 0..ROUNDS {
-        rates[0].push(rate(setup.events, bench::drain_to(outbox, setup, bench::DevNullLines).await?));
-        let two = bench::drain_to_each(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?;
-        rates[1].push(rate(setup.events, two));
+        let mut record = |i: usize, drained: Drained| {
+            rates[i].push(rate(setup.events, drained.elapsed));
+            cpu[i].add(&drained.cpu);
+        };
+        record(0, bench::drain_measured(outbox, setup, config.clone(), bench::DevNullLines).await?);
+        record(1, bench::drain_each_measured(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?);
         if let Ok(sink) = &nats {
-            rates[2].push(rate(setup.events, bench::drain_to(outbox, setup, sink.clone()).await?));
+            record(2, bench::drain_measured(outbox, setup, config.clone(), sink.clone()).await?);
         }
         if let Ok(amqp) = &amqp {
-            rates[3].push(rate(setup.events, bench::drain_to(outbox, setup, Arc::clone(&amqp.sink)).await?));
+            record(3, bench::drain_measured(outbox, setup, config.clone(), Arc::clone(&amqp.sink)).await?);
             amqp.purge().await?;
         }
         if let Ok(kafka) = &kafka {
             let topic = format!("outbox-bench-drain-{}-{round}", std::process::id());
             kafka.create_topic(&topic).await?;
-            rates[4].push(rate(setup.events, bench::drain_to(outbox, setup, kafka.sink(&topic).await?).await?));
+            record(4, bench::drain_measured(outbox, setup, config.clone(), kafka.sink(&topic).await?).await?);
             kafka.delete_topic(&topic).await?;
             let topic = format!("outbox-bench-producer-{}-{round}", std::process::id());
             kafka.create_topic(&topic).await?;
@@ -85,6 +113,7 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             Err(why) => Err(why),
         },
         kafka: kafka.map(|_| KafkaFigures { drain: median(kafka_rates), producer: median(producer_rates) }),
+        cpu,
     };
     Ok(report)
 }
@@ -106,6 +135,8 @@ impl SinksReport {
             "kafka_events_per_s": kafka.ok().map(|k| rounded(k.drain, 1)),
             "kafka_producer_messages_per_s": kafka.ok().map(|k| rounded(k.producer, 1)),
             "kafka_share_of_producer": kafka.ok().map(|k| rounded(k.drain / k.producer, 3)),
+            "sinks_cpu": DRAINS.iter().zip(&self.cpu).filter(|(_, p)| !p.elapsed.is_zero())
+                .map(|(name, p)| ((*name).to_owned(), cpu_json(p))).collect::<serde_json::Map<_, _>>(),
             "skipped": {
                 "nats": self.nats.as_ref().err(),
                 "amqp": self.amqp.as_ref().err(),
@@ -116,26 +147,32 @@ impl SinksReport {
 
     pub(super) fn print(&self) {
         out!("delivery, default settings (workers, batch, concurrency), {} events:", self.events);
-        let line = |what: &str, rate: f64, note: String| {
+        let line = |what: &str, rate: f64, note: String, cpu: Option<&CpuProfile>| {
             out!("  {what:<44}{:>12} events/s (median of {ROUNDS}{note})", grouped(rate));
+            if let Some(cpu) = cpu.filter(|p| !p.elapsed.is_zero()) {
+                out!("    {}", cpu_line(cpu));
+            }
         };
-        line("to the stdout sink's work (/dev/null)", self.stdout, String::new());
+        let [stdout_cpu, two_cpu, nats_cpu, amqp_cpu, kafka_cpu] = &self.cpu;
+        line("to the stdout sink's work (/dev/null)", self.stdout, String::new(), Some(stdout_cpu));
         let share = self.stdout_two / self.stdout * 100.0;
         line(
             "to two such destinations, every event to each",
             self.stdout_two,
             format!("; {share:.0} % of one; each event delivered twice"),
+            Some(two_cpu),
         );
-        for (what, rate) in [("to NATS JetStream", &self.nats), ("to RabbitMQ", &self.amqp)] {
+        for (what, rate, cpu) in [("to NATS JetStream", &self.nats, nats_cpu), ("to RabbitMQ", &self.amqp, amqp_cpu)] {
             match rate {
-                Ok(rate) => line(what, *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0)),
+                Ok(rate) => line(what, *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0), Some(cpu)),
                 Err(why) => out!("  {what:<44}{:>12} ({why})", "skipped"),
             }
         }
         match &self.kafka {
             Ok(k) => {
-                line("to Kafka", k.drain, format!("; {:.0} % of the plain producer", k.drain / k.producer * 100.0));
-                line("a plain producer on the same broker", k.producer, String::new());
+                let share = format!("; {:.0} % of the plain producer", k.drain / k.producer * 100.0);
+                line("to Kafka", k.drain, share, Some(kafka_cpu));
+                line("a plain producer on the same broker", k.producer, String::new(), None);
             }
             Err(why) => out!("  {:<44}{:>12} ({why})", "to Kafka", "skipped"),
         }
