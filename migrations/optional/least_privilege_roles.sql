@@ -52,6 +52,9 @@ grant execute on function outbox_relay.store_response(text, jsonb) to outbox_wri
 -- The outbox trigger runs as the writer and reads whether a relay is waiting.
 grant select on outbox_relay.relays to outbox_writer;
 grant execute on function outbox_relay.publish(text, jsonb, text, jsonb) to outbox_writer;
+-- The unit of work in SQL (migration 0020), for services in any language.
+grant execute on function outbox_relay.begin_request(text, jsonb), outbox_relay.audit(text, text, text, jsonb, text)
+    to outbox_writer;
 
 -- The relay: claim, complete, retry, bury; its waiting mark; the janitor; operators' commands
 -- (a dead-letter retry puts the event back under its own id: into its destination's parked

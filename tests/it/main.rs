@@ -25,6 +25,7 @@ mod privileges;
 mod relay;
 mod routes;
 mod sql_publish;
+mod sql_unit_of_work;
 mod sqlx_publish;
 mod storage;
 mod tls;

@@ -127,5 +127,27 @@ async fn the_new_publish_function_keeps_the_old_ones_privileges() {
     client.query_one("select outbox_relay.publish('after.upgrade', '{}', 'k')", &[]).await.unwrap();
     let nulls = count(&client, "select count(*) from outbox_relay.outbox where headers is null").await;
     assert_eq!(nulls, 2);
+    // The unit of work in SQL (0020) goes to whoever may publish, and to no one else.
+    for sql in [
+        include_str!("../../migrations/0014_storage_edges.sql"),
+        include_str!("../../migrations/0015_index_paths.sql"),
+        include_str!("../../migrations/0016_destination_expiry.sql"),
+        include_str!("../../migrations/0017_early_deliveries.sql"),
+        include_str!("../../migrations/0018_events_in_notifications.sql"),
+        include_str!("../../migrations/0019_outbox_as_a_log.sql"),
+        include_str!("../../migrations/0020_unit_of_work_in_sql.sql"),
+    ] {
+        client.batch_execute(sql).await.unwrap();
+    }
+    for function in ["outbox_relay.begin_request(text, jsonb)", "outbox_relay.audit(text, text, text, jsonb, text)"] {
+        for (role, expected) in [(&writer, true), (&stranger, false)] {
+            let may: bool = client
+                .query_one("select has_function_privilege($1, $2, 'execute')", &[role, &function])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(may, expected, "{role} on {function}");
+        }
+    }
     client.batch_execute(&format!("drop owned by {writer}; drop role {writer}; drop role {stranger}")).await.unwrap();
 }

@@ -1,0 +1,158 @@
+-- The unit of work in SQL (issue 43): the whole write path of a request, in the caller's own
+-- transaction, for a service in any language. Until now only the Rust `Work` claimed the
+-- idempotency key, replayed a stored response, refused a key reused for another request and
+-- settled races; a service in Python, Go, Java or Node had `publish` and nothing else.
+--
+--   begin;
+--   select outbox_relay.begin_request('order-7f3c', '{"customer": "ana", "total": 12.5}');
+--     -- null: fresh, the key is now this transaction's; do the work:
+--     insert into orders ...;
+--     select outbox_relay.audit('order', '42', 'placed', '{"customer": "ana"}', 'order-7f3c');
+--     select outbox_relay.publish('order.placed', '{"order_id": 42}', '42');
+--     select outbox_relay.store_response('order-7f3c', '{"order_id": 42}');
+--   commit;
+--     -- not null: a replay, the stored response; nothing to do (roll back or commit: nothing was written)
+--
+-- Writers of one key settle as the Rust door does: the first claims the key; the others wait
+-- for its transaction (the receipt's primary key) and then replay its response, or claim the
+-- key themselves when it rolled back.
+--
+-- A request's fingerprint here is the SHA-256 of its jsonb text (jsonb's own order of keys and
+-- spacing, so two spellings of one JSON value are one request). The Rust doors hash the JSON
+-- they serialize instead: a key claimed through one door is replayed through the same door.
+
+-- Why a key-like text (an idempotency key, an audit entity or action) cannot be stored, or null:
+-- the Rust API's rules (1 to 255 characters, no control character).
+create function outbox_relay.key_problem(what text, key text) returns text
+language sql immutable parallel safe
+set search_path = pg_catalog, pg_temp as $$
+    select case
+        when key is null or key = '' then what || ' must not be empty'
+        when char_length(key) > 255 then format('%s is %s characters long; the limit is 255', what, char_length(key))
+        when key ~ '[[:cntrl:]]' then format('%s has a control character at position %s', what,
+                                             length(substring(key from '^[^[:cntrl:]]*')) + 1)
+    end
+$$;
+
+comment on function outbox_relay.key_problem(text, text) is
+    'Why a key (idempotency key, audit entity or action) cannot be stored, or null: 1 to 255 characters, no control character.';
+
+create function outbox_relay.begin_request(key text, request jsonb) returns jsonb
+language plpgsql
+set search_path = pg_catalog, pg_temp as $$
+declare
+    problem text := outbox_relay.key_problem('the idempotency key', key);
+    wanted bytea;
+    stored record;
+begin
+    if problem is not null then
+        raise exception using errcode = '22023', message = 'outbox_relay.begin_request: ' || problem;
+    end if;
+    if request is null then
+        raise exception using errcode = '22004',
+            message = 'outbox_relay.begin_request: the request must not be null (pass what identifies it, e.g. its body as JSON)';
+    end if;
+    wanted := sha256(convert_to(request::text, 'UTF8'));
+    -- A stored receipt may vanish between the conflicting claim and the read (the janitor
+    -- removed an expired one): the key is free again, and the next claim takes it. Each statement
+    -- sees what is committed when it starts (READ COMMITTED; under REPEATABLE READ a receipt
+    -- committed after the snapshot is a serialization failure, SQLSTATE 40001: retry).
+    for attempt in 1..3 loop
+        insert into outbox_relay.idempotency (key, fingerprint) values (begin_request.key, wanted)
+        on conflict do nothing;
+        if found then
+            return null;
+        end if;
+        select i.fingerprint, i.response into stored from outbox_relay.idempotency i where i.key = begin_request.key;
+        if found then
+            if stored.fingerprint <> wanted then
+                raise exception using errcode = 'OR001',
+                    message = format('outbox_relay.begin_request: idempotency key %L was already used for a different request; nothing was written', key),
+                    hint = 'A retry must send the same request with its key; a new request needs a new key.';
+            end if;
+            if stored.response is null then
+                raise exception using errcode = '55000',
+                    message = format('outbox_relay.begin_request: the request of idempotency key %L committed without a response (outbox_relay.store_response was not called): nothing to replay', key);
+            end if;
+            return stored.response;
+        end if;
+    end loop;
+    raise exception using errcode = '40001',
+        message = format('outbox_relay.begin_request: idempotency key %L kept changing hands; try again', key);
+end
+$$;
+
+comment on function outbox_relay.begin_request(text, jsonb) is
+    'Begins a request under an idempotency key in the caller''s transaction: null when it is fresh (the key is now this transaction''s: do the work, then outbox_relay.store_response), the stored response when it is a replay (nothing to do); SQLSTATE OR001 when the key was used for a different request. Concurrent callers with one key settle to one fresh and the rest replays.';
+
+-- A response must be something a replay can tell from "fresh": not SQL null, not JSON null.
+create or replace function outbox_relay.store_response(key text, response jsonb) returns void
+language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
+begin
+    if response is null or jsonb_typeof(response) = 'null' then
+        raise exception using errcode = '22004',
+            message = format('outbox_relay.store_response: the response of idempotency key %L must not be null: a replay could not tell it from a fresh request (store an object, e.g. {})', store_response.key);
+    end if;
+    update outbox_relay.idempotency i
+       set response = store_response.response
+     where i.key = store_response.key and i.response is null and i.xmin = pg_current_xact_id()::xid;
+    if not found then
+        raise exception using errcode = '55000',
+            message = format('outbox_relay.store_response: no receipt for key %L was created by this transaction', store_response.key);
+    end if;
+end
+$$;
+
+create function outbox_relay.audit(entity text, entity_id text, action text, data jsonb, idempotency_key text default null)
+returns bigint
+language plpgsql
+set search_path = pg_catalog, pg_temp as $$
+declare
+    problem text := coalesce(outbox_relay.key_problem('the audit entity', entity),
+                             outbox_relay.key_problem('the audit action', action));
+    entry_id bigint;
+begin
+    if problem is null and (entity_id is null or entity_id = '') then
+        problem := 'the audit entity id must not be empty';
+    end if;
+    if problem is null and data is null then
+        problem := 'the audit entry''s data must not be null (use {} for none)';
+    end if;
+    problem := coalesce(problem, outbox_relay.payload_problem(data));
+    if problem is null and idempotency_key is not null then
+        problem := outbox_relay.key_problem('the idempotency key', idempotency_key);
+    end if;
+    if problem is not null then
+        raise exception using errcode = '22023', message = 'outbox_relay.audit: ' || problem;
+    end if;
+    insert into outbox_relay.audit (entity, entity_id, action, data, idempotency_key)
+    values (audit.entity, audit.entity_id, audit.action, audit.data, audit.idempotency_key)
+    returning id into entry_id;
+    return entry_id;
+end
+$$;
+
+comment on function outbox_relay.audit(text, text, text, jsonb, text) is
+    'Adds an audit entry in the caller''s transaction (entity, its id, the action, data as JSON, the request''s idempotency key) and returns its id.';
+
+-- Whoever can publish can run the rest of the write path: the grants of publish are copied.
+do $$
+declare
+    grantee text;
+begin
+    for grantee in
+        select a.grantee::regrole::text
+          from pg_proc p cross join lateral aclexplode(p.proacl) a
+         where p.oid = 'outbox_relay.publish(text, jsonb, text, jsonb)'::regprocedure
+           and a.privilege_type = 'EXECUTE' and a.grantee <> 0 and a.grantee <> p.proowner
+    loop
+        execute format('grant execute on function outbox_relay.begin_request(text, jsonb), outbox_relay.audit(text, text, text, jsonb, text) to %s', grantee);
+    end loop;
+    if exists (select 1 from pg_proc p
+                where p.oid = 'outbox_relay.publish(text, jsonb, text, jsonb)'::regprocedure and p.proacl is not null
+                  and not exists (select 1 from aclexplode(p.proacl) a
+                                   where a.grantee = 0 and a.privilege_type = 'EXECUTE')) then
+        revoke execute on function outbox_relay.begin_request(text, jsonb), outbox_relay.audit(text, text, text, jsonb, text) from public;
+    end if;
+end
+$$;
