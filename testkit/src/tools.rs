@@ -45,6 +45,9 @@ pub const STANDARDWEBHOOKS: PythonPackage =
 pub const CLOUDEVENTS: PythonPackage =
     PythonPackage { module: "cloudevents.core.bindings.http", pip: "cloudevents>=2.0" };
 
+/// psycopg 3, the PostgreSQL driver of the SQL door's Python example.
+pub const PSYCOPG: PythonPackage = PythonPackage { module: "psycopg", pip: "psycopg[binary]>=3.1" };
+
 /// Runs `python3 -c script args…` with `stdin`, once every package of `needs` imports; returns
 /// what it did (the caller checks the status). Fails the test, naming the package to install,
 /// when python3 or a package is missing.

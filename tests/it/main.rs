@@ -24,6 +24,7 @@ mod pauses;
 mod privileges;
 mod relay;
 mod routes;
+mod sql_door_examples;
 mod sql_publish;
 mod sql_unit_of_work;
 mod sqlx_publish;
