@@ -17,9 +17,10 @@
 -- for its transaction (the receipt's primary key) and then replay its response, or claim the
 -- key themselves when it rolled back.
 --
--- A request's fingerprint here is the SHA-256 of its jsonb text (jsonb's own order of keys and
--- spacing, so two spellings of one JSON value are one request). The Rust doors hash the JSON
--- they serialize instead: a key claimed through one door is replayed through the same door.
+-- A request's fingerprint here is 'sql1' and the SHA-256 of its jsonb text (jsonb's own order of
+-- keys and spacing, so two spellings of one JSON value are one request). The Rust doors store
+-- the SHA-256 of the JSON they serialize (32 bytes): a key is replayed through the door that
+-- claimed it, and the other door says so rather than calling it another request.
 
 -- Why a key-like text (an idempotency key, an audit entity or action) cannot be stored, or null:
 -- the Rust API's rules (1 to 255 characters, no control character).
@@ -52,7 +53,7 @@ begin
         raise exception using errcode = '22004',
             message = 'outbox_relay.begin_request: the request must not be null (pass what identifies it, e.g. its body as JSON)';
     end if;
-    wanted := sha256(convert_to(request::text, 'UTF8'));
+    wanted := '\x73716c31'::bytea || sha256(convert_to(request::text, 'UTF8'));
     -- A stored receipt may vanish between the conflicting claim and the read (the janitor
     -- removed an expired one): the key is free again, and the next claim takes it. Each statement
     -- sees what is committed when it starts (READ COMMITTED; under REPEATABLE READ a receipt
@@ -65,6 +66,11 @@ begin
         end if;
         select i.fingerprint, i.response into stored from outbox_relay.idempotency i where i.key = begin_request.key;
         if found then
+            if length(stored.fingerprint) = 32 then
+                raise exception using errcode = 'OR001',
+                    message = format('outbox_relay.begin_request: idempotency key %L was claimed through the Rust API, which fingerprints requests its own way; nothing was written', key),
+                    hint = 'Retry a request through the door that first took its key.';
+            end if;
             if stored.fingerprint <> wanted then
                 raise exception using errcode = 'OR001',
                     message = format('outbox_relay.begin_request: idempotency key %L was already used for a different request; nothing was written', key),
@@ -85,21 +91,29 @@ $$;
 comment on function outbox_relay.begin_request(text, jsonb) is
     'Begins a request under an idempotency key in the caller''s transaction: null when it is fresh (the key is now this transaction''s: do the work, then outbox_relay.store_response), the stored response when it is a replay (nothing to do); SQLSTATE OR001 when the key was used for a different request. Concurrent callers with one key settle to one fresh and the rest replays.';
 
--- A response must be something a replay can tell from "fresh": not SQL null, not JSON null.
+-- A response must be something a replay can tell from "fresh": never SQL null, and not JSON null
+-- for a key taken through begin_request (most drivers read JSON null as their null, as they do
+-- the SQL null that begin_request returns for a fresh request; the Rust doors read it apart).
 create or replace function outbox_relay.store_response(key text, response jsonb) returns void
 language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
+declare
+    fingerprint bytea;
 begin
-    if response is null or jsonb_typeof(response) = 'null' then
+    if response is null then
         raise exception using errcode = '22004',
             message = format('outbox_relay.store_response: the response of idempotency key %L must not be null: a replay could not tell it from a fresh request (store an object, e.g. {})', store_response.key);
     end if;
-    update outbox_relay.idempotency i
-       set response = store_response.response
+    select i.fingerprint into fingerprint from outbox_relay.idempotency i
      where i.key = store_response.key and i.response is null and i.xmin = pg_current_xact_id()::xid;
     if not found then
         raise exception using errcode = '55000',
             message = format('outbox_relay.store_response: no receipt for key %L was created by this transaction', store_response.key);
     end if;
+    if jsonb_typeof(response) = 'null' and length(fingerprint) <> 32 then
+        raise exception using errcode = '22004',
+            message = format('outbox_relay.store_response: the response of idempotency key %L must not be null: a replay could not tell it from a fresh request (store an object, e.g. {})', store_response.key);
+    end if;
+    update outbox_relay.idempotency i set response = store_response.response where i.key = store_response.key;
 end
 $$;
 

@@ -70,7 +70,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0018_events_in_notifications.sql"),
     },
     Migration { version: 19, name: "outbox_as_a_log", sql: include_str!("../migrations/0019_outbox_as_a_log.sql") },
-    Migration { version: 20, name: "unit_of_work_in_sql", sql: include_str!("../migrations/0020_unit_of_work_in_sql.sql") },
+    Migration {
+        version: 20,
+        name: "unit_of_work_in_sql",
+        sql: include_str!("../migrations/0020_unit_of_work_in_sql.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -83,13 +83,18 @@ pub async fn publish_all(conn: &mut PgConnection, events: &[NewEvent]) -> Result
 
 /// Adds one audit entry inside the caller's transaction and returns its id.
 pub async fn audit(conn: &mut PgConnection, entry: &AuditEntry<'_>) -> Result<i64> {
+    insert_audit(conn, entry, None).await
+}
+
+/// Adds one audit entry, linked to an idempotency key when there is one; returns its id.
+async fn insert_audit(conn: &mut PgConnection, entry: &AuditEntry<'_>, idempotency_key: Option<&str>) -> Result<i64> {
     entry.validate()?;
     ::sqlx::query_scalar::<_, i64>(sql::AUDIT_INSERT)
         .bind(entry.entity)
         .bind(&entry.entity_id)
         .bind(entry.action)
         .bind(Json(&entry.data))
-        .bind(None::<&str>)
+        .bind(idempotency_key)
         .fetch_one(conn)
         .await
         .map_err(failed("adding an audit entry"))
@@ -136,5 +141,175 @@ pub async fn purge_inbox(
         if n < batch as u64 {
             return Ok(deleted);
         }
+    }
+}
+
+/// How a unit of work under an idempotency key begins through sqlx: see [`begin`].
+#[must_use = "a Fresh unit of work must be committed, or it rolls back when dropped"]
+#[derive(Debug)]
+pub enum Begun<'t> {
+    /// The key was used before for the same request: its stored response; nothing was written
+    /// and nothing is to be done (the transaction was rolled back).
+    Replayed(crate::Replayed),
+    /// The key now belongs to this transaction: do the work, then [`Work::commit`] the response.
+    Fresh(Work<'t>),
+}
+
+/// [`Connection::begin`](crate::outbox::Connection::begin) on a sqlx transaction the caller
+/// began: claims `key` for `request` (its fingerprint is the SHA-256 of its JSON, as the
+/// tokio-postgres door computes it, so the two doors replay each other's keys). If another
+/// request holds the key uncommitted, this waits for it: when it commits, its stored response
+/// comes back as [`Begun::Replayed`] (and `tx` is rolled back); when it rolls back, this request
+/// gets the key.
+///
+/// # Errors
+/// An invalid key ([`ErrorKind::InvalidInput`]), a key reused with a different request or taken
+/// through the SQL door ([`ErrorKind::KeyReused`]; nothing is written), or a database failure.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use pg_outbox_relay::sqlx::{Begun, begin};
+/// use pg_outbox_relay::{AuditEntry, NewEvent};
+/// use serde_json::json;
+/// let request = json!({"customer": "ana", "total": 12.5});
+/// let mut work = match begin(pool.begin().await?, "order-7f3c", &request).await? {
+///     Begun::Replayed(replayed) => return Ok(println!("{}", replayed.into_json())),
+///     Begun::Fresh(work) => work,
+/// };
+/// let id: i64 = sqlx::query_scalar("insert into orders (customer) values ('ana') returning id")
+///     .fetch_one(&mut *work)
+///     .await?;
+/// work.audit(&AuditEntry::new("order", id, "placed", &request)?).await?;
+/// work.publish(&NewEvent::new("order.placed", json!({"order_id": id})).key(id.to_string())).await?;
+/// work.commit(&json!({"order_id": id})).await?;
+/// # Ok(()) }
+/// ```
+pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
+    mut tx: ::sqlx::Transaction<'t, ::sqlx::Postgres>,
+    key: &str,
+    request: &Req,
+) -> Result<Begun<'t>> {
+    crate::event::validate_key("idempotency key", key)?;
+    let fingerprint = crate::work::fingerprint(request)?;
+    // A stored receipt may vanish between the conflicting claim and the read (the janitor
+    // removed an expired one): the key is free again, and the next claim takes it.
+    for _ in 0..3 {
+        let claimed = ::sqlx::query_scalar::<_, String>(sql::IDEMPOTENCY_CLAIM)
+            .bind(key)
+            .bind(&fingerprint)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(failed("claiming the idempotency key"))?;
+        if claimed.is_some() {
+            return Ok(Begun::Fresh(Work { tx, key: key.to_string() }));
+        }
+        let stored = ::sqlx::query_as::<_, (Vec<u8>, Option<Json<serde_json::Value>>)>(sql::IDEMPOTENCY_GET)
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(failed("reading the idempotency receipt"))?;
+        if let Some((stored_fingerprint, response)) = stored {
+            drop(tx.rollback().await);
+            let receipt = sql::Receipt { fingerprint: stored_fingerprint, response: response.map(|r| r.0) };
+            return crate::work::replay(key, &fingerprint, receipt).map(Begun::Replayed);
+        }
+    }
+    Err(Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again")))
+}
+
+/// [`Outbox::execute`](crate::Outbox::execute) on a sqlx pool: runs `work` once per idempotency
+/// key, in one transaction ([`begin`], then `work`, then [`Work::commit`] with its response).
+/// An error returned by `work` rolls everything back and is returned as is.
+pub async fn execute<Req, T, E, F>(
+    pool: &::sqlx::PgPool,
+    key: &str,
+    request: &Req,
+    work: F,
+) -> std::result::Result<crate::Executed<T>, E>
+where
+    Req: serde::Serialize + ?Sized,
+    T: serde::Serialize + serde::de::DeserializeOwned,
+    E: From<Error>,
+    F: AsyncFnOnce(&mut Work<'_>) -> std::result::Result<T, E>,
+{
+    let tx = pool.begin().await.map_err(failed("starting a transaction"))?;
+    let mut unit = match begin(tx, key, request).await? {
+        Begun::Replayed(replayed) => {
+            return Ok(crate::Executed { response: replayed.response()?, replayed: true });
+        }
+        Begun::Fresh(unit) => unit,
+    };
+    let response = work(&mut unit).await?;
+    unit.commit(&response).await?;
+    Ok(crate::Executed { response, replayed: false })
+}
+
+/// A unit of work under an idempotency key on a sqlx transaction (it derefs to the
+/// transaction's `PgConnection`: `&mut *work` for business SQL, as `&mut *tx` for a sqlx
+/// transaction), plus audit entries and events that commit with it. [`commit`](Work::commit) it with the
+/// response; dropping it rolls back.
+pub struct Work<'t> {
+    tx: ::sqlx::Transaction<'t, ::sqlx::Postgres>,
+    key: String,
+}
+
+impl Work<'_> {
+    /// The idempotency key this work runs under.
+    pub fn idempotency_key(&self) -> &str {
+        &self.key
+    }
+
+    /// Adds an event that commits with this work.
+    pub async fn publish(&mut self, event: &NewEvent) -> Result<i64> {
+        publish(&mut self.tx, event).await
+    }
+
+    /// Adds many events in one statement; returns their ids in order.
+    pub async fn publish_all(&mut self, events: &[NewEvent]) -> Result<Vec<i64>> {
+        publish_all(&mut self.tx, events).await
+    }
+
+    /// Adds an audit entry that commits with this work, linked to the idempotency key.
+    pub async fn audit(&mut self, entry: &AuditEntry<'_>) -> Result<i64> {
+        insert_audit(&mut self.tx, entry, Some(&self.key)).await
+    }
+
+    /// Stores `response` with the receipt (what every replay of this key will return) and
+    /// commits: business rows, audit entries, receipt and events, together.
+    pub async fn commit<T: serde::Serialize + ?Sized>(mut self, response: &T) -> Result<()> {
+        let stored = serde_json::to_value(response)?;
+        crate::payload::check_storable("the response of the unit of work", &stored)?;
+        ::sqlx::query(sql::IDEMPOTENCY_STORE_RESPONSE)
+            .bind(&self.key)
+            .bind(Json(&stored))
+            .execute(&mut *self.tx)
+            .await
+            .map_err(failed("storing the response"))?;
+        self.tx.commit().await.map_err(failed("committing"))
+    }
+
+    /// Rolls everything back now (dropping the work does the same).
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await.map_err(failed("rolling back"))
+    }
+}
+
+impl std::ops::Deref for Work<'_> {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl std::ops::DerefMut for Work<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
+}
+
+impl std::fmt::Debug for Work<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Work").field("idempotency_key", &self.key).finish_non_exhaustive()
     }
 }

@@ -159,12 +159,24 @@ impl Outbox {
     }
 }
 
-fn fingerprint<Req: Serialize + ?Sized>(request: &Req) -> Result<Vec<u8>> {
+pub(crate) fn fingerprint<Req: Serialize + ?Sized>(request: &Req) -> Result<Vec<u8>> {
     let json = serde_json::to_vec(request)?;
     Ok(Sha256::digest(&json).to_vec())
 }
 
-fn replay(key: &str, fingerprint: &[u8], stored: sql::Receipt) -> Result<Replayed> {
+/// The stored response of `key` for a request with `fingerprint`: refused when the key was
+/// taken for another request, or through the SQL door (`outbox_relay.begin_request`, migration
+/// 0020: its fingerprints are longer and hash the jsonb text, so the two doors cannot compare
+/// requests).
+pub(crate) fn replay(key: &str, fingerprint: &[u8], stored: sql::Receipt) -> Result<Replayed> {
+    if stored.fingerprint.len() != fingerprint.len() {
+        return Err(Error::new(
+            ErrorKind::KeyReused,
+            format!(
+                "idempotency key {key:?} was claimed through outbox_relay.begin_request (the SQL door), which fingerprints requests its own way: retry a request through the door that first took its key; nothing was written"
+            ),
+        ));
+    }
     if stored.fingerprint != fingerprint {
         return Err(Error::new(
             ErrorKind::KeyReused,

@@ -9,7 +9,7 @@ use crate::error::Result;
 
 /// Claims an idempotency key: returns a row when this transaction now owns the key. When another
 /// transaction holds the key uncommitted, this waits for it to end.
-const IDEMPOTENCY_CLAIM: &str = "\
+pub(crate) const IDEMPOTENCY_CLAIM: &str = "\
 insert into outbox_relay.idempotency (key, fingerprint) values ($1, $2)
 on conflict (key) do nothing
 returning key";
@@ -19,7 +19,7 @@ pub(crate) async fn claim_receipt(db: &impl Db, key: &str, fingerprint: &[u8]) -
     Ok(!all(db, IDEMPOTENCY_CLAIM, &[&key, &fingerprint], "claiming the idempotency key").await?.is_empty())
 }
 
-const IDEMPOTENCY_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
+pub(crate) const IDEMPOTENCY_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
 
 /// A stored receipt: the request's fingerprint and the response given.
 pub(crate) struct Receipt {
@@ -35,7 +35,7 @@ pub(crate) async fn get_receipt(db: &impl Db, key: &str) -> Result<Option<Receip
 
 /// Fills in the response of the receipt this transaction claimed (migration 0003's function, so
 /// that writers need no UPDATE on receipts).
-const IDEMPOTENCY_STORE_RESPONSE: &str = "select outbox_relay.store_response($1, $2)";
+pub(crate) const IDEMPOTENCY_STORE_RESPONSE: &str = "select outbox_relay.store_response($1, $2)";
 
 /// Stores `response` with the receipt of `key` that this transaction claimed.
 pub(crate) async fn store_response(db: &impl Db, key: &str, response: &Value) -> Result<()> {

@@ -28,6 +28,7 @@ mod sql_door_examples;
 mod sql_publish;
 mod sql_unit_of_work;
 mod sqlx_publish;
+mod sqlx_work;
 mod storage;
 mod tls;
 mod webhook_receiver;

@@ -46,6 +46,8 @@ pub enum TestError {
     Outbox(Error),
     /// The failure a test injects on purpose after every write.
     Injected,
+    /// A business statement through sqlx failed.
+    Sqlx(sqlx::Error),
 }
 
 impl From<Error> for TestError {
@@ -114,4 +116,37 @@ impl Counts {
             .unwrap();
         Counts { orders: row.get(0), audit: row.get(1), receipts: row.get(2), events: row.get(3) }
     }
+}
+
+impl From<sqlx::Error> for TestError {
+    fn from(e: sqlx::Error) -> Self {
+        TestError::Sqlx(e)
+    }
+}
+
+/// [`place_order`] through the sqlx door (`pg_outbox_relay::sqlx::execute`).
+pub async fn place_order_sqlx(
+    pool: &sqlx::PgPool,
+    key: &str,
+    order: &PlaceOrder,
+    fail_after_writes: bool,
+) -> Result<Executed<Placed>, TestError> {
+    pg_outbox_relay::sqlx::execute(pool, key, order, async |work| {
+        let order_id: i64 = sqlx::query_scalar(
+            "insert into orders (key, customer, total) values ($1, $2, $3::float8::numeric) returning id",
+        )
+        .bind(key)
+        .bind(&order.customer)
+        .bind(order.total)
+        .fetch_one(&mut **work)
+        .await?;
+        work.audit(&AuditEntry::new("order", order_id, "placed", order)?).await?;
+        let payload = json!({"order_id": order_id, "customer": order.customer, "key": key});
+        work.publish(&NewEvent::new("order.placed", payload).key(order_id.to_string())).await?;
+        if fail_after_writes {
+            return Err(TestError::Injected);
+        }
+        Ok(Placed { order_id })
+    })
+    .await
 }

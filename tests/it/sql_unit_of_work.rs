@@ -51,7 +51,11 @@ async fn connect(url: &str) -> tokio_postgres::Client {
 }
 
 /// Runs one request in its own transaction: the stored response and whether it was a replay.
-async fn request(client: &tokio_postgres::Client, key: &str, request: &Value) -> Result<(Value, bool), tokio_postgres::Error> {
+async fn request(
+    client: &tokio_postgres::Client,
+    key: &str,
+    request: &Value,
+) -> Result<(Value, bool), tokio_postgres::Error> {
     client.batch_execute("begin").await?;
     let outcome = async {
         let replayed: Option<Value> =
@@ -164,13 +168,41 @@ async fn a_key_reused_for_another_request_is_refused_and_writes_nothing() {
 
     // Bad input names the problem.
     for (sql, message, code) in [
-        ("select outbox_relay.begin_request('', '{}')", "the idempotency key must not be empty", SqlState::INVALID_PARAMETER_VALUE),
-        ("select outbox_relay.begin_request(E'a\\nb', '{}')", "control character at position 2", SqlState::INVALID_PARAMETER_VALUE),
-        ("select outbox_relay.begin_request(repeat('k', 256), '{}')", "256 characters long; the limit is 255", SqlState::INVALID_PARAMETER_VALUE),
-        ("select outbox_relay.begin_request('k', null)", "the request must not be null", SqlState::NULL_VALUE_NOT_ALLOWED),
-        ("select outbox_relay.audit('order', '', 'placed', '{}')", "the audit entity id must not be empty", SqlState::INVALID_PARAMETER_VALUE),
-        ("select outbox_relay.audit('order', '1', '', '{}')", "the audit action must not be empty", SqlState::INVALID_PARAMETER_VALUE),
-        ("select outbox_relay.audit('order', '1', 'placed', null)", "data must not be null", SqlState::INVALID_PARAMETER_VALUE),
+        (
+            "select outbox_relay.begin_request('', '{}')",
+            "the idempotency key must not be empty",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
+        (
+            "select outbox_relay.begin_request(E'a\\nb', '{}')",
+            "control character at position 2",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
+        (
+            "select outbox_relay.begin_request(repeat('k', 256), '{}')",
+            "256 characters long; the limit is 255",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
+        (
+            "select outbox_relay.begin_request('k', null)",
+            "the request must not be null",
+            SqlState::NULL_VALUE_NOT_ALLOWED,
+        ),
+        (
+            "select outbox_relay.audit('order', '', 'placed', '{}')",
+            "the audit entity id must not be empty",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
+        (
+            "select outbox_relay.audit('order', '1', '', '{}')",
+            "the audit action must not be empty",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
+        (
+            "select outbox_relay.audit('order', '1', 'placed', null)",
+            "data must not be null",
+            SqlState::INVALID_PARAMETER_VALUE,
+        ),
     ] {
         let e = client.query_one(sql, &[]).await.unwrap_err();
         let e = e.as_db_error().unwrap();
@@ -211,10 +243,7 @@ async fn a_failure_after_all_writes_leaves_nothing_and_the_retry_is_fresh() {
     assert_eq!(counts(&admin).await, (1, 1, 1, 1));
 
     // A request whose work committed without storing a response cannot be replayed: said so.
-    client
-        .batch_execute("begin; select outbox_relay.begin_request('order-3', '{}'); commit")
-        .await
-        .unwrap();
+    client.batch_execute("begin; select outbox_relay.begin_request('order-3', '{}'); commit").await.unwrap();
     let e = client.query_one("select outbox_relay.begin_request('order-3', '{}')", &[]).await.unwrap_err();
     assert!(e.as_db_error().unwrap().message().contains("committed without a response"), "{e}");
 }

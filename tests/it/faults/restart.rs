@@ -85,7 +85,7 @@ async fn database_restarted_fast_and_immediate_while_relay_drains_and_writer_wri
                         Outcome::Placed(order_id)
                     }
                     Err(TestError::Outbox(e)) => Outcome::Failed(e.to_string()),
-                    Err(TestError::Injected) => unreachable!(),
+                    Err(TestError::Injected | TestError::Sqlx(_)) => unreachable!(),
                 };
                 let failed = matches!(outcome, Outcome::Failed(_));
                 {

@@ -38,6 +38,7 @@ async fn write_path_under_concurrency_with_overlapping_keys_and_injected_failure
                         Ok(placed) => Some(placed),
                         Err(TestError::Injected) => None,
                         Err(TestError::Outbox(e)) => panic!("{key}: unexpected error {e}"),
+                        Err(TestError::Sqlx(e)) => panic!("{key}: unexpected error {e}"),
                     };
                     results.push((key, fail, result));
                 }
