@@ -20,8 +20,75 @@ create table if not exists public.bench_orders (
     created_at timestamptz not null default now()
 )";
 const ORDERS_INSERT: &str = "insert into public.bench_orders (customer, total) values ($1, $2) returning id";
-const WRITE_TABLES_TRUNCATE: &str =
-    "truncate public.bench_orders, outbox_relay.audit, outbox_relay.idempotency, outbox_relay.outbox";
+const WRITE_TABLES_TRUNCATE: &str = "truncate public.bench_orders, outbox_relay.audit, outbox_relay.idempotency,
+    outbox_relay.outbox, public.bench_article_outbox, public.bench_article_audit, public.bench_article_idempotency";
+/// The article's own tables, as it creates them (its outbox, audit and receipts: no trigger, no
+/// check, no function), for [`Way::PlainTables`].
+const ARTICLE_TABLES_CREATE: &str = "\
+create table if not exists public.bench_article_outbox (
+    id           bigserial primary key,
+    topic        text not null,
+    payload      jsonb not null,
+    available_at timestamptz not null default now(),
+    processed_at timestamptz,
+    attempts     int not null default 0,
+    last_error   text
+);
+create table if not exists public.bench_article_audit (
+    id        bigserial primary key,
+    entity    text not null,
+    entity_id text not null,
+    action    text not null,
+    data      jsonb not null,
+    at        timestamptz not null default now()
+);
+create table if not exists public.bench_article_idempotency (
+    key        text primary key,
+    response   jsonb not null,
+    created_at timestamptz not null default now()
+)";
+/// The article's transaction on its own tables (after the order's insert): audit, outbox,
+/// receipt with the response.
+const ARTICLE_PLAIN: [&str; 3] = [
+    "insert into public.bench_article_audit (entity, entity_id, action, data) values ('order', $1::int8::text, 'placed', $2)",
+    "insert into public.bench_article_outbox (topic, payload) values ('order.placed', $1)",
+    "insert into public.bench_article_idempotency (key, response) values ($1, $2)",
+];
+/// The same transaction through the SQL door (migration 0020): the key claimed first, then the
+/// order, its audit entry, its event (keyed by the order) and the response.
+const ARTICLE_SQL: [&str; 4] = [
+    "select outbox_relay.begin_request($1, $2)",
+    "select outbox_relay.audit('order', $1::int8::text, 'placed', $2, $3)",
+    "select outbox_relay.publish('order.placed', $1, $2::int8::text)",
+    "select outbox_relay.store_response($1, $2)",
+];
+
+/// Which door a business transaction goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Way {
+    /// The article's own statements on its own plain tables (no guarantee past its own: the
+    /// reference the other two are compared with).
+    PlainTables,
+    /// The SQL functions of the unit of work (`begin_request`, `audit`, `publish`,
+    /// `store_response`), one statement each, as a service in any language runs them.
+    SqlFunctions,
+    /// The Rust unit of work ([`Outbox::execute`], `Work::audit`, `Work::publish`).
+    RustUnitOfWork,
+}
+
+impl Way {
+    /// Every way, in the order a round runs them.
+    pub const ALL: [Way; 3] = [Way::PlainTables, Way::SqlFunctions, Way::RustUnitOfWork];
+
+    /// A short name (`plain_tables`, `sql_functions`, `rust_unit_of_work`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Way::PlainTables => "plain_tables",
+            Way::SqlFunctions => "sql_functions",
+            Way::RustUnitOfWork => "rust_unit_of_work",
+        }
+    }
+}
 
 /// What one business transaction of the write path writes, besides its `bench_orders` row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,23 +103,32 @@ pub struct WriteTx {
     /// The events carry the order's id as their key (so the insert takes the key's lock), or
     /// no key.
     pub keyed: bool,
+    /// The door: the fields above describe [`Way::RustUnitOfWork`]; the other two ways always
+    /// write the article's transaction (order, audit entry, receipt, one event).
+    pub way: Way,
 }
 
 impl WriteTx {
     /// The business row alone.
-    pub const BARE: WriteTx = WriteTx { audit: false, receipt: false, events: 0, keyed: false };
+    pub const BARE: WriteTx =
+        WriteTx { audit: false, receipt: false, events: 0, keyed: false, way: Way::RustUnitOfWork };
     /// The business row and its audit entry.
-    pub const WITH_AUDIT: WriteTx = WriteTx { audit: true, receipt: false, events: 0, keyed: false };
+    pub const WITH_AUDIT: WriteTx = WriteTx { audit: true, ..WriteTx::BARE };
     /// The business row, its audit entry and the idempotency receipt.
-    pub const WITH_RECEIPT: WriteTx = WriteTx { audit: true, receipt: true, events: 0, keyed: false };
+    pub const WITH_RECEIPT: WriteTx = WriteTx { receipt: true, ..WriteTx::WITH_AUDIT };
     /// The full transaction: business row, audit entry, receipt and one event keyed by the order.
-    pub const FULL: WriteTx = WriteTx { audit: true, receipt: true, events: 1, keyed: true };
+    pub const FULL: WriteTx = WriteTx { events: 1, keyed: true, ..WriteTx::WITH_RECEIPT };
     /// [`WriteTx::FULL`] with an event without a key (no key lock).
     pub const FULL_UNKEYED: WriteTx = WriteTx { keyed: false, ..WriteTx::FULL };
 
     /// The full transaction with `events` keyed events.
     pub const fn full_with_events(events: usize) -> WriteTx {
-        WriteTx { audit: true, receipt: true, events, keyed: true }
+        WriteTx { events, ..WriteTx::FULL }
+    }
+
+    /// The article's transaction through `way` ([`WriteTx::FULL`] for the Rust unit of work).
+    pub const fn article(way: Way) -> WriteTx {
+        WriteTx { way, ..WriteTx::FULL }
     }
 }
 
@@ -62,6 +138,7 @@ impl WriteTx {
 pub async fn reset_write_tables(outbox: &Outbox) -> Result<(), BoxError> {
     let client = outbox.connection().await?;
     client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
+    client.batch_execute(ARTICLE_TABLES_CREATE).await.map_err(db("creating the article's tables"))?;
     client.batch_execute(WRITE_TABLES_TRUNCATE).await.map_err(db("truncating the write-path tables"))?;
     if let Err(e) = client.batch_execute("checkpoint").await {
         tracing::debug!(error = %e, "no checkpoint before the write measurement");
@@ -116,6 +193,7 @@ impl Writers {
         {
             let client = outbox.connection().await?;
             client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
+            client.batch_execute(ARTICLE_TABLES_CREATE).await.map_err(db("creating the article's tables"))?;
         }
         let run = rand::random::<u64>();
         let connecting = (0..count).map(|n| Writer::connect(outbox, format!("bench-{run:016x}-{n}")));
@@ -200,6 +278,8 @@ struct Writer {
     outbox: Outbox,
     key_prefix: String,
     next_key: u64,
+    /// The article's statements, prepared on the writer's one connection.
+    statements: std::collections::HashMap<&'static str, tokio_postgres::Statement>,
 }
 
 impl Writer {
@@ -211,7 +291,7 @@ impl Writer {
             .await
             .map_err(db("configuring a writer connection"))?;
         drop(client);
-        Ok(Writer { outbox: own, key_prefix, next_key: 0 })
+        Ok(Writer { outbox: own, key_prefix, next_key: 0, statements: Default::default() })
     }
 
     async fn run(&mut self, shape: WriteTx, quota: Quota) -> Result<u64, BoxError> {
@@ -233,6 +313,9 @@ impl Writer {
     async fn transaction(&mut self, shape: WriteTx) -> Result<(), BoxError> {
         self.next_key += 1;
         let request = json!({"customer": CUSTOMER, "total": TOTAL});
+        if shape.way != Way::RustUnitOfWork {
+            return self.article(shape.way, &request).await;
+        }
         if !shape.receipt {
             let mut connection = self.outbox.connection().await?;
             let tx = connection.transaction().await.map_err(db("starting a transaction"))?;
@@ -270,4 +353,81 @@ impl Writer {
             .await?;
         Ok(())
     }
+
+    /// The article's transaction on its plain tables, or through the SQL functions: one
+    /// statement a step, each prepared once on the writer's connection, as a service's driver
+    /// keeps them.
+    async fn article(&mut self, way: Way, request: &serde_json::Value) -> Result<(), BoxError> {
+        let key = format!("{}-{}", self.key_prefix, self.next_key);
+        let connection = self.outbox.connection().await?;
+        let statements = &mut self.statements;
+        let mut prepared = async |sql: &'static str| -> Result<tokio_postgres::Statement, BoxError> {
+            if let Some(statement) = statements.get(sql) {
+                return Ok(statement.clone());
+            }
+            let statement = connection.prepare(sql).await.map_err(db("preparing"))?;
+            statements.insert(sql, statement.clone());
+            Ok(statement)
+        };
+        let order = |id: i64| json!({"order_id": id, "customer": CUSTOMER, "total": TOTAL});
+        let (begin, insert) = (prepared("begin").await?, prepared(ORDERS_INSERT).await?);
+        connection.execute(&begin, &[]).await.map_err(db("starting a transaction"))?;
+        let written = async {
+            if way == Way::SqlFunctions {
+                let claim = prepared(ARTICLE_SQL[0]).await?;
+                let replayed: Option<serde_json::Value> =
+                    connection.query_one(&claim, &[&key, request]).await.map_err(db("claiming the key"))?.get(0);
+                if replayed.is_some() {
+                    return Err::<(), BoxError>(format!("key {key} replayed: the bench's keys must be fresh").into());
+                }
+            }
+            let order_id: i64 = connection
+                .query_one(&insert, &[&CUSTOMER, &TOTAL])
+                .await
+                .map_err(db("inserting the business row"))?
+                .get(0);
+            let response = json!({"order_id": order_id});
+            match way {
+                Way::PlainTables => {
+                    let [audit, outbox, receipt] = ARTICLE_PLAIN;
+                    let audit = prepared(audit).await?;
+                    connection.execute(&audit, &[&order_id, request]).await.map_err(db("adding the audit row"))?;
+                    let outbox = prepared(outbox).await?;
+                    connection.execute(&outbox, &[&order(order_id)]).await.map_err(db("adding the event"))?;
+                    let receipt = prepared(receipt).await?;
+                    connection.execute(&receipt, &[&key, &response]).await.map_err(db("adding the receipt"))?;
+                }
+                Way::SqlFunctions => {
+                    let [_, audit, publish, store] = ARTICLE_SQL;
+                    let audit = prepared(audit).await?;
+                    connection
+                        .execute(&audit, &[&order_id, request, &key])
+                        .await
+                        .map_err(db("adding the audit row"))?;
+                    let publish = prepared(publish).await?;
+                    connection.execute(&publish, &[&order(order_id), &order_id]).await.map_err(db("publishing"))?;
+                    let store = prepared(store).await?;
+                    connection.execute(&store, &[&key, &response]).await.map_err(db("storing the response"))?;
+                }
+                Way::RustUnitOfWork => unreachable!("the Rust unit of work is Outbox::execute"),
+            }
+            let commit = prepared("commit").await?;
+            connection.execute(&commit, &[]).await.map_err(db("committing"))?;
+            Ok(())
+        }
+        .await;
+        if written.is_err() {
+            drop(connection.batch_execute("rollback").await);
+        }
+        written
+    }
+}
+
+/// Commits per second of the article's transaction through `way`, `writers` concurrent writers
+/// for `duration` (the tables emptied first, no relay running, the trigger as shipped).
+pub async fn article_tps(outbox: &Outbox, way: Way, writers: usize, duration: Duration) -> Result<f64, BoxError> {
+    reset_write_tables(outbox).await?;
+    let mut writers = Writers::connect(outbox, writers, WriteTx::article(way)).await?;
+    let (commits, elapsed) = writers.run_for(duration).await?;
+    Ok(commits as f64 / elapsed.as_secs_f64())
 }

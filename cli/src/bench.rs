@@ -78,6 +78,9 @@ pub(crate) async fn run(args: BenchArgs, database_url: Option<String>) -> Result
         let stage = async |outbox: &pg_outbox_relay::Outbox| sinks::stage(&args, outbox).await;
         measure_only(&args, &server, sinks::step(&args), stage, sinks::SinksReport::json, sinks::SinksReport::print)
             .await
+    } else if args.write_path_only {
+        let stage = async |outbox: &pg_outbox_relay::Outbox| article_rounds(&args, outbox).await;
+        measure_only(&args, &server, article_step(&args), stage, article_json, print_article).await
     } else if args.drain_only {
         let stage = async |outbox: &pg_outbox_relay::Outbox| drain_rounds(&args, outbox).await;
         measure_only(&args, &server, drain_step(&args), stage, drains_json, |d| print_drains(&args, d)).await
@@ -170,6 +173,8 @@ fn database(args: &BenchArgs) -> &'static str {
         "cli_latency"
     } else if args.drain_only {
         "cli_drain"
+    } else if args.write_path_only {
+        "cli_write_path"
     } else {
         DATABASE
     }
@@ -365,6 +370,71 @@ fn print_drains(args: &BenchArgs, d: &Drains) {
         d.drain / d.read_floor * 100.0,
         d.read_floor / d.claim_delete * 100.0
     );
+}
+
+/// Writers of the write-path stage.
+const ARTICLE_CLIENTS: [usize; 3] = [1, 4, 16];
+
+/// The article's transaction three ways: commits a second by writers and way, medians of
+/// [`ROUNDS`] alternating rounds.
+struct ArticleReport {
+    /// `(writers, [plain tables, SQL functions, Rust unit of work])`.
+    rows: Vec<(usize, [f64; 3])>,
+}
+
+fn article_step(args: &BenchArgs) -> String {
+    format!(
+        "the article's transaction (order, audit entry, receipt, one keyed event) on its plain tables, through the SQL functions and through the Rust unit of work, {ARTICLE_CLIENTS:?} writers, {} each, alternately, {ROUNDS} rounds",
+        humantime::format_duration(args.write_duration)
+    )
+}
+
+async fn article_rounds(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<ArticleReport, BenchError> {
+    let mut rows = Vec::new();
+    for writers in ARTICLE_CLIENTS {
+        let mut rates: [Vec<f64>; 3] = Default::default();
+        for _ in 0..ROUNDS {
+            for (i, way) in bench::Way::ALL.into_iter().enumerate() {
+                rates[i].push(bench::article_tps(outbox, way, writers, args.write_duration).await?);
+            }
+        }
+        let [plain, sql, rust] = &mut rates;
+        rows.push((writers, [median(plain), median(sql), median(rust)]));
+    }
+    Ok(ArticleReport { rows })
+}
+
+fn article_json(r: &ArticleReport) -> serde_json::Value {
+    let rows: Vec<serde_json::Value> = r
+        .rows
+        .iter()
+        .map(|(writers, [plain, sql, rust])| {
+            json!({
+                "writers": writers,
+                "plain_tables_tps": rounded(*plain, 1),
+                "sql_functions_tps": rounded(*sql, 1),
+                "rust_unit_of_work_tps": rounded(*rust, 1),
+                "sql_functions_share_of_plain": rounded(sql / plain, 3),
+                "rust_unit_of_work_share_of_plain": rounded(rust / plain, 3),
+            })
+        })
+        .collect();
+    json!({ "article_transaction": rows })
+}
+
+fn print_article(r: &ArticleReport) {
+    out!("the article's transaction, commits a second (medians of {ROUNDS}):");
+    out!("  {:>8}{:>14}{:>22}{:>22}", "writers", "plain tables", "SQL functions", "Rust unit of work");
+    for (writers, [plain, sql, rust]) in &r.rows {
+        out!(
+            "  {writers:>8}{:>14}{:>14} ({:>3.0} %){:>14} ({:>3.0} %)",
+            grouped(*plain),
+            grouped(*sql),
+            sql / plain * 100.0,
+            grouped(*rust),
+            rust / plain * 100.0
+        );
+    }
 }
 
 /// The latency paths the latency stage measures, in the order of a round.

@@ -99,6 +99,11 @@ pub(crate) struct BenchArgs {
     /// per event).
     #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only", "latency_only"])]
     pub(crate) drain_only: bool,
+    /// Run only the write-path stage: the article's transaction (order, audit entry, receipt,
+    /// one keyed event) on its plain tables, through the SQL functions and through the Rust unit
+    /// of work, with 1, 4 and 16 writers for --write-duration each, in alternating rounds.
+    #[arg(long, conflicts_with_all = ["held_only", "receivers_only", "sinks_only", "latency_only", "drain_only"])]
+    pub(crate) write_path_only: bool,
     /// An argument added to the `outbox-relay run --sink stdout` processes of the trickle and the
     /// held-snapshot stages (repeat it for several: `--relay-arg=--no-fast-path`), to measure a
     /// setting against the defaults.
