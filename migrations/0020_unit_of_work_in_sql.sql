@@ -51,7 +51,7 @@ begin
         raise exception using errcode = '22004',
             message = 'outbox_relay.begin_request: the request must not be null (pass what identifies it, e.g. its body as JSON)';
     end if;
-    wanted := '\x73716c31'::bytea || sha256(convert_to(request::text, 'UTF8'));
+    wanted := convert_to('sql1', 'UTF8') || sha256(convert_to(request::text, 'UTF8'));
     -- A stored receipt may vanish between the conflicting claim and the read (the janitor
     -- removed an expired one): the key is free again, and the next claim takes it. Each statement
     -- sees what is committed when it starts (READ COMMITTED; under REPEATABLE READ a receipt

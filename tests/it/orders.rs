@@ -91,6 +91,15 @@ pub async fn place_order(
         .await
 }
 
+/// Checks the answers of concurrent calls with one key: one did the work, every other replayed
+/// its response.
+pub fn assert_settled(results: &[Executed<Placed>]) {
+    let order_id = results[0].response.order_id;
+    assert!(results.iter().all(|r| r.response.order_id == order_id), "all calls answer the same order");
+    assert_eq!(results.iter().filter(|r| !r.replayed).count(), 1);
+    assert_eq!(results.iter().filter(|r| r.replayed).count(), results.len() - 1);
+}
+
 /// Rows of each kind the write path makes.
 #[derive(Debug, PartialEq, Eq, Clone, Copy)]
 pub struct Counts {

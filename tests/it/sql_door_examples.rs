@@ -7,29 +7,11 @@ use std::process::Output;
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
-use crate::privileges::ROLES_SQL;
+use crate::sql_unit_of_work::writer_database;
 use pg_outbox_relay_testkit::tools::{PSYCOPG, probe_python, program};
 
 fn example(file: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/sql_door").join(file)
-}
-
-/// A database with the roles file applied and an `orders` table a login role in
-/// `outbox_writer` may write; returns the writer's URL.
-async fn writer_database(db: &TestDb) -> String {
-    let admin = db.client().await;
-    admin.batch_execute(ROLES_SQL).await.expect("applying the roles file");
-    let writer = format!("{}_example_writer", db.name);
-    admin
-        .batch_execute(&format!(
-            "create role {writer} login in role outbox_writer;
-             create table orders (id bigserial primary key, customer text not null, total numeric(12, 2) not null);
-             grant insert, select on orders to {writer};
-             grant usage on sequence orders_id_seq to {writer};"
-        ))
-        .await
-        .unwrap();
-    db.url_as(&writer)
 }
 
 /// Runs the example three ways and checks what each did: a fresh request, its retry (a replay

@@ -28,14 +28,14 @@ $$";
 
 /// A database with the roles file applied, an `orders` table, and a login role in
 /// `outbox_writer` that may write orders; returns the writer's URL.
-async fn writer_database(db: &TestDb) -> String {
+pub(crate) async fn writer_database(db: &TestDb) -> String {
     let admin = db.client().await;
     admin.batch_execute(ROLES_SQL).await.expect("applying the roles file");
     let writer = format!("{}_sql_writer", db.name);
     admin
         .batch_execute(&format!(
             "create role {writer} login in role outbox_writer;
-             create table orders (id bigserial primary key, customer text not null);
+             create table orders (id bigserial primary key, customer text not null, total numeric(12, 2) not null default 0);
              grant insert, select on orders to {writer};
              grant usage on sequence orders_id_seq to {writer};"
         ))

@@ -6,7 +6,7 @@ use pg_outbox_relay::ErrorKind;
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
-use crate::orders::{Counts, ORDERS_TABLE, PlaceOrder, TestError, place_order, place_order_sqlx};
+use crate::orders::{Counts, ORDERS_TABLE, PlaceOrder, TestError, assert_settled, place_order, place_order_sqlx};
 
 async fn setup() -> (TestDb, sqlx::PgPool) {
     let db = TestDb::new().await;
@@ -91,9 +91,7 @@ async fn race(n: usize) {
         tokio::spawn(async move { place_order_sqlx(&pool, "same-key", &ana(), false).await })
     });
     let results: Vec<_> = join_all(calls).await.into_iter().map(|r| r.unwrap().unwrap()).collect();
-    let order_id = results[0].response.order_id;
-    assert!(results.iter().all(|r| r.response.order_id == order_id), "all calls answer the same order");
-    assert_eq!(results.iter().filter(|r| !r.replayed).count(), 1);
+    assert_settled(&results);
     assert_eq!(counts(&db).await, Counts::ONE_OF_EACH);
 }
 

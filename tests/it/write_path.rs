@@ -5,7 +5,7 @@ use pg_outbox_relay::{ErrorKind, Executed, NewEvent, Outbox, Payload, publish, p
 use serde_json::{Value, json};
 
 use crate::harness::TestDb;
-use crate::orders::{Counts, ORDERS_TABLE, PlaceOrder, Placed, TestError, place_order};
+use crate::orders::{Counts, ORDERS_TABLE, PlaceOrder, Placed, TestError, assert_settled, place_order};
 
 async fn setup() -> TestDb {
     let db = TestDb::new().await;
@@ -122,10 +122,7 @@ async fn race(n: usize) {
         tokio::spawn(async move { place_order(&outbox, "same-key", &ana(), false).await })
     });
     let results: Vec<_> = join_all(calls).await.into_iter().map(|r| r.unwrap().unwrap()).collect();
-    let order_id = results[0].response.order_id;
-    assert!(results.iter().all(|r| r.response.order_id == order_id), "all calls answer the same order");
-    assert_eq!(results.iter().filter(|r| !r.replayed).count(), 1);
-    assert_eq!(results.iter().filter(|r| r.replayed).count(), n - 1);
+    assert_settled(&results);
     assert_eq!(counts(&db).await, Counts::ONE_OF_EACH);
 }
 
