@@ -78,6 +78,12 @@ impl ConnInfo {
         let text = text.trim();
         let rewritten = match url_rest(text) {
             Some(rest) => rewrite_url(rest, &mut tls)?,
+            None if other_scheme(text).is_some() => {
+                let scheme = other_scheme(text).unwrap_or_default();
+                return Err(Error::config(format!(
+                    "invalid database URL: {scheme}:// is not PostgreSQL's; only postgres:// and postgresql:// URLs are taken ({EXPECTED})"
+                )));
+            }
             None => rewrite_pairs(text, &mut tls)?,
         };
         let config: Config = rewritten.parse().map_err(|e: tokio_postgres::Error| {
@@ -241,6 +247,17 @@ fn url_rest(text: &str) -> Option<&str> {
         let head = text.get(..scheme.len())?;
         head.eq_ignore_ascii_case(scheme).then(|| &text[scheme.len()..])
     })
+}
+
+/// The scheme of a URL that is not PostgreSQL's (`mysql` of `mysql://...`): letters, digits,
+/// `+`, `-` and `.` before `://`, the first a letter (RFC 3986). Never a value of a `key=value`
+/// string: those have a `=` before any `://`.
+fn other_scheme(text: &str) -> Option<&str> {
+    let (scheme, _) = text.split_once("://")?;
+    let mut chars = scheme.chars();
+    let valid = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    valid.then_some(scheme)
 }
 
 /// What the TLS options of a connection string said.

@@ -141,7 +141,9 @@ pub(crate) fn parse_route(spec: &str, options: &SinkOptions) -> Result<Destinati
         (first, pattern, sink)
     };
     if !looks_like_sink(sink) {
-        return Err(bad("the sink must be stdout or a URL (http://, https://, nats://, amqp://)").into());
+        return Err(
+            bad("the sink must be stdout or a URL (http://, https://, nats://, amqp://, amqps://, kafka://)").into()
+        );
     }
     Ok(Destination {
         name: name.to_string(),

@@ -124,6 +124,7 @@ impl SinkOptions {
 /// Builds the sink `spec` names with `options`; connects where the sink needs a connection, so
 /// an unreachable destination is reported here, not at the first event.
 pub(crate) async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink, CliError> {
+    let spec = &*pg_outbox_relay::sink::lower_scheme(spec);
     options.check_for(spec)?;
     if spec == "stdout" || spec == "-" {
         return Ok(Sink::Stdout(StdoutSink::new()));

@@ -123,3 +123,19 @@ fn socket_directories_and_several_hosts_are_shown() {
     let info = parse("postgres://app:pw@h1:5432,h2:5433/shop");
     assert_eq!(info.redacted(), "postgres://app:***@h1:5432,h2:5433/shop");
 }
+
+#[test]
+fn a_url_of_another_database_is_named_as_such() {
+    for (text, scheme) in [("mysql://root@db:3306/shop", "mysql"), ("MongoDB+srv://u:pw@db/x", "MongoDB+srv")] {
+        let err = ConnInfo::parse(text).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("{scheme}:// is not PostgreSQL's; only postgres:// and postgresql:// URLs")),
+            "{err}"
+        );
+        assert!(!err.contains("pw"), "{err}");
+    }
+    // A key=value string whose value holds "://" is not a URL.
+    let err = ConnInfo::parse("host=db sslrootcert=file://x bogus").unwrap_err().to_string();
+    assert!(!err.contains("is not PostgreSQL's"), "{err}");
+    assert!(ConnInfo::parse("POSTGRESQL://u@db/x").is_ok());
+}

@@ -140,6 +140,7 @@ impl Sink {
     /// sink needs a connection, so an unreachable destination is reported here, not at the first
     /// event.
     pub async fn connect(spec: &str) -> Result<Sink> {
+        let spec = &*lower_scheme(spec);
         let http = spec.starts_with("http://") || spec.starts_with("https://");
         if spec == "stdout" || spec == "-" {
             return Ok(Sink::Stdout(StdoutSink::new()));
@@ -225,6 +226,17 @@ impl Handler for Sink {
 
 /// A sink spec as it may be shown, quoted: redacted when it is a URL; a spec that does not parse
 /// as one is shown only when it cannot hold credentials (no `@`).
+/// A sink spec with its URL scheme in lower case: a scheme is matched whatever its case (RFC
+/// 3986), so `NATS://host:4222` names the NATS sink as `nats://host:4222` does.
+pub fn lower_scheme(spec: &str) -> std::borrow::Cow<'_, str> {
+    match spec.split_once("://") {
+        Some((scheme, rest)) if scheme.chars().any(|c| c.is_ascii_uppercase()) => {
+            std::borrow::Cow::Owned(format!("{}://{rest}", scheme.to_ascii_lowercase()))
+        }
+        _ => std::borrow::Cow::Borrowed(spec),
+    }
+}
+
 fn describe_spec(spec: &str) -> String {
     match shown_spec(spec) {
         Ok(shown) => format!("{shown:?}"),
@@ -261,6 +273,16 @@ pub(crate) fn event_json(event: &Event) -> Result<Vec<u8>, DeliveryError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_sinks_scheme_is_matched_whatever_its_case() {
+        // Nothing listens on port 1: the NATS sink is chosen and says it could not connect.
+        let err = Sink::connect("NATS://127.0.0.1:1").await.err().expect("no NATS server on port 1").to_string();
+        assert!(!err.contains("unknown sink"), "{err}");
+        let err = Sink::connect("Ftp://files.example/x").await.err().expect("no FTP sink").to_string();
+        assert!(err.contains("unknown sink \"ftp://files.example/x\""), "{err}");
+        assert!(err.contains("kafka://host:port"), "{err}");
+    }
 
     #[test]
     fn formats_parse() {

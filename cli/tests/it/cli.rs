@@ -325,7 +325,15 @@ async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
             vec!["run", "--sink", "nats://127.0.0.1:1", "--timeout", "500ms", "--exit-on-sink-error"],
             "cannot connect to NATS at nats://127.0.0.1:1",
         ),
+        (
+            vec!["run", "--sink", "NATS://127.0.0.1:1", "--timeout", "500ms", "--exit-on-sink-error"],
+            "cannot connect to NATS at nats://127.0.0.1:1",
+        ),
         (vec!["status", "--json", "--bogus"], "--bogus"),
+        (
+            vec!["status", "--database-url", "mysql://root:hunter2@127.0.0.1:3306/shop"],
+            "mysql:// is not PostgreSQL's; only postgres:// and postgresql:// URLs",
+        ),
     ];
     for (args, needle) in cases {
         let output = cli(&db.url, &args).await;

@@ -153,6 +153,7 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
         (vec!["run", "--route", "erp=order.*"], "no sink after the pattern"),
         (vec!["run", "--route", "erp=order.*=ftp://x"], "destination \"erp\": unknown sink"),
         (vec!["run", "--route", "erp=order.*=notasink"], "the sink must be stdout or a URL"),
+        (vec!["run", "--route", "a=b=c=stdout"], "amqps://, kafka://)"),
         (vec!["run", "--route", "a=#=stdout", "--route", "a=order.*=stdout"], "two routes are named \"a\""),
         (vec!["run", "--route", "a b=#=stdout"], "destination name \"a b\""),
         (vec!["run", "--sink", "stdout", "--route", "a=#=stdout"], "cannot be used with"),
