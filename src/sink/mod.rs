@@ -277,9 +277,11 @@ mod tests {
     #[tokio::test]
     async fn a_sinks_scheme_is_matched_whatever_its_case() {
         // Nothing listens on port 1: the NATS sink is chosen and says it could not connect.
-        let err = Sink::connect("NATS://127.0.0.1:1").await.err().expect("no NATS server on port 1").to_string();
+        let Err(err) = Sink::connect("NATS://127.0.0.1:1").await else { panic!("no NATS server listens on port 1") };
+        let err = err.to_string();
         assert!(!err.contains("unknown sink"), "{err}");
-        let err = Sink::connect("Ftp://files.example/x").await.err().expect("no FTP sink").to_string();
+        let Err(err) = Sink::connect("Ftp://files.example/x").await else { panic!("there is no FTP sink") };
+        let err = err.to_string();
         assert!(err.contains("unknown sink \"ftp://files.example/x\""), "{err}");
         assert!(err.contains("kafka://host:port"), "{err}");
     }
