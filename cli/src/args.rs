@@ -164,12 +164,13 @@ pub(crate) enum DeadLetterCommand {
         limit: i64,
     },
     /// Put dead letters back into the outbox under their own ids, attempts reset.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["all", "ids"])))]
     Retry {
         /// Retry every dead letter.
         #[arg(long, conflicts_with = "ids")]
         all: bool,
         /// The ids to retry.
-        #[arg(required_unless_present = "all", value_name = "ID")]
+        #[arg(value_name = "ID")]
         ids: Vec<i64>,
     },
     /// Delete dead letters: those that failed longer ago than --older-than, or --all.
@@ -186,11 +187,12 @@ pub(crate) enum DeadLetterCommand {
 
 /// What `run` delivers to, and how.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("destinations").required(true).multiple(true).args(["sink", "route", "config"])))]
 pub(crate) struct RunArgs {
     /// Where every event goes: stdout, http://host[:port]/path, https://..., nats://host:port,
     /// amqp://user:pass@host:5672/vhost (RabbitMQ) or kafka://host:port[,host:port]. One
     /// destination, named `default`.
-    #[arg(long, value_name = "SINK", required_unless_present_any = ["route", "config"], conflicts_with_all = ["route", "config"])]
+    #[arg(long, value_name = "SINK", conflicts_with_all = ["route", "config"])]
     pub(crate) sink: Option<String>,
     /// A destination: the events whose topic PATTERN matches go to SINK (repeatable; each event
     /// to every route that matches). NAME=PATTERN=SINK, or PATTERN=SINK to name it after its
