@@ -58,9 +58,14 @@ pub(crate) enum Command {
         /// Pause only this topic (by default every topic).
         #[arg(long, value_name = "TOPIC")]
         topic: Option<String>,
-        /// Pause only this destination (by default every destination); the others go on.
+        /// Pause only this destination (by default every destination); the others go on. It
+        /// must be registered (a typo would pause nothing), unless --unregistered.
         #[arg(long, value_name = "NAME")]
         destination: Option<String>,
+        /// Pause a --destination no relay has registered yet: it holds that destination's events
+        /// from its first start.
+        #[arg(long, requires = "destination")]
+        unregistered: bool,
     },
     /// Lift a pause: without --topic the pause of every topic (pauses of single topics stay),
     /// with --topic that topic's; without --destination the pause of every destination, with it

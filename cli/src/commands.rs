@@ -18,8 +18,11 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => run_relay(&require_url(cli.database_url)?, *args).await,
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
         Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
-        Command::Pause { topic, destination } => {
+        Command::Pause { topic, destination, unregistered } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
+            if let Some(name) = destination.as_deref().filter(|_| !unregistered) {
+                refuse_unknown_destination(&outbox, name).await?;
+            }
             let what = paused_what(topic.as_deref(), destination.as_deref());
             if outbox.pause_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
                 out!(
@@ -147,6 +150,24 @@ async fn migrate(db: &Database) -> Result<(), CliError> {
 }
 
 /// The sink settings `args` give (the defaults of every destination, or one route's own).
+/// Refuses a destination no relay registered (a typo would pause nothing, silently), naming
+/// those that are.
+async fn refuse_unknown_destination(outbox: &pg_outbox_relay::Outbox, name: &str) -> Result<(), CliError> {
+    let known: Vec<String> = outbox.destinations().await?.into_iter().map(|d| d.name).collect();
+    if known.iter().any(|k| k == name) {
+        return Ok(());
+    }
+    let registered = if known.is_empty() {
+        "none is registered yet".to_string()
+    } else {
+        format!("registered: {}", known.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "))
+    };
+    Err(UsageError(format!(
+        "no destination is named {name:?} ({registered}); a relay registers its routes when it starts (`outbox-relay destinations add` registers one before); to pause one before its first start, add --unregistered"
+    ))
+    .into())
+}
+
 fn sink_options(args: &RunArgs) -> Result<SinkOptions, CliError> {
     let mut headers = Vec::with_capacity(args.headers.len());
     for header in &args.headers {

@@ -75,7 +75,12 @@ rate_limit = "1000/s"
 "##,
     )
     .unwrap();
+    // A name no relay registered is refused (a typo would pause nothing), unless meant.
     let out = cli(&db.url, &["pause", "--destination", "mailer"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no destination is named \"mailer\" (none is registered yet)"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("add --unregistered"), "{}", stderr(&out));
+    let out = cli(&db.url, &["pause", "--destination", "mailer", "--unregistered"]).await;
     assert!(stdout(&out).contains("paused every topic at destination mailer"), "{}", stdout(&out));
     let mut child = spawn_run(&db.url, &["--config", config.to_str().unwrap()]);
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -92,6 +97,11 @@ rate_limit = "1000/s"
             .any(|d| d["name"] == json!("mailer") && d["paused"] == json!(true) && d["new"] == json!(1))
     })
     .await;
+    let out = cli(&db.url, &["pause", "--destination", "mailr"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("no destination is named \"mailr\" (registered: "), "{err}");
+    assert!(err.contains("\"mailer\"") && err.contains("\"orders\""), "{err}");
     let out = cli(&db.url, &["resume", "--destination", "mailer"]).await;
     assert!(stdout(&out).contains("resumed every topic at destination mailer"), "{}", stdout(&out));
     let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.unwrap().unwrap().unwrap();
