@@ -19,6 +19,8 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Status { json } => status(&require_url(cli.database_url)?, json).await,
         Command::DeadLetters(command) => dead_letters(&require_url(cli.database_url)?, command).await,
         Command::Pause { topic, destination, unregistered } => {
+            refuse_empty("--topic", &topic)?;
+            refuse_empty("--destination", &destination)?;
             let outbox = connect(&require_url(cli.database_url)?).await?;
             if let Some(name) = destination.as_deref().filter(|_| !unregistered) {
                 refuse_unknown_destination(&outbox, name).await?;
@@ -35,6 +37,8 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Resume { topic, destination } => {
+            refuse_empty("--topic", &topic)?;
+            refuse_empty("--destination", &destination)?;
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let what = paused_what(topic.as_deref(), destination.as_deref());
             if outbox.resume_destination(destination.as_deref().unwrap_or(""), topic.as_deref()).await? {
@@ -123,7 +127,7 @@ impl Database {
 fn require_url(url: Option<String>, timeout: std::time::Duration) -> Result<Database, CliError> {
     match url.filter(|u| !u.is_empty()) {
         Some(url) => Ok(Database { url: DatabaseUrl::parse(&url)?, timeout }),
-        None => Err("no database given: pass --database-url URL or set DATABASE_URL".into()),
+        None => Err(UsageError("no database given: pass --database-url URL or set DATABASE_URL".into()).into()),
     }
 }
 
@@ -150,6 +154,14 @@ async fn migrate(db: &Database) -> Result<(), CliError> {
 }
 
 /// The sink settings `args` give (the defaults of every destination, or one route's own).
+/// Refuses a flag given an empty value (`--topic ''`): a bad argument, before any connection.
+fn refuse_empty(flag: &str, value: &Option<String>) -> Result<(), UsageError> {
+    match value.as_deref() {
+        Some("") => Err(UsageError(format!("{flag} must not be empty (leave it out for every one)"))),
+        _ => Ok(()),
+    }
+}
+
 /// Refuses a destination no relay registered (a typo would pause nothing, silently), naming
 /// those that are.
 async fn refuse_unknown_destination(outbox: &pg_outbox_relay::Outbox, name: &str) -> Result<(), CliError> {

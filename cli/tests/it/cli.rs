@@ -349,6 +349,13 @@ async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
     assert!(err.contains("127.0.0.1:1") && !err.contains("hunter2"), "{err}");
     let no_db = Command::new(BIN).arg("status").env_remove("DATABASE_URL").output().await.unwrap();
     assert!(String::from_utf8_lossy(&no_db.stderr).contains("no database given"));
+    assert_eq!(no_db.status.code(), Some(2), "a missing database URL is a bad argument");
+    // A value the command refuses is a bad argument too (exit 2), with or without a database.
+    let empty_topic = cli(&db.url, &["pause", "--topic", ""]).await;
+    assert_eq!(empty_topic.status.code(), Some(2), "{}", stderr(&empty_topic));
+    assert!(stderr(&empty_topic).contains("--topic must not be empty"), "{}", stderr(&empty_topic));
+    let no_db = Command::new(BIN).args(["pause", "--topic", ""]).env_remove("DATABASE_URL").output().await.unwrap();
+    assert_eq!(no_db.status.code(), Some(2));
 }
 
 #[tokio::test]
