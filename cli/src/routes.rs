@@ -206,7 +206,10 @@ struct FileDestination {
 /// One secret or a list of them (so that a single one given as a string is no type error that
 /// would print it).
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "signing_secrets is a secret as a string, or a list of them (signing_secrets = \"whsec_...\")"
+)]
 enum OneOrMany {
     One(String),
     Many(Vec<String>),
@@ -218,6 +221,16 @@ enum OneOrMany {
 pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Destination>, CliError> {
     let shown = path.display();
     let text = std::fs::read_to_string(path).map_err(|e| UsageError(format!("--config {shown}: {e}")))?;
+    // `[destination]` (one table) where `[[destination]]` (one of a list) was meant: said so,
+    // rather than the type error it would be.
+    if let Ok(table) = toml::from_str::<toml::Table>(&text)
+        && table.get("destination").is_some_and(toml::Value::is_table)
+    {
+        return Err(UsageError(format!(
+            "--config {shown}: [destination] is a single table; write [[destination]] (two brackets) before each destination"
+        ))
+        .into());
+    }
     let file: File = toml::from_str(&text).map_err(|e| {
         let line = e.span().map(|span| text[..span.start.min(text.len())].matches('\n').count() + 1);
         let at = line.map_or(String::new(), |line| format!(" (line {line})"));
@@ -238,8 +251,24 @@ pub(crate) fn read_file(path: &Path, defaults: &SinkOptions) -> Result<Vec<Desti
         .collect()
 }
 
+/// A message about flags (`--exchange`, `--kafka-username`, the password's variable) told about
+/// a configuration file's keys instead (`exchange`, `kafka_username`, `kafka_password`).
+fn as_file_keys(message: &str) -> String {
+    message
+        .replace("the password (OUTBOX_RELAY_KAFKA_PASSWORD)", "kafka_password")
+        .split(' ')
+        .map(|word| match word.strip_prefix("--") {
+            Some("header") => "headers".to_string(),
+            Some(flag) => flag.replace('-', "_"),
+            None => word.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 impl FileDestination {
     fn resolve(self, defaults: &SinkOptions) -> Result<Destination, String> {
+        pg_outbox_relay::TopicPattern::parse(&self.pattern).map_err(|e| format!("pattern: {e}"))?;
         let mut options = defaults.clone();
         self.kafka_settings(&mut options.kafka)?;
         if let Some(format) = &self.format {
@@ -275,6 +304,12 @@ impl FileDestination {
         };
         if let Some(concurrency) = self.concurrency {
             crate::values::parse_concurrency(&concurrency.to_string()).map_err(|e| format!("concurrency: {e}"))?;
+        }
+        // A setting of the file's that this sink does not take, named as the file names it (one
+        // the command line gave is refused at the start, naming the flag).
+        let sink = pg_outbox_relay::sink::lower_scheme(&self.sink);
+        if defaults.check_for(&sink).is_ok() {
+            options.check_for(&sink).map_err(|e| as_file_keys(&e.0))?;
         }
         Ok(Destination {
             name: self.name,

@@ -84,8 +84,9 @@ impl Default for SinkOptions {
 }
 
 impl SinkOptions {
-    /// Refuses a setting given for a sink it does not apply to.
-    fn check_for(&self, spec: &str) -> Result<(), UsageError> {
+    /// Refuses a setting given for a sink it does not apply to (the message names the flags;
+    /// [`crate::routes`] names a file's keys instead).
+    pub(crate) fn check_for(&self, spec: &str) -> Result<(), UsageError> {
         let refuse = |why: &str| Err(UsageError(why.to_string()));
         let http = spec.starts_with("http://") || spec.starts_with("https://");
         let kafka = spec.starts_with("kafka://");

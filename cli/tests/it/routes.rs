@@ -148,8 +148,15 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
     let bad_pattern = "[[destination]]\nname = \"erp\"\npattern = \"order..placed\"\nsink = \"stdout\"\n";
     let leaky = "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nheaders = { Authorization = \"Bearer s3cr3t-token\" \n";
     let unknown = "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\nsigning_secret = \"whsec_x\"\n";
+    let number_secret = "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"https://erp.example/hook\"\nsigning_secrets = 12345678\n";
+    let one_table = "[destination]\nname = \"erp\"\npattern = \"#\"\nsink = \"stdout\"\n";
+    let exchange_on_http =
+        "[[destination]]\nname = \"erp\"\npattern = \"#\"\nsink = \"https://erp.example/hook\"\nexchange = \"x\"\n";
     for (file, expected) in [
-        (bad_pattern, "topic pattern \"order..placed\": word 2 is empty"),
+        (number_secret, "(line 5): signing_secrets is a secret as a string, or a list of them"),
+        (one_table, "[destination] is a single table; write [[destination]] (two brackets)"),
+        (exchange_on_http, "destination \"erp\": exchange applies to the RabbitMQ sink (amqp://) only"),
+        (bad_pattern, "relay.toml: destination \"erp\": pattern: topic pattern \"order..placed\": word 2 is empty"),
         (leaky, "(line 5)"),
         (unknown, "unknown field `signing_secret`"),
     ] {
@@ -157,7 +164,11 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
         let out = cli(&db.url, &["run", "--config", config.to_str().unwrap()]).await;
         assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
         assert!(stderr(&out).contains(expected), "{}", stderr(&out));
-        assert!(!stderr(&out).contains("s3cr3t") && !stderr(&out).contains("whsec_x"), "{}", stderr(&out));
+        assert!(
+            !stderr(&out).contains("s3cr3t") && !stderr(&out).contains("whsec_x") && !stderr(&out).contains("12345678"),
+            "{}",
+            stderr(&out)
+        );
     }
     for (args, expected) in [
         (vec!["run", "--route", "erp=order.*"], "no sink after the pattern"),
