@@ -153,7 +153,6 @@ async fn migrate(db: &Database) -> Result<(), CliError> {
     Ok(())
 }
 
-/// The sink settings `args` give (the defaults of every destination, or one route's own).
 /// Refuses a flag given an empty value (`--topic ''`): a bad argument, before any connection.
 fn refuse_empty(flag: &str, value: &Option<String>) -> Result<(), UsageError> {
     match value.as_deref() {
@@ -180,6 +179,7 @@ async fn refuse_unknown_destination(outbox: &pg_outbox_relay::Outbox, name: &str
     .into())
 }
 
+/// The sink settings `args` give (the defaults of every destination, or one route's own).
 fn sink_options(args: &RunArgs) -> Result<SinkOptions, CliError> {
     let mut headers = Vec::with_capacity(args.headers.len());
     for header in &args.headers {
