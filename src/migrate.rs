@@ -124,7 +124,9 @@ pub(crate) async fn run(client: &mut tokio_postgres::Client) -> Result<Migration
             report.already_applied += 1;
             continue;
         }
-        tracing::info!(version = migration.version, name = migration.name, "applying migration");
+        // Debug: what was applied is the report's to say (`outbox-relay migrate` prints it; at
+        // info, each migration was shown twice, on stdout and in the log).
+        tracing::debug!(version = migration.version, name = migration.name, "applying migration");
         sql::apply_migration(&tx, migration.version, migration.name, migration.sql, &checksum).await?;
         report.applied.push((migration.version, migration.name.to_string()));
     }

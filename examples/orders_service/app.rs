@@ -82,13 +82,24 @@ impl AppHandler {
     /// A sink for `spec` (connecting to it now; an HTTP sink signs with `signing_secret` when
     /// given), or the log when there is none.
     pub async fn new(sink: Option<&str>, signing_secret: Option<&str>) -> pg_outbox_relay::Result<AppHandler> {
+        let http = |spec: &str| {
+            let spec = pg_outbox_relay::sink::lower_scheme(spec);
+            spec.starts_with("http://") || spec.starts_with("https://")
+        };
         let sink = match (sink, signing_secret) {
             (None, _) => return Ok(AppHandler::Log),
-            (Some(url), Some(secret)) => {
+            (Some(url), Some(secret)) if http(url) => {
                 let secret = SigningSecret::parse(secret)?;
                 Sink::Http(HttpSink::builder(url).signing_secret(secret).build()?)
             }
-            (Some(spec), None) => Sink::connect(spec).await?,
+            (Some(spec), secret) => {
+                if secret.is_some() {
+                    // WEBHOOK_SECRET exported for another command (guarantees.md) must not stop
+                    // this one from delivering to stdout or NATS.
+                    tracing::info!("the signing secret applies to an HTTP sink only; not used for {spec}");
+                }
+                Sink::connect(spec).await?
+            }
         };
         Ok(AppHandler::Sink(Box::new(sink)))
     }

@@ -12,6 +12,8 @@
 //! flight finish), then the relay (deliveries in flight finish). See `app.rs` for the API.
 
 mod app;
+#[path = "../shared/shutdown.rs"]
+mod shutdown;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -100,25 +102,6 @@ async fn run(args: Args, url: &str) -> Result<(), BoxError> {
 
 /// Resolves on Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
-    }
+    shutdown::shutdown_signal().await;
     tracing::info!("shutting down: finishing requests in flight, then stopping the relay");
 }

@@ -10,6 +10,8 @@
 //! `--inbox-retention`. See `app.rs` for what a request does.
 
 mod app;
+#[path = "../shared/shutdown.rs"]
+mod shutdown;
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -56,6 +58,7 @@ async fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres=warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match run(args).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -78,7 +81,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
     tracing::info!(address = %listener.local_addr()?, database = %database.url(), "webhook receiver listening");
     axum::serve(listener, app::router(receiver))
         .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
+            shutdown::shutdown_signal().await;
+            tracing::info!("shutting down: finishing requests in flight");
         })
         .await?;
     Ok(())

@@ -271,3 +271,16 @@ async fn embedded_relay_delivers_the_event() {
         .expect("relay task panicked")
         .expect("relay failed");
 }
+
+/// A signing secret exported for another command (guarantees.md's `export WEBHOOK_SECRET=…`)
+/// does not stop the service delivering to a sink that is not HTTP; an HTTP sink takes it.
+#[tokio::test]
+async fn a_signing_secret_applies_to_an_http_sink_only() {
+    let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+    assert!(matches!(app::AppHandler::new(Some("stdout"), Some(secret)).await, Ok(app::AppHandler::Sink(_))));
+    assert!(matches!(
+        app::AppHandler::new(Some("HTTP://127.0.0.1:9/hook"), Some(secret)).await,
+        Ok(app::AppHandler::Sink(_))
+    ));
+    assert!(app::AppHandler::new(Some("http://127.0.0.1:9/hook"), Some("not-a-secret")).await.is_err());
+}

@@ -154,3 +154,47 @@ async fn racing_duplicates_are_answered_200_and_unverified_requests_write_nothin
     assert_eq!(count(&db.client().await, "select count(*) from received_events").await, 1, "nothing more written");
     assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.inbox").await, 1, "nothing more recorded");
 }
+
+/// The example's own binary (built by `cargo test` with the other examples), run as a user runs
+/// it: with its log redirected it writes no terminal colours, and SIGTERM (what `kill`, systemd
+/// and container engines send) stops it gracefully with exit code 0, not 143.
+#[tokio::test]
+async fn the_binary_logs_plain_text_to_a_pipe_and_stops_cleanly_on_sigterm() {
+    use tokio::io::AsyncBufReadExt;
+    // target/<profile>/deps/it-<hash> -> target/<profile>/examples/webhook_receiver
+    let test = std::env::current_exe().unwrap();
+    let binary = test.parent().and_then(|deps| deps.parent()).unwrap().join("examples/webhook_receiver");
+    // `cargo test` builds the examples; `cargo test --test it` alone does not (build them with
+    // `cargo build --examples --all-features`, or this runs an older build).
+    assert!(
+        binary.is_file(),
+        "{} is built by `cargo test` (or cargo build --examples --all-features)",
+        binary.display()
+    );
+    let db = TestDb::new().await;
+    let mut child = tokio::process::Command::new(&binary)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("DATABASE_URL", &db.url)
+        .env("WEBHOOK_SECRET", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let listening = tokio::time::timeout(PATIENCE, async {
+        while let Some(line) = lines.next_line().await.unwrap() {
+            if line.contains("webhook receiver listening") {
+                return line;
+            }
+        }
+        panic!("the receiver exited before listening")
+    })
+    .await
+    .expect("the receiver listens");
+    assert!(!listening.contains('\u{1b}'), "no terminal escapes in a redirected log: {listening:?}");
+    let pid = child.id().unwrap();
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success());
+    let status = tokio::time::timeout(PATIENCE, child.wait()).await.expect("it stops").unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}
