@@ -34,10 +34,13 @@ impl DatabaseUrl {
     /// Parses `postgres://user:password@host:port/db?...` or `host=... user=...`.
     ///
     /// TLS follows libpq's `sslmode` (`disable`, `prefer`, `require`, `verify-ca`, `verify-full`)
-    /// and `sslrootcert` (a PEM file of trusted roots; the system's store when absent). An error
-    /// names what is wrong (an option, a byte offset), never a value.
+    /// and `sslrootcert` (a PEM file of trusted roots; the system's store when absent). What the
+    /// string leaves out comes from libpq's environment (`PGHOST`, `PGPORT`, `PGUSER`,
+    /// `PGPASSWORD` or the password file `PGPASSFILE` / `~/.pgpass`, `PGDATABASE`, `PGSSLMODE`,
+    /// `PGSSLROOTCERT`, `PGAPPNAME`, `PGCONNECT_TIMEOUT`), the string first. An error names
+    /// what is wrong (an option, a byte offset, a variable), never a value.
     pub fn parse(url: &str) -> Result<Self> {
-        let mut info = ConnInfo::parse(url)?;
+        let mut info = ConnInfo::parse_with_env(url, &|name| std::env::var(name).ok())?;
         let tls = crate::tls::connector(info.verify, info.root_cert.as_deref())?;
         let config = &mut info.config;
         if config.get_connect_timeout().is_none() {

@@ -74,6 +74,100 @@ const EXPECTED: &str = "expected postgres://user[:password]@host[:port]/database
 impl ConnInfo {
     /// Parses a URL or a `key=value` string.
     pub(crate) fn parse(text: &str) -> Result<ConnInfo> {
+        Ok(Self::parse_tls(text)?.0)
+    }
+
+    /// Parses `text`, then takes what it leaves out from libpq's environment variables (`env`
+    /// reads one), with libpq's precedence: the string first, then the environment, then the
+    /// defaults. `PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD` (else the password file:
+    /// `PGPASSFILE` or `~/.pgpass`), `PGDATABASE`, `PGSSLMODE`, `PGSSLROOTCERT`, `PGAPPNAME`,
+    /// `PGCONNECT_TIMEOUT`. An error names the variable, never its value.
+    pub(crate) fn parse_with_env(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ConnInfo> {
+        let env = |name: &str| env(name).filter(|v| !v.is_empty());
+        // A URL's host without a port is read as port 5432 (tokio-postgres fills it in), so
+        // PGPORT goes into the URL's hosts before it is parsed.
+        let with_port;
+        let text = match (url_rest(text.trim()), env("PGPORT")) {
+            (Some(rest), Some(port)) => {
+                let port: u16 = port.trim().parse().map_err(|_| Error::config("PGPORT is not a port number"))?;
+                with_port = format!("postgresql://{}", default_port(rest, port));
+                with_port.as_str()
+            }
+            _ => text,
+        };
+        let (mut info, tls) = Self::parse_tls(text)?;
+        let config = &mut info.config;
+        if config.get_hosts().is_empty()
+            && let Some(hosts) = env("PGHOST")
+        {
+            for host in hosts.split(',') {
+                config.host(host);
+            }
+        }
+        if config.get_ports().is_empty()
+            && let Some(port) = env("PGPORT")
+        {
+            let port: u16 = port.trim().parse().map_err(|_| Error::config("PGPORT is not a port number"))?;
+            config.port(port);
+        }
+        if config.get_user().is_none()
+            && let Some(user) = env("PGUSER")
+        {
+            config.user(&user);
+        }
+        if config.get_dbname().is_none()
+            && let Some(dbname) = env("PGDATABASE")
+        {
+            config.dbname(&dbname);
+        }
+        if config.get_application_name().is_none()
+            && let Some(name) = env("PGAPPNAME")
+        {
+            config.application_name(&name);
+        }
+        if config.get_connect_timeout().is_none()
+            && let Some(seconds) = env("PGCONNECT_TIMEOUT")
+        {
+            let seconds: u64 =
+                seconds.trim().parse().map_err(|_| Error::config("PGCONNECT_TIMEOUT is not a number of seconds"))?;
+            // libpq: 0 waits without end; a timeout of 1 s is raised to 2.
+            if seconds > 0 {
+                config.connect_timeout(std::time::Duration::from_secs(seconds.max(2)));
+            }
+        }
+        let mut tls_env = TlsOptions::default();
+        if !tls.sslmode_given
+            && let Some(mode) = env("PGSSLMODE")
+        {
+            let passed = tls_env.take("sslmode", &mode).map_err(|_| {
+                Error::config("PGSSLMODE: expected disable, allow, prefer, require, verify-ca or verify-full")
+            })?;
+            if let Some(passed) = passed {
+                config.ssl_mode(match passed.as_str() {
+                    "disable" => SslMode::Disable,
+                    "require" => SslMode::Require,
+                    _ => SslMode::Prefer,
+                });
+            }
+            info.verify = tls_env.verify;
+        }
+        if info.root_cert.is_none()
+            && let Some(path) = env("PGSSLROOTCERT")
+        {
+            info.root_cert = Some(PathBuf::from(path));
+        }
+        if info.config.get_password().is_none() {
+            if let Some(password) = env("PGPASSWORD") {
+                info.config.password(password);
+            } else if let Some(password) = passfile_password(&info.config, &env) {
+                info.config.password(password);
+            }
+        }
+        Ok(info)
+    }
+
+    /// [`ConnInfo::parse`], with what the TLS options said.
+    fn parse_tls(text: &str) -> Result<(ConnInfo, TlsOptions)> {
         let mut tls = TlsOptions::default();
         let text = text.trim();
         let rewritten = match url_rest(text) {
@@ -99,7 +193,8 @@ impl ConnInfo {
                 ));
             }
         }
-        Ok(ConnInfo { config, verify: tls.verify, root_cert: tls.root_cert })
+        let info = ConnInfo { config, verify: tls.verify, root_cert: tls.root_cert.clone() };
+        Ok((info, tls))
     }
 
     /// The connection string to show people: `postgres://user:***@host:port/database`, plus the
@@ -260,11 +355,87 @@ fn other_scheme(text: &str) -> Option<&str> {
     valid.then_some(scheme)
 }
 
+/// A URL (after its scheme) whose hosts without a port get `port`: `u@a,b:6000/db` with 7000
+/// is `u@a:7000,b:6000/db`. An IPv6 address is in brackets, its port after them.
+fn default_port(rest: &str, port: u16) -> String {
+    let after_credentials = rest.find('@').map_or(0, |at| at + 1);
+    let end = rest[after_credentials..].find(['/', '?']).map_or(rest.len(), |i| after_credentials + i);
+    let hosts: Vec<String> = rest[after_credentials..end]
+        .split(',')
+        .map(|host| {
+            let name_end = if host.starts_with('[') { host.find(']').map_or(host.len(), |i| i + 1) } else { 0 };
+            if host.is_empty() || host[name_end..].contains(':') { host.to_string() } else { format!("{host}:{port}") }
+        })
+        .collect();
+    format!("{}{}{}", &rest[..after_credentials], hosts.join(","), &rest[end..])
+}
+
+/// The password the password file gives for `config`'s first host, port, database and user
+/// (libpq's rules: `PGPASSFILE` or `~/.pgpass`; lines `host:port:database:user:password`, `*`
+/// matching anything, `\:` and `\\` escaped, `#` comments; a Unix socket matches `localhost`;
+/// a file that others may read is ignored, with a warning).
+fn passfile_password(config: &Config, env: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    let path = match env("PGPASSFILE") {
+        Some(path) => PathBuf::from(path),
+        None => PathBuf::from(env("HOME")?).join(".pgpass"),
+    };
+    let text = std::fs::read_to_string(&path).ok()?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&path).ok()?.permissions().mode();
+        if mode & 0o077 != 0 {
+            tracing::warn!(
+                file = %path.display(),
+                "the password file may be read by others (chmod 0600 it): its passwords are not used"
+            );
+            return None;
+        }
+    }
+    let host = match config.get_hosts().first() {
+        Some(Host::Tcp(name)) => name.clone(),
+        #[cfg(unix)]
+        Some(Host::Unix(_)) => "localhost".to_string(),
+        None => "localhost".to_string(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432).to_string();
+    let user = config.get_user().map(str::to_string).or_else(|| env("USER"))?;
+    let dbname = config.get_dbname().map_or_else(|| user.clone(), str::to_string);
+    let wanted = [host.as_str(), port.as_str(), dbname.as_str(), user.as_str()];
+    text.lines().filter(|line| !line.trim_start().starts_with('#')).find_map(|line| {
+        let fields = passfile_fields(line);
+        let [host, port, db, user, password] = <[String; 5]>::try_from(fields).ok()?;
+        let matches = [host, port, db, user].iter().zip(wanted).all(|(field, want)| field == "*" || field == want);
+        matches.then_some(password)
+    })
+}
+
+/// A password file's line split at its unescaped `:` (at most 5 fields, the last keeping the
+/// rest), with `\:` and `\\` unescaped.
+fn passfile_fields(line: &str) -> Vec<String> {
+    let mut fields = vec![String::new()];
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => {
+                if let Some(next) = chars.next() {
+                    fields.last_mut().expect("one field at least").push(next);
+                }
+            }
+            ':' if fields.len() < 5 => fields.push(String::new()),
+            c => fields.last_mut().expect("one field at least").push(c),
+        }
+    }
+    fields
+}
+
 /// What the TLS options of a connection string said.
 #[derive(Debug, Default)]
 struct TlsOptions {
     verify: Verify,
     root_cert: Option<PathBuf>,
+    /// Whether the string gave an `sslmode` (else `PGSSLMODE` may).
+    sslmode_given: bool,
 }
 
 impl TlsOptions {
@@ -286,6 +457,7 @@ impl TlsOptions {
                     }
                 };
                 self.verify = verify;
+                self.sslmode_given = true;
                 Ok(Some(passed.to_string()))
             }
             "sslrootcert" => {

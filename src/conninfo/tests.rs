@@ -139,3 +139,109 @@ fn a_url_of_another_database_is_named_as_such() {
     assert!(!err.contains("is not PostgreSQL's"), "{err}");
     assert!(ConnInfo::parse("POSTGRESQL://u@db/x").is_ok());
 }
+
+/// `parse_with_env` with these variables and no others.
+fn with_env(text: &str, vars: &[(&str, &str)]) -> Result<ConnInfo> {
+    let vars: std::collections::HashMap<String, String> =
+        vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    ConnInfo::parse_with_env(text, &|name| vars.get(name).cloned())
+}
+
+#[test]
+fn libpqs_environment_fills_what_the_string_leaves_out() {
+    let info = with_env(
+        "postgres://pwuser@db.example/shop",
+        &[
+            ("PGPASSWORD", "from-env"),
+            ("PGHOST", "other-host"),
+            ("PGPORT", "6543"),
+            ("PGUSER", "other-user"),
+            ("PGDATABASE", "other-db"),
+            ("PGAPPNAME", "billing"),
+            ("PGCONNECT_TIMEOUT", "7"),
+            ("PGSSLMODE", "verify-full"),
+            ("PGSSLROOTCERT", "/etc/ssl/db-root.pem"),
+        ],
+    )
+    .unwrap();
+    let c = &info.config;
+    // The URL wins where it says something: host, user, database.
+    assert_eq!(c.get_hosts(), &[Host::Tcp("db.example".into())]);
+    assert_eq!(c.get_user(), Some("pwuser"));
+    assert_eq!(c.get_dbname(), Some("shop"));
+    // The environment gives the rest.
+    assert_eq!(c.get_password(), Some(&b"from-env"[..]));
+    assert_eq!(c.get_ports(), &[6543]);
+    assert_eq!(c.get_application_name(), Some("billing"));
+    assert_eq!(c.get_connect_timeout(), Some(&std::time::Duration::from_secs(7)));
+    assert_eq!(info.verify, Verify::Full);
+    assert_eq!(c.get_ssl_mode(), SslMode::Require);
+    assert_eq!(info.root_cert.as_deref(), Some(std::path::Path::new("/etc/ssl/db-root.pem")));
+
+    // An empty string takes everything from the environment; the string's own settings win.
+    let info = with_env("", &[("PGHOST", "h1,h2"), ("PGUSER", "u"), ("PGDATABASE", "d")]).unwrap();
+    assert_eq!(info.config.get_hosts(), &[Host::Tcp("h1".into()), Host::Tcp("h2".into())]);
+    assert_eq!(info.config.get_user(), Some("u"));
+    let info = with_env(
+        "host=db password=in-string sslmode=disable connect_timeout=3",
+        &[("PGPASSWORD", "from-env"), ("PGSSLMODE", "verify-full"), ("PGCONNECT_TIMEOUT", "9")],
+    )
+    .unwrap();
+    assert_eq!(info.config.get_password(), Some(&b"in-string"[..]));
+    assert_eq!(info.config.get_ssl_mode(), SslMode::Disable);
+    assert_eq!(info.verify, Verify::None);
+    assert_eq!(info.config.get_connect_timeout(), Some(&std::time::Duration::from_secs(3)));
+    // PGPORT for the URL's hosts that give none, an IPv6 address's included.
+    let info = with_env("postgres://u@a,b:6000,[::1]/db", &[("PGPORT", "7000")]).unwrap();
+    assert_eq!(info.config.get_ports(), &[7000, 6000, 7000]);
+    let info = with_env("host=a port=6000", &[("PGPORT", "7000")]).unwrap();
+    assert_eq!(info.config.get_ports(), &[6000]);
+    #[cfg(unix)]
+    {
+        let info = with_env("dbname=x", &[("PGHOST", "/var/run/postgresql")]).unwrap();
+        assert!(matches!(info.config.get_hosts(), [Host::Unix(_)]));
+    }
+}
+
+#[test]
+fn bad_environment_values_name_the_variable_never_the_value() {
+    for (name, value, says) in [
+        ("PGPORT", "54x32", "PGPORT is not a port number"),
+        ("PGCONNECT_TIMEOUT", "soon", "PGCONNECT_TIMEOUT is not a number of seconds"),
+        ("PGSSLMODE", "always", "PGSSLMODE: expected disable"),
+    ] {
+        let err = with_env("host=db", &[(name, value)]).unwrap_err().to_string();
+        assert!(err.contains(says), "{name}: {err}");
+        assert!(!err.contains(value), "{name}: {err}");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn the_password_file_gives_the_password_of_the_first_matching_line() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("pgpass");
+    std::fs::write(
+        &file,
+        "# comment\nother:5432:*:app:wrong\ndb.example:6543:shop:app:first\\:colon\\\\slash\n*:*:*:app:fallback\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let passfile = file.to_str().unwrap();
+    let info = with_env("postgres://app@db.example:6543/shop", &[("PGPASSFILE", passfile)]).unwrap();
+    assert_eq!(info.config.get_password(), Some(&b"first:colon\\slash"[..]));
+    let info = with_env("postgres://app@elsewhere/x", &[("PGPASSFILE", passfile)]).unwrap();
+    assert_eq!(info.config.get_password(), Some(&b"fallback"[..]));
+    // PGPASSWORD comes first; ~/.pgpass when PGPASSFILE is not set.
+    let info = with_env("postgres://app@elsewhere/x", &[("PGPASSFILE", passfile), ("PGPASSWORD", "env")]).unwrap();
+    assert_eq!(info.config.get_password(), Some(&b"env"[..]));
+    std::fs::copy(&file, dir.path().join(".pgpass")).unwrap();
+    std::fs::set_permissions(dir.path().join(".pgpass"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let info = with_env("postgres://app@elsewhere/x", &[("HOME", dir.path().to_str().unwrap())]).unwrap();
+    assert_eq!(info.config.get_password(), Some(&b"fallback"[..]));
+    // A file others may read is not used.
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let info = with_env("postgres://app@elsewhere/x", &[("PGPASSFILE", passfile)]).unwrap();
+    assert_eq!(info.config.get_password(), None);
+}

@@ -655,3 +655,41 @@ mod needs_nats {
         assert!(stderr(&output).contains("[1/13]"), "progress goes to stderr");
     }
 }
+
+/// libpq's environment fills what the URL leaves out, for every command (the URL first): here
+/// the database from `PGDATABASE` and the application name from `PGAPPNAME`.
+#[tokio::test]
+async fn libpqs_environment_fills_what_the_url_leaves_out() {
+    let db = TestDb::new().await;
+    let (server, database) = db.url.rsplit_once('/').expect("a URL with a database");
+    assert_eq!(database, db.name, "{}", db.url);
+    let output = Command::new(BIN)
+        .args(["status", "--json", "--database-url", server])
+        .env_remove("DATABASE_URL")
+        .env("PGDATABASE", &db.name)
+        .env("PGAPPNAME", "from-pgappname")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    // The URL wins over the environment.
+    let output = Command::new(BIN)
+        .args(["status", "--database-url", &db.url])
+        .env_remove("DATABASE_URL")
+        .env("PGDATABASE", "no_such_database")
+        .env("PGPORT", "1")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    // A bad value is named by its variable.
+    let output = Command::new(BIN)
+        .args(["status", "--database-url", server])
+        .env_remove("DATABASE_URL")
+        .env("PGPORT", "not-a-port")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("PGPORT is not a port number"), "{}", stderr(&output));
+}
