@@ -221,6 +221,13 @@ impl Outbox {
         self.bounded("reading the destinations", async { sql::destination_stats(&*self.pooled().await?).await }).await
     }
 
+    /// The names of the registered destinations, in order (without what waits for them:
+    /// [`Outbox::destinations`] counts that).
+    pub async fn destination_names(&self) -> Result<Vec<String>> {
+        self.bounded("reading the destinations' names", async { sql::destination_names(&*self.pooled().await?).await })
+            .await
+    }
+
     /// Drops the destination `name`, which no relay delivers to any more: events stop waiting
     /// for it (what was parked for it goes to its dead letters, saying why), and its position no
     /// longer keeps events that every other destination has passed. Refused while a connected

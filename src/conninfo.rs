@@ -84,12 +84,14 @@ impl ConnInfo {
     /// `PGCONNECT_TIMEOUT`. An error names the variable, never its value.
     pub(crate) fn parse_with_env(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<ConnInfo> {
         let env = |name: &str| env(name).filter(|v| !v.is_empty());
+        let env_port = env("PGPORT")
+            .map(|port| port.trim().parse::<u16>().map_err(|_| Error::config("PGPORT is not a port number")))
+            .transpose()?;
         // A URL's host without a port is read as port 5432 (tokio-postgres fills it in), so
         // PGPORT goes into the URL's hosts before it is parsed.
         let with_port;
-        let text = match (url_rest(text.trim()), env("PGPORT")) {
+        let text = match (url_rest(text.trim()), env_port) {
             (Some(rest), Some(port)) => {
-                let port: u16 = port.trim().parse().map_err(|_| Error::config("PGPORT is not a port number"))?;
                 with_port = format!("postgresql://{}", default_port(rest, port));
                 with_port.as_str()
             }
@@ -105,9 +107,8 @@ impl ConnInfo {
             }
         }
         if config.get_ports().is_empty()
-            && let Some(port) = env("PGPORT")
+            && let Some(port) = env_port
         {
-            let port: u16 = port.trim().parse().map_err(|_| Error::config("PGPORT is not a port number"))?;
             config.port(port);
         }
         if config.get_user().is_none()

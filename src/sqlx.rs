@@ -191,9 +191,7 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
 ) -> Result<Begun<'t>> {
     crate::event::validate_key("idempotency key", key)?;
     let fingerprint = crate::work::fingerprint(request)?;
-    // A stored receipt may vanish between the conflicting claim and the read (the janitor
-    // removed an expired one): the key is free again, and the next claim takes it.
-    for _ in 0..3 {
+    for _ in 0..crate::work::CLAIM_TRIES {
         let claimed = ::sqlx::query_scalar::<_, String>(sql::IDEMPOTENCY_CLAIM)
             .bind(key)
             .bind(&fingerprint)
@@ -214,7 +212,7 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
             return crate::work::replay(key, &fingerprint, receipt).map(Begun::Replayed);
         }
     }
-    Err(Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again")))
+    Err(crate::work::key_changed_hands(key))
 }
 
 /// [`Outbox::execute`](crate::Outbox::execute) on a sqlx pool: runs `work` once per idempotency
@@ -277,8 +275,7 @@ impl Work<'_> {
     /// Stores `response` with the receipt (what every replay of this key will return) and
     /// commits: business rows, audit entries, receipt and events, together.
     pub async fn commit<T: serde::Serialize + ?Sized>(mut self, response: &T) -> Result<()> {
-        let stored = serde_json::to_value(response)?;
-        crate::payload::check_storable("the response of the unit of work", &stored)?;
+        let stored = crate::work::response_to_store(response)?;
         ::sqlx::query(sql::IDEMPOTENCY_STORE_RESPONSE)
             .bind(&self.key)
             .bind(Json(&stored))

@@ -102,7 +102,7 @@ impl Connection {
         // A stored receipt may vanish between our conflicting claim and our read (the janitor
         // removed an expired one): the key is free again, and the next claim in this same
         // transaction (READ COMMITTED: each statement sees what is committed now) takes it.
-        for _ in 0..3 {
+        for _ in 0..CLAIM_TRIES {
             if sql::claim_receipt(&tx, key, &fingerprint).await? {
                 return Ok(Begun::Fresh(Work { tx, key: key.to_string(), outbox: &self.outbox }));
             }
@@ -111,8 +111,24 @@ impl Connection {
                 return replay(key, &fingerprint, receipt).map(Begun::Replayed);
             }
         }
-        Err(Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again")))
+        Err(key_changed_hands(key))
     }
+}
+
+/// How many times a unit of work claims its key: a stored receipt may vanish between a
+/// conflicting claim and the read (the janitor removed an expired one), and the key is free again.
+pub(crate) const CLAIM_TRIES: usize = 3;
+
+/// The error when a key was taken and freed again at each of the [`CLAIM_TRIES`].
+pub(crate) fn key_changed_hands(key: &str) -> Error {
+    Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again"))
+}
+
+/// `response` as the receipt stores it, checked as a payload is.
+pub(crate) fn response_to_store<T: Serialize + ?Sized>(response: &T) -> Result<Value> {
+    let stored = serde_json::to_value(response)?;
+    crate::payload::check_storable("the response of the unit of work", &stored)?;
+    Ok(stored)
 }
 
 impl Outbox {
@@ -233,8 +249,7 @@ impl<'c> Work<'c> {
     /// commits: business rows, audit entries, receipt and events, together. Wakes a relay in
     /// this process.
     pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
-        let stored = serde_json::to_value(response)?;
-        crate::payload::check_storable("the response of the unit of work", &stored)?;
+        let stored = response_to_store(response)?;
         sql::store_response(&self.tx, &self.key, &stored).await?;
         self.tx.commit().await.map_err(|e| Error::database("committing", e))?;
         self.outbox.wakeup().wake();

@@ -100,14 +100,26 @@ fn process_ticks() -> HashMap<u32, (String, u64)> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return HashMap::new() };
     dir.filter_map(|entry| {
         let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // "pid (command) state ...": the command may hold spaces and parentheses.
-        let (open, close) = (stat.find('(')?, stat.rfind(')')?);
-        let command = stat.get(open + 1..close)?.to_owned();
-        let rest: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
-        // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command.
-        let ticks = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
-        Some((pid, (command, ticks)))
+        Some((pid, process_stat(pid)?))
     })
     .collect()
+}
+
+/// A process's command name and CPU ticks (user and system, all its threads), from
+/// `/proc/<pid>/stat`.
+fn process_stat(pid: u32) -> Option<(String, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (command) state ...": the command may hold spaces and parentheses.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let command = stat.get(open + 1..close)?.to_owned();
+    let rest: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command.
+    let ticks = rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?;
+    Some((command, ticks))
+}
+
+/// User and system CPU time of a process (all its threads), from `/proc/<pid>/stat`.
+pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
+    let (_, ticks) = process_stat(pid)?;
+    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64))
 }

@@ -299,7 +299,7 @@ async fn claim_delete_until_empty(client: &tokio_postgres::Client, claim: &str) 
 /// ```text
 /// BEGIN;
 /// SELECT id, topic, key, payload, created_at, uuid, headers FROM outbox_relay.outbox
-///  WHERE id > $last ORDER BY id LIMIT $batch;          -- every column decoded, as a relay would
+///  WHERE id > $last ORDER BY id LIMIT $batch;   -- id, topic, key, time decoded; payload, uuid, headers as bytes
 /// INSERT INTO <a scratch table> (n, after_id) VALUES ($n, $new_last);   -- one row per batch
 /// COMMIT;
 /// ```

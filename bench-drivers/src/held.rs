@@ -21,9 +21,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::Mutex;
 
-use super::cpu::machine_cpu;
+use super::cpu::{machine_cpu, process_cpu};
 use super::trickle::{
-    backend_cpu, backend_cpu_spent, backend_pid, cpu_spent, event_id, measuring_connection, process_cpu, stop_child,
+    backend_cpu, backend_cpu_spent, backend_pid, cpu_spent, event_id, measuring_connection, stop_child,
 };
 use super::{BoxError, db};
 

@@ -12,6 +12,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::mpsc;
 
+use super::cpu::process_cpu;
 use super::latency::STATEMENT_TIMEOUT;
 use super::{BoxError, db};
 
@@ -219,15 +220,6 @@ pub(super) async fn stop_child(
             .map_err(db("removing the stopped relay's row"))?;
     }
     Ok(())
-}
-
-/// User and system CPU time of a process (all its threads), from `/proc/<pid>/stat`.
-pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) is in parentheses and may hold spaces: count from after it.
-    let fields: Vec<&str> = stat.get(stat.rfind(')')? + 2..)?.split(' ').collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64))
 }
 
 /// The unit of `/proc`'s CPU times (`getconf CLK_TCK`; 100 on Linux unless it says otherwise).

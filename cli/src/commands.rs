@@ -164,7 +164,7 @@ fn refuse_empty(flag: &str, value: &Option<String>) -> Result<(), UsageError> {
 /// Refuses a destination no relay registered (a typo would pause nothing, silently), naming
 /// those that are.
 async fn refuse_unknown_destination(outbox: &pg_outbox_relay::Outbox, name: &str) -> Result<(), CliError> {
-    let known: Vec<String> = outbox.destinations().await?.into_iter().map(|d| d.name).collect();
+    let known = outbox.destination_names().await?;
     if known.iter().any(|k| k == name) {
         return Ok(());
     }

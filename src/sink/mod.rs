@@ -224,8 +224,6 @@ impl Handler for Sink {
     }
 }
 
-/// A sink spec as it may be shown, quoted: redacted when it is a URL; a spec that does not parse
-/// as one is shown only when it cannot hold credentials (no `@`).
 /// A sink spec with its URL scheme in lower case: a scheme is matched whatever its case (RFC
 /// 3986), so `NATS://host:4222` names the NATS sink as `nats://host:4222` does.
 pub fn lower_scheme(spec: &str) -> std::borrow::Cow<'_, str> {
@@ -237,6 +235,8 @@ pub fn lower_scheme(spec: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// A sink spec as it may be shown, quoted: redacted when it is a URL; a spec that does not parse
+/// as one is shown only when it cannot hold credentials (no `@`).
 fn describe_spec(spec: &str) -> String {
     match shown_spec(spec) {
         Ok(shown) => format!("{shown:?}"),

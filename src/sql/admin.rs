@@ -389,6 +389,13 @@ const DESTINATION_STATS: &str = concat!(
  order by d.name"
 );
 
+const DESTINATION_NAMES: &str = "select name from outbox_relay.destinations order by name";
+
+/// The registered destinations' names, in order.
+pub(crate) async fn destination_names(db: &impl Db) -> Result<Vec<String>> {
+    Ok(all(db, DESTINATION_NAMES, &[], "reading the destinations' names").await?.iter().map(|r| r.get(0)).collect())
+}
+
 /// Every registered destination, by name.
 pub(crate) async fn destination_stats(db: &impl Db) -> Result<Vec<crate::queue::DestinationStats>> {
     let rows = all(db, DESTINATION_STATS, &[], "reading the destinations").await?;

@@ -9,6 +9,7 @@ use tokio::sync::Barrier;
 use tokio_postgres::error::SqlState;
 
 use crate::harness::TestDb;
+use crate::orders::Counts;
 use crate::privileges::ROLES_SQL;
 
 /// The article's transaction through the SQL door: `Ok(response, replayed)`.
@@ -93,18 +94,6 @@ async fn request(
     }
 }
 
-async fn counts(client: &tokio_postgres::Client) -> (i64, i64, i64, i64) {
-    let row = client
-        .query_one(
-            "select (select count(*) from orders), (select count(*) from outbox_relay.outbox),
-                    (select count(*) from outbox_relay.audit), (select count(*) from outbox_relay.idempotency)",
-            &[],
-        )
-        .await
-        .unwrap();
-    (row.get(0), row.get(1), row.get(2), row.get(3))
-}
-
 /// Five sessions send one request with one key at the same moment: one does the work, four
 /// wait for it and replay its response; one order, one event, one audit row, one receipt.
 #[tokio::test]
@@ -131,7 +120,7 @@ async fn five_sessions_with_one_key_settle_to_one_fresh_and_four_replays() {
     let response = &fresh[0].0;
     assert!(outcomes.iter().all(|(r, _)| r == response), "every session got the same response: {outcomes:?}");
     let admin = db.client().await;
-    assert_eq!(counts(&admin).await, (1, 1, 1, 1), "orders, events, audit rows, receipts");
+    assert_eq!(Counts::read(&admin).await, Counts::ONE_OF_EACH);
     let linked: Option<String> =
         admin.query_one("select idempotency_key from outbox_relay.audit", &[]).await.unwrap().get(0);
     assert_eq!(linked.as_deref(), Some("order-7f3c"));
@@ -141,7 +130,7 @@ async fn five_sessions_with_one_key_settle_to_one_fresh_and_four_replays() {
     let retry: Value = serde_json::from_str(r#"{"total": 12.5, "customer": "ana"}"#).unwrap();
     let again = request(&client, "order-7f3c", &retry).await.unwrap();
     assert_eq!(again, (response.clone(), true));
-    assert_eq!(counts(&admin).await, (1, 1, 1, 1));
+    assert_eq!(Counts::read(&admin).await, Counts::ONE_OF_EACH);
 }
 
 /// The same five sessions in plain SQL (a `do` block, as psql or any driver sends it), for a
@@ -158,13 +147,13 @@ async fn a_key_reused_for_another_request_is_refused_and_writes_nothing() {
         .await
         .unwrap();
     let admin = db.client().await;
-    assert_eq!(counts(&admin).await, (1, 1, 1, 1));
+    assert_eq!(Counts::read(&admin).await, Counts::ONE_OF_EACH);
     let refused = request(&client, "order-1", &json!({"customer": "bob"})).await.unwrap_err();
     let db_error = refused.as_db_error().expect("a database error");
     assert_eq!(db_error.code().code(), "OR001", "{db_error}");
     assert!(db_error.message().contains("idempotency key 'order-1' was already used for a different request"));
     assert!(db_error.hint().is_some_and(|h| h.contains("new key")));
-    assert_eq!(counts(&admin).await, (1, 1, 1, 1), "nothing written by the refused request");
+    assert_eq!(Counts::read(&admin).await, Counts::ONE_OF_EACH, "nothing written by the refused request");
 
     // Bad input names the problem.
     for (sql, message, code) in [
@@ -236,11 +225,11 @@ async fn a_failure_after_all_writes_leaves_nothing_and_the_retry_is_fresh() {
     assert_eq!(failed.code(), Some(&SqlState::DIVISION_BY_ZERO));
     client.batch_execute("rollback").await.unwrap();
     let admin = db.client().await;
-    assert_eq!(counts(&admin).await, (0, 0, 0, 0), "orders, events, audit rows, receipts");
+    assert_eq!(Counts::read(&admin).await, Counts::NOTHING);
     let (response, replayed) = request(&client, "order-2", &json!({"customer": "ana"})).await.unwrap();
     assert!(!replayed);
     assert!(response["order_id"].is_i64());
-    assert_eq!(counts(&admin).await, (1, 1, 1, 1));
+    assert_eq!(Counts::read(&admin).await, Counts::ONE_OF_EACH);
 
     // A request whose work committed without storing a response cannot be replayed: said so.
     client.batch_execute("begin; select outbox_relay.begin_request('order-3', '{}'); commit").await.unwrap();

@@ -28,7 +28,7 @@ pub(super) struct SinksReport {
 /// The drains of [`SinksReport::cpu`], in its order.
 const DRAINS: [&str; 5] = ["stdout", "stdout_two_destinations", "nats", "amqp", "kafka"];
 
-/// The commands a CPU profile names (the rest are summed as others).
+/// How many commands a CPU profile names, those that spent the most (the rest are not shown).
 const PROFILED: usize = 3;
 
 fn cpu_json(profile: &CpuProfile) -> serde_json::Value {
