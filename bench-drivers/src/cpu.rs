@@ -5,8 +5,6 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use super::trickle::clock_ticks_per_second;
-
 /// The CPU readings at a moment; [`CpuSample::profile`] gives what was spent since.
 pub struct CpuSample {
     at: Instant,
@@ -122,4 +120,18 @@ fn process_stat(pid: u32) -> Option<(String, u64)> {
 pub(super) fn process_cpu(pid: u32) -> Option<Duration> {
     let (_, ticks) = process_stat(pid)?;
     Some(Duration::from_secs_f64(ticks as f64 / clock_ticks_per_second() as f64))
+}
+
+/// The unit of `/proc`'s CPU times (`getconf CLK_TCK`; 100 on Linux unless it says otherwise).
+fn clock_ticks_per_second() -> u64 {
+    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|out| String::from_utf8(out.stdout).ok()?.trim().parse().ok())
+            .filter(|ticks| *ticks > 0)
+            .unwrap_or(100)
+    })
 }

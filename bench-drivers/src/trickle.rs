@@ -222,20 +222,6 @@ pub(super) async fn stop_child(
     Ok(())
 }
 
-/// The unit of `/proc`'s CPU times (`getconf CLK_TCK`; 100 on Linux unless it says otherwise).
-pub(super) fn clock_ticks_per_second() -> u64 {
-    static TICKS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *TICKS.get_or_init(|| {
-        std::process::Command::new("getconf")
-            .arg("CLK_TCK")
-            .output()
-            .ok()
-            .and_then(|out| String::from_utf8(out.stdout).ok()?.trim().parse().ok())
-            .filter(|ticks| *ticks > 0)
-            .unwrap_or(100)
-    })
-}
-
 /// CPU time of each client backend of this database but `own` (autovacuum workers are not
 /// counted), or `None` when they are not processes of this machine (a remote server). A backend
 /// that ended since it was listed is left out.
