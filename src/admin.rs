@@ -2,6 +2,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use crate::dead_letters::DeadLetterFilter;
 use crate::error::{Error, Result};
 use crate::outbox::Outbox;
 use crate::queue::{
@@ -31,7 +32,30 @@ impl Outbox {
 
     /// Lists up to `limit` dead letters, oldest id first.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
-        self.bounded("listing dead letters", async { sql::list_dead_letters(&*self.pooled().await?, limit).await })
+        self.find_dead_letters(&DeadLetterFilter::default(), None, limit).await
+    }
+
+    /// Lists the dead letters `filter` takes of at most `limit` events with an id above `after`
+    /// (every destination's dead letter of each), oldest id first: the next page starts after the
+    /// last id of this one.
+    pub async fn find_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        after: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<DeadLetter>> {
+        filter.check()?;
+        self.bounded("listing dead letters", async {
+            sql::list_dead_letters(&*self.pooled().await?, filter, after, limit).await
+        })
+        .await
+    }
+
+    /// How many dead letters (one per event and destination) `filter` takes: what a retry or a
+    /// purge with it would take now.
+    pub async fn count_dead_letters(&self, filter: &DeadLetterFilter) -> Result<u64> {
+        filter.check()?;
+        self.bounded("counting dead letters", async { sql::count_dead_letters(&*self.pooled().await?, filter).await })
             .await
     }
 
@@ -40,20 +64,32 @@ impl Outbox {
     /// (an [`ErrorKind::InvalidInput`](crate::ErrorKind) error names the missing ids). Returns
     /// the ids revived.
     pub async fn retry_dead_letters(&self, ids: &[i64]) -> Result<Vec<i64>> {
-        self.revive(ids, false).await
+        self.revive(sql::Which::Ids(ids)).await
     }
 
     /// Puts every dead letter back into the outbox. Returns their ids.
     pub async fn retry_all_dead_letters(&self) -> Result<Vec<i64>> {
-        self.revive(&[], true).await
+        self.retry_dead_letters_matching(&DeadLetterFilter::default()).await
     }
 
-    async fn revive(&self, ids: &[i64], all: bool) -> Result<Vec<i64>> {
+    /// Puts the dead letters `filter` takes back into the outbox, as
+    /// [`Outbox::retry_dead_letters`] does. Returns their ids.
+    pub async fn retry_dead_letters_matching(&self, filter: &DeadLetterFilter) -> Result<Vec<i64>> {
+        filter.check()?;
+        self.revive(sql::Which::Matching(filter, None)).await
+    }
+
+    async fn revive(&self, which: sql::Which<'_>) -> Result<Vec<i64>> {
         let revived = self
             .bounded("retrying dead letters", async {
                 let db = self.pooled().await?;
-                let revived = sql::retry_dead_letters(&*db, ids, all).await?;
-                if all { Ok(revived) } else { all_or_none(&*db, ids, revived, "retried").await }
+                match which {
+                    sql::Which::Ids(ids) => {
+                        let revived = sql::retry_dead_letters(&*db, sql::Which::Ids(ids)).await?;
+                        all_or_none(&*db, ids, revived, "retried").await
+                    }
+                    which => sql::retry_dead_letters(&*db, which).await,
+                }
             })
             .await?;
         if !revived.is_empty() {
@@ -64,8 +100,18 @@ impl Outbox {
 
     /// Deletes dead letters that failed more than `older_than` ago (zero: all). Returns how many.
     pub async fn purge_dead_letters(&self, older_than: Duration) -> Result<u64> {
+        self.purge(&DeadLetterFilter::default(), Some(older_than)).await
+    }
+
+    /// Deletes the dead letters `filter` takes. Returns how many.
+    pub async fn purge_dead_letters_matching(&self, filter: &DeadLetterFilter) -> Result<u64> {
+        filter.check()?;
+        self.purge(filter, None).await
+    }
+
+    async fn purge(&self, filter: &DeadLetterFilter, older_than: Option<Duration>) -> Result<u64> {
         self.bounded("purging dead letters", async {
-            sql::purge_dead_letters(&*self.pooled().await?, older_than).await
+            sql::purge_dead_letters(&*self.pooled().await?, filter, older_than).await
         })
         .await
     }

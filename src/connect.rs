@@ -103,7 +103,7 @@ impl DatabaseUrl {
         build_pool(self.info.config.clone(), self.tls.clone(), size, self.connect_timeout())
     }
 
-    /// A pool for the relay's own bookkeeping, whose sessions run with `synchronous_commit = off`:
+    /// A pool for the relay's own bookkeeping, its sessions named `application_name`, which run with `synchronous_commit = off`:
     /// a claim or completion lost in a server crash only causes a redelivery, which at-least-once
     /// delivery allows, so they need not wait for the WAL flush. Business transactions never use it.
     /// A session that stays idle in a transaction for `lease` (a held claim whose relay stalled)
@@ -118,8 +118,9 @@ impl DatabaseUrl {
     /// two bursts) would read the whole table on every claim afterwards, dead rows included: the
     /// collapse under a held snapshot that the claim is built to avoid (measured: 17 ms a claim
     /// after 40 s of a held snapshot at 800 events/s, against 0.8 ms).
-    pub(crate) fn relay_pool(&self, size: usize, lease: Duration) -> Result<Pool> {
+    pub(crate) fn relay_pool(&self, size: usize, lease: Duration, application_name: &str) -> Result<Pool> {
         let mut config = self.info.config.clone();
+        config.application_name(application_name);
         let ours = format!(
             "-c synchronous_commit=off -c plan_cache_mode=force_generic_plan -c jit=off -c enable_seqscan=off -c enable_bitmapscan=off -c idle_in_transaction_session_timeout={}",
             lease.as_millis().clamp(1, i32::MAX as u128)
@@ -170,7 +171,8 @@ fn build_pool(config: Config, tls: MakeRustlsConnect, size: usize, connect_timeo
     if size == 0 {
         return Err(Error::config("pool size must be at least 1"));
     }
-    let manager = Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    let connect = PooledConnect { tls, target: describe_target(&config) };
+    let manager = Manager::from_connect(config, connect, ManagerConfig { recycling_method: RecyclingMethod::Fast });
     // Making a connection is bounded as libpq bounds it; waiting for a free one is the caller's.
     let timeouts = deadpool_postgres::Timeouts { create: Some(connect_timeout), wait: None, recycle: None };
     Pool::builder(manager)
@@ -179,6 +181,58 @@ fn build_pool(config: Config, tls: MakeRustlsConnect, size: usize, connect_timeo
         .runtime(deadpool_postgres::Runtime::Tokio1)
         .build()
         .map_err(|e| Error::config(format!("cannot build the connection pool: {e}")))
+}
+
+/// How often the end of a pooled connection is logged as a warning: when PostgreSQL restarts or
+/// a pooler drops its clients, every pooled connection ends at once, and one line says it.
+const ENDED_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// When the process last warned that a pooled connection ended (every pool's: a service's
+/// outbox and its relay lose theirs together).
+static LAST_ENDED_WARNING: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+
+/// Opens the pool's connections (as deadpool's own does) and says in the library's words, at
+/// most once a minute per process, that one ended with an error (deadpool's own says
+/// `Connection error: db error` once per connection, without the reason).
+struct PooledConnect {
+    tls: MakeRustlsConnect,
+    target: String,
+}
+
+type Connected = (tokio_postgres::Client, tokio::task::JoinHandle<()>);
+
+impl deadpool_postgres::Connect for PooledConnect {
+    fn connect(
+        &self,
+        config: &Config,
+    ) -> futures::future::BoxFuture<'_, std::result::Result<Connected, tokio_postgres::Error>> {
+        let config = config.clone();
+        Box::pin(async move {
+            let (client, connection) = config.connect(self.tls.clone()).await?;
+            let target = self.target.clone();
+            // (under the span of whoever opened it: the relay's id is on its lines)
+            let task = tokio::spawn(tracing::Instrument::instrument(
+                async move {
+                    if let Err(e) = connection.await {
+                        // (its Display carries PostgreSQL's own words and SQLSTATE, or the I/O cause)
+                        let ended = Error::new(ErrorKind::Connect, "ended").with_source(e);
+                        let now = std::time::Instant::now();
+                        let mut last = LAST_ENDED_WARNING.lock().unwrap_or_else(|p| p.into_inner());
+                        if last.is_none_or(|at| now.duration_since(at) >= ENDED_WARNING_EVERY) {
+                            *last = Some(now);
+                            tracing::warn!(
+                                "a pooled connection to PostgreSQL at {target} {ended}; the pool opens a new one when it next needs one (more endings within a minute are logged at debug)"
+                            );
+                        } else {
+                            tracing::debug!("a pooled connection to PostgreSQL at {target} {ended}");
+                        }
+                    }
+                },
+                tracing::Span::current(),
+            ));
+            Ok((client, task))
+        })
+    }
 }
 
 /// The error for a database that cannot be reached, naming the host and port, never the password.

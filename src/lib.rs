@@ -131,6 +131,7 @@
 mod admin;
 mod connect;
 mod conninfo;
+mod dead_letters;
 mod destination;
 mod error;
 mod event;
@@ -156,6 +157,7 @@ mod wake;
 mod work;
 
 pub use connect::{DatabaseUrl, redact};
+pub use dead_letters::DeadLetterFilter;
 /// deadpool-postgres, whose [`Pool`](deadpool_postgres::Pool) [`Outbox::pool`] hands out.
 pub use deadpool_postgres;
 pub use error::{Error, ErrorKind, Result};

@@ -82,6 +82,12 @@ pub struct ConnectedRelay {
     /// The destination it delivers to (a relay process with several routes connects once per
     /// destination); `None` until it first wrote its row.
     pub destination: Option<String>,
+    /// The id of the relay it belongs to (its log lines' `relay`): the listeners of one relay
+    /// (one process, most often) share it. `None` for a relay of a version that did not name
+    /// its connections.
+    pub relay: Option<String>,
+    /// The PostgreSQL connections that relay holds now (its pool's and its listeners').
+    pub relay_connections: Option<i64>,
 }
 
 /// One destination as the database sees it: its pattern, and what waits for it.
@@ -199,6 +205,11 @@ pub struct Health {
     pub outbox_live_tuples: i64,
     /// Share of the notification queue in use (0 to 1).
     pub notification_queue_usage: f64,
+    /// Client connections on the server now (every database's; those of other roles count
+    /// when the role may see them).
+    pub connections: i64,
+    /// The server's `max_connections`.
+    pub max_connections: i64,
 }
 
 impl Health {
@@ -210,11 +221,14 @@ impl Health {
     pub const OLD_TRANSACTION_WARNING: std::time::Duration = std::time::Duration::from_secs(5 * 60);
     /// An xmin horizon older than this many transactions.
     pub const XMIN_AGE_WARNING: i64 = 100_000_000;
+    /// Client connections past this share of `max_connections`.
+    pub const CONNECTIONS_WARNING: f64 = 0.8;
 }
 
 impl Health {
     /// One line per signal past its threshold ([`Health::OLD_TRANSACTION_WARNING`],
-    /// [`Health::XMIN_AGE_WARNING`], [`Health::DEAD_TUPLES_WARNING`], [`Health::NOTIFICATION_QUEUE_WARNING`]).
+    /// [`Health::XMIN_AGE_WARNING`], [`Health::DEAD_TUPLES_WARNING`], [`Health::NOTIFICATION_QUEUE_WARNING`],
+    /// [`Health::CONNECTIONS_WARNING`]).
     pub fn warnings(&self) -> Vec<String> {
         let mut warnings = Vec::new();
         if let Some(age) = self.oldest_transaction_age.filter(|age| *age >= Health::OLD_TRANSACTION_WARNING) {
@@ -238,6 +252,14 @@ impl Health {
             warnings.push(format!(
                 "the notification queue is {:.0}% full: a listening session is not reading (NOTIFY fails when it is full)",
                 self.notification_queue_usage * 100.0
+            ));
+        }
+        if self.max_connections > 0
+            && self.connections as f64 >= Health::CONNECTIONS_WARNING * self.max_connections as f64
+        {
+            warnings.push(format!(
+                "{} of the server's max_connections {} are in use: a relay that needs one more waits for it (docs/operations.md, \"Connections\", says how many each relay opens; run --max-connections bounds them)",
+                self.connections, self.max_connections
             ));
         }
         warnings

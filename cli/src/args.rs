@@ -6,6 +6,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use pg_outbox_relay::RelayConfig;
 use pg_outbox_relay::sink::Secret;
 
+use crate::telemetry::LogFormat;
 use crate::values::*;
 use crate::{bench, demo};
 
@@ -23,6 +24,11 @@ pub(crate) struct Cli {
     /// connect_timeout (10 s when it gives none), handshake included.
     #[arg(long, global = true, value_name = "DUR", default_value = "30s", value_parser = db_timeout(), allow_hyphen_values = true)]
     pub(crate) db_timeout: Duration,
+
+    /// How logs are written to stderr: text, or json (one object per line with time, level,
+    /// target, message, the relay's id, the destination and the event's own fields).
+    #[arg(long, global = true, env = "OUTBOX_RELAY_LOG_FORMAT", value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub(crate) log_format: LogFormat,
 
     #[command(subcommand)]
     pub(crate) command: Command,
@@ -114,6 +120,20 @@ pub(crate) enum Command {
         #[arg(long, env = "OUTBOX_RELAY_HTTP_TOKEN", hide_env_values = true, value_name = "TOKEN", value_parser = secret)]
         http_token: Option<Secret>,
     },
+    /// Print a completion script for a shell: e.g. `outbox-relay completions bash >
+    /// /etc/bash_completion.d/outbox-relay`, `outbox-relay completions zsh > ~/.zfunc/_outbox-relay`.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print the manual page (roff; `outbox-relay man | man -l -`), or write one page per command
+    /// into a directory with --dir.
+    Man {
+        /// Write outbox-relay.1 and a page for each command (outbox-relay-run.1, ...) here.
+        #[arg(long, value_name = "DIR")]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Run one pass of the janitor and print what it removed.
     Cleanup {
         /// Remove the events every destination has passed that are older than this (0s to 100
@@ -159,35 +179,75 @@ pub(crate) enum DestinationCommand {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum DeadLetterCommand {
-    /// List dead letters, oldest first.
+    /// List dead letters, oldest first: those of at most --limit events, every destination's
+    /// dead letter of each; the next page with --after the last id shown.
     List {
         /// Print a JSON array instead of a table.
         #[arg(long)]
         json: bool,
-        /// Show at most this many.
+        /// Show those of at most this many events.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
+        /// Show those with an id above this one (the last id of the page before).
+        #[arg(long, value_name = "ID")]
+        after: Option<i64>,
+        #[command(flatten)]
+        filter: DeadLetterFilterArgs,
     },
-    /// Put dead letters back into the outbox under their own ids, attempts reset.
-    #[command(group(clap::ArgGroup::new("which").required(true).args(["all", "ids"])))]
+    /// Put dead letters back into the outbox under their own ids, attempts reset: these ids,
+    /// those the filters take, or --all. Says how many; --dry-run only counts them.
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["all", "ids", "destination", "topic", "since", "until", "error"])))]
     Retry {
         /// Retry every dead letter.
-        #[arg(long, conflicts_with = "ids")]
+        #[arg(long, conflicts_with_all = ["ids", "destination", "topic", "since", "until", "error"])]
         all: bool,
-        /// The ids to retry.
-        #[arg(value_name = "ID")]
+        /// The ids to retry (all of them, or none when one is no dead letter).
+        #[arg(value_name = "ID", conflicts_with_all = ["destination", "topic", "since", "until", "error"])]
         ids: Vec<i64>,
+        #[command(flatten)]
+        filter: DeadLetterFilterArgs,
+        /// Count what would be retried, and change nothing (with filters or --all).
+        #[arg(long, conflicts_with = "ids")]
+        dry_run: bool,
     },
-    /// Delete dead letters: those that failed longer ago than --older-than, or --all.
-    #[command(group(clap::ArgGroup::new("which").required(true).args(["all", "older_than"])))]
+    /// Delete dead letters: those that failed longer ago than --older-than, those the filters
+    /// take (both: those both take), or --all. Says how many; --dry-run only counts them.
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["all", "older_than", "destination", "topic", "since", "until", "error"])))]
     Purge {
         /// Delete every dead letter.
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["older_than", "destination", "topic", "since", "until", "error"])]
         all: bool,
-        /// Delete those that failed longer ago than this (0s to 100 years).
+        /// Delete those that failed longer ago than this (0s to 100 years; as --until with a
+        /// duration).
         #[arg(long, value_name = "DUR", value_parser = retention(), allow_hyphen_values = true)]
         older_than: Option<Duration>,
+        #[command(flatten)]
+        filter: DeadLetterFilterArgs,
+        /// Count what would be deleted, and delete nothing.
+        #[arg(long)]
+        dry_run: bool,
     },
+}
+
+/// Which dead letters a command takes: those every condition given holds for.
+#[derive(Debug, Args)]
+pub(crate) struct DeadLetterFilterArgs {
+    /// Only those dead at this destination.
+    #[arg(long, value_name = "NAME")]
+    pub(crate) destination: Option<String>,
+    /// Only those of a topic this pattern matches (`order.*`, `mail.#`).
+    #[arg(long, value_name = "PATTERN")]
+    pub(crate) topic: Option<String>,
+    /// Only those that failed at this moment or later: an RFC 3339 time in UTC
+    /// (2026-12-05T08:00:00Z) or how long ago (90m, 2h).
+    #[arg(long, value_name = "TIME", value_parser = moment)]
+    pub(crate) since: Option<std::time::SystemTime>,
+    /// Only those that failed before this moment; as --since.
+    #[arg(long, value_name = "TIME", value_parser = moment)]
+    pub(crate) until: Option<std::time::SystemTime>,
+    /// Only those whose last error contains this text, in any case ("timed out", "HTTP 410").
+    #[arg(long, value_name = "TEXT")]
+    pub(crate) error: Option<String>,
 }
 
 /// What `run` delivers to, and how.
@@ -216,6 +276,12 @@ pub(crate) struct RunArgs {
     /// Concurrent claimers (each claims its own batches; new events one claim at a time).
     #[arg(long, default_value_t = RelayConfig::DEFAULT_WORKERS, value_parser = parse_workers)]
     pub(crate) workers: usize,
+    /// The most PostgreSQL connections this process opens: per destination a listener and
+    /// 2 × --workers + 2 pooled, 3 for the relay's housekeeping and 2 for the command's own
+    /// (the console, the checks); below that, fewer workers per destination, down to one
+    /// (docs/operations.md, "Connections"). By default as many as the workers need.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) max_connections: Option<u32>,
     /// The most deliveries in progress at once, across all workers (HTTP requests in flight; a
     /// NATS or stdout batch counts once). The relay learns how many the destination takes, up to
     /// this, unless --fixed-concurrency.

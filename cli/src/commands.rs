@@ -3,7 +3,10 @@
 use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
 use pg_outbox_relay::{DatabaseUrl, Outbox, Relay, RelayConfig, Route, TopicPattern};
 
-use crate::args::{Cli, Command, CompletionArg, DeadLetterCommand, DestinationCommand, FormatArg, RouteFlags, RunArgs};
+use crate::args::{
+    Cli, Command, CompletionArg, DeadLetterCommand, DeadLetterFilterArgs, DestinationCommand, FormatArg, RouteFlags,
+    RunArgs,
+};
 use crate::outcome::{CliError, UsageError};
 use crate::signals::{Asked, SIGHUP_IGNORED, Signals, shutdown_signal};
 use crate::sinks::{KafkaOptions, SinkOptions, kafka_properties};
@@ -87,6 +90,13 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             let _ = server.await;
             Ok(())
         }
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "outbox-relay", &mut script);
+            out!("{}", String::from_utf8_lossy(&script).trim_end());
+            Ok(())
+        }
+        Command::Man { dir } => manual(dir.as_deref()),
         Command::Cleanup { retention, idempotency_retention } => {
             let outbox = connect(&require_url(cli.database_url)?).await?;
             let report = outbox
@@ -102,6 +112,22 @@ pub(crate) async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+/// The manual page on stdout, or one page per command written into `dir`.
+fn manual(dir: Option<&std::path::Path>) -> Result<(), CliError> {
+    let command = <Cli as clap::CommandFactory>::command();
+    let Some(dir) = dir else {
+        let mut page = Vec::new();
+        clap_mangen::Man::new(command).render(&mut page).map_err(|e| format!("cannot render the manual page: {e}"))?;
+        out!("{}", String::from_utf8_lossy(&page).trim_end());
+        return Ok(());
+    };
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    clap_mangen::generate_to(command, dir)
+        .map_err(|e| format!("cannot write the manual pages into {}: {e}", dir.display()))?;
+    out!("wrote the manual pages into {}", dir.display());
+    Ok(())
 }
 
 /// The database a command works on, and the bound on each of its waits for it (`--db-timeout`).
@@ -307,7 +333,8 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     // The sinks first: a bad spec is refused before anything touches the database.
     let destinations = destinations_of(&args, &defaults)?;
     let (routes, shown) = routes_of(destinations.clone(), args.exit_on_sink_error).await?;
-    let outbox = Outbox::connect_lazy(db.url.clone(), config.workers + 2)?.with_timeout(db.timeout);
+    let (config, own_pool) = within_max_connections(config, args.max_connections, routes.len())?;
+    let outbox = Outbox::connect_lazy(db.url.clone(), own_pool)?.with_timeout(db.timeout);
     let relay = Relay::with_routes(&outbox, config.clone(), routes)?;
     let stop_http = tokio_util::sync::CancellationToken::new();
     let console = match args.http {
@@ -339,6 +366,29 @@ async fn run_relay(db: &Database, args: RunArgs) -> Result<(), CliError> {
     }
     ran?;
     Ok(())
+}
+
+/// The connections `run` keeps for itself (the console's pages, the waits for the database)
+/// when --max-connections bounds them.
+const COMMAND_CONNECTIONS: usize = 2;
+
+/// The relay's configuration within `--max-connections` (what is left after the command's own),
+/// and the size of the command's own pool.
+fn within_max_connections(
+    mut config: RelayConfig,
+    max: Option<u32>,
+    destinations: usize,
+) -> Result<(RelayConfig, usize), CliError> {
+    let Some(max) = max.map(|m| m as usize) else { return Ok((config.clone(), config.workers + 2)) };
+    let least = RelayConfig::connections_needed(destinations, 1) + COMMAND_CONNECTIONS;
+    if max < least {
+        return Err(UsageError(format!(
+            "--max-connections {max} is too few for {destinations} destinations: `run` needs at least {least} (per destination a listener and 4 pooled for one worker, 3 for the relay's housekeeping, {COMMAND_CONNECTIONS} for the command)"
+        ))
+        .into());
+    }
+    config.max_connections = Some(max - COMMAND_CONNECTIONS);
+    Ok((config, COMMAND_CONNECTIONS))
 }
 
 /// The destinations `args` give: `--sink`, the `--config` file as it reads now, `--route` with
@@ -706,7 +756,17 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         out!("destinations              {}", destinations.len());
         print_destinations(&destinations);
     }
-    out!("relays connected          {} ({waiting} waiting for NOTIFY)", relays.len());
+    // A relay (a process, most often) has a listener per destination; listeners of a relay
+    // that did not name its connections count as one relay each.
+    let named: std::collections::BTreeMap<&str, i64> =
+        relays.iter().filter_map(|r| Some((r.relay.as_deref()?, r.relay_connections.unwrap_or(0)))).collect();
+    let count = named.len() + relays.iter().filter(|r| r.relay.is_none()).count();
+    let held: i64 = named.values().sum();
+    out!(
+        "relays connected          {count} ({} listeners, {waiting} waiting for NOTIFY; {held} connections)",
+        relays.len()
+    );
+    out!("server connections        {} of max_connections {}", health.connections, health.max_connections);
     for relay in &relays {
         let state = match (relay.breaker_open, relay.waiting) {
             (true, _) => "BREAKER OPEN: destination down, probing",
@@ -720,8 +780,9 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
         };
         let to =
             relay.destination.as_deref().map_or(String::new(), |d| format!("  to {}", crate::outcome::one_line(d)));
+        let of = relay.relay.as_deref().map_or(String::new(), |id| format!("relay {id}  "));
         out!(
-            "  listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
+            "  {of}listener pid {:<8} from {:<15} since {}{to}  {state}{limit}",
             relay.listener_pid,
             relay.client,
             pg_outbox_relay::rfc3339(relay.connected_at)
@@ -743,14 +804,16 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
 async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), CliError> {
     let outbox = connect(db).await?;
     match command {
-        DeadLetterCommand::List { json, limit } => {
-            let letters = outbox.dead_letters(limit).await?;
+        DeadLetterCommand::List { json, limit, after, filter } => {
+            let filter = dead_letter_filter(filter, None)?;
+            let letters = outbox.find_dead_letters(&filter, after, limit).await?;
             if json {
                 out!("{}", serde_json::to_string(&letters)?);
                 return Ok(());
             }
             if letters.is_empty() {
-                out!("no dead letters");
+                let which = if filter.is_everything() && after.is_none() { "" } else { " that match" };
+                out!("no dead letters{which}");
                 return Ok(());
             }
             out!(
@@ -778,20 +841,61 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
                     crate::outcome::one_line(&d.last_error)
                 );
             }
+            let events = letters.iter().map(|d| d.id).collect::<std::collections::BTreeSet<_>>();
+            if let Some(last) = events.last().filter(|_| events.len() as i64 == limit) {
+                out!("(the first {limit} events' dead letters; more may follow: --after {last})");
+            }
         }
-        DeadLetterCommand::Retry { all, ids } => {
-            let revived =
-                if all { outbox.retry_all_dead_letters().await? } else { outbox.retry_dead_letters(&ids).await? };
+        DeadLetterCommand::Retry { all: _, ids, filter, dry_run } => {
+            // (clap requires ids, a filter or --all, --all alone, and no --dry-run with ids)
+            let filter = dead_letter_filter(filter, None)?;
+            if dry_run {
+                let n = outbox.count_dead_letters(&filter).await?;
+                out!("would retry {n} dead letters (dry run: nothing changed)");
+                return Ok(());
+            }
+            let revived = if ids.is_empty() {
+                outbox.retry_dead_letters_matching(&filter).await?
+            } else {
+                outbox.retry_dead_letters(&ids).await?
+            };
             out!("retried {} dead letters{}", revived.len(), list_ids(&revived));
         }
-        DeadLetterCommand::Purge { all, older_than } => {
-            // clap requires one of the two
-            let older_than = if all { std::time::Duration::ZERO } else { older_than.unwrap_or_default() };
-            let purged = outbox.purge_dead_letters(older_than).await?;
+        DeadLetterCommand::Purge { all: _, older_than, filter, dry_run } => {
+            // (clap requires --older-than, a filter or --all, and --all alone)
+            let filter = dead_letter_filter(filter, older_than)?;
+            if dry_run {
+                let n = outbox.count_dead_letters(&filter).await?;
+                out!("would purge {n} dead letters (dry run: nothing deleted)");
+                return Ok(());
+            }
+            let purged = outbox.purge_dead_letters_matching(&filter).await?;
             out!("purged {purged} dead letters");
         }
     }
     Ok(())
+}
+
+/// The library's filter from the flags; `--older-than` as a `--until` that many ago (the earlier
+/// of the two when both are given).
+fn dead_letter_filter(
+    args: DeadLetterFilterArgs,
+    older_than: Option<std::time::Duration>,
+) -> Result<pg_outbox_relay::DeadLetterFilter, CliError> {
+    refuse_empty("--destination", &args.destination)?;
+    refuse_empty("--error", &args.error)?;
+    let mut filter = pg_outbox_relay::DeadLetterFilter::default();
+    filter.destination = args.destination;
+    filter.topic = args.topic.as_deref().map(TopicPattern::parse).transpose()?;
+    filter.failed_since = args.since;
+    let older = older_than.map(|d| std::time::SystemTime::now().checked_sub(d).unwrap_or(std::time::UNIX_EPOCH));
+    filter.failed_before = match (args.until, older) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    filter.error = args.error;
+    filter.check().map_err(|e| UsageError(format!("{e} (--since, --until, --older-than)")))?;
+    Ok(filter)
 }
 
 fn list_ids(ids: &[i64]) -> String {

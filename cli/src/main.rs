@@ -18,6 +18,7 @@ mod commands;
 mod console;
 mod demo;
 mod http;
+mod json_logs;
 mod outcome;
 mod route_flags;
 mod routes;
@@ -66,11 +67,10 @@ fn main() -> ExitCode {
         }
     };
     // The demo prints a report; its expected failures (a dead letter) need not be logged too.
-    let _telemetry = match telemetry::init(if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) {
-        "error"
-    } else {
-        "info"
-    }) {
+    let _telemetry = match telemetry::init(
+        if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) { "error" } else { "info" },
+        cli.log_format,
+    ) {
         Ok(telemetry) => telemetry,
         Err(e) => {
             eprintln!("error: {e}");

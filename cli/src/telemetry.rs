@@ -28,22 +28,42 @@ impl Drop for Telemetry {
     }
 }
 
-/// Logs go to stderr (stdout is for results), filtered by RUST_LOG, `level` by default
-/// (PostgreSQL's notices only from `warn`); spans go to the OTLP endpoint when one is configured.
-/// An OTLP setting this command cannot follow is an error that names it.
-pub fn init(level: &str) -> Result<Telemetry, String> {
-    let filter = EnvFilter::try_from_default_env()
+/// How logs are written to stderr.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Lines for people (coloured on a terminal).
+    Text,
+    /// One JSON object per line, for a log pipeline (docs/operations.md).
+    Json,
+}
+
+/// Logs go to stderr (stdout is for results) in `format`, filtered by RUST_LOG, `level` by
+/// default (PostgreSQL's notices only from `warn`); spans go to the OTLP endpoint when one is
+/// configured. An OTLP setting this command cannot follow is an error that names it.
+pub fn init(level: &str, format: LogFormat) -> Result<Telemetry, String> {
+    // deadpool says that a pooled connection ended once per connection ("Connection error: db
+    // error", "Connection could not be recycled"), without the reason; the library says it once
+    // a minute with PostgreSQL's words. (RUST_LOG that names deadpool has them back.)
+    let deadpool_named = std::env::var("RUST_LOG").is_ok_and(|v| v.contains("deadpool"));
+    let mut filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(format!("{level},tokio_postgres=warn,async_nats=warn")))
         // lapin logs every returned (unroutable) message whole, payload included, and at trace
         // the login frame with the password: the sink reports what matters itself.
         .add_directive("lapin=off".parse().expect("a valid directive"))
         .add_directive("amq_protocol=off".parse().expect("a valid directive"))
         .add_directive(format!("{SPANS}=off").parse().expect("a valid directive"));
+    if !deadpool_named {
+        filter = filter.add_directive("deadpool=error".parse().expect("a valid directive"));
+    }
     use std::io::IsTerminal;
-    let logs = tracing_subscriber::fmt::layer()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_filter(filter);
+    let logs = match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_ansi(std::io::stderr().is_terminal())
+            .boxed(),
+        LogFormat::Json => crate::json_logs::JsonLogs.boxed(),
+    }
+    .with_filter(filter);
     let provider = provider()?;
     let spans = provider.as_ref().map(|provider| {
         tracing_opentelemetry::layer()

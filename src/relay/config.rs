@@ -82,6 +82,11 @@ pub struct RelayConfig {
     pub shutdown_grace: Duration,
     /// Longest wait between the listener's reconnection attempts. Defaults to 5 s.
     pub reconnect_max: Duration,
+    /// The most PostgreSQL connections the relay opens: its pool and a listener per destination.
+    /// A relay needs `destinations × (2 × workers + 3) + 3` (docs/operations.md, "Connections");
+    /// with a bound below that, it runs fewer workers per destination, down to one (at least
+    /// `5 × destinations + 3` connections: fewer is an error when it starts). Defaults to none.
+    pub max_connections: Option<usize>,
     /// How long an idle relay keeps claiming every millisecond before it marks itself waiting and
     /// writers start to notify it. Under sustained load it never marks itself waiting, so writers
     /// pay nothing for NOTIFY. Defaults to 20 ms.
@@ -239,6 +244,7 @@ impl Default for RelayConfig {
             janitor_batch: RelayConfig::DEFAULT_JANITOR_BATCH,
             shutdown_grace: RelayConfig::DEFAULT_SHUTDOWN_GRACE,
             reconnect_max: RelayConfig::DEFAULT_RECONNECT_MAX,
+            max_connections: None,
             linger: RelayConfig::DEFAULT_LINGER,
             concurrency: RelayConfig::DEFAULT_CONCURRENCY,
             fixed_concurrency: false,
@@ -253,6 +259,38 @@ impl Default for RelayConfig {
 }
 
 impl RelayConfig {
+    /// The PostgreSQL connections a relay with `destinations` and these `workers` opens at most:
+    /// per destination a listener, and for each worker a held claim in delivery and the next
+    /// claim (or two in delivery), and two for the bookkeeping beside them (recording outcomes,
+    /// the race closure, registration); and three for the relay's janitor, sweeper and
+    /// registration.
+    pub fn connections_needed(destinations: usize, workers: usize) -> usize {
+        destinations * (2 * workers + 3) + 3
+    }
+
+    /// This configuration with as many workers as fit `max_connections` with `destinations`;
+    /// an error when not even one does.
+    pub(crate) fn fitted(mut self, destinations: usize) -> Result<RelayConfig> {
+        let Some(max) = self.max_connections else { return Ok(self) };
+        let least = Self::connections_needed(destinations, 1);
+        if max < least {
+            return Err(Error::config(format!(
+                "max_connections is {max}; a relay with {destinations} destinations needs at least {least} (5 per destination and 3), more with more workers"
+            )));
+        }
+        let fits = (1..=self.workers).rev().find(|&w| Self::connections_needed(destinations, w) <= max).unwrap_or(1);
+        if fits < self.workers {
+            tracing::info!(
+                workers = fits,
+                asked = self.workers,
+                max_connections = max,
+                "fewer workers per destination, to open at most max_connections connections"
+            );
+            self.workers = fits;
+        }
+        Ok(self)
+    }
+
     /// The hold in effect: `hold`, at most half the lease.
     pub(crate) fn effective_hold(&self) -> Duration {
         self.hold.min(self.lease / 2)
@@ -370,6 +408,17 @@ pub(crate) fn check_range(value: Duration, min: Duration, max: Duration) -> std:
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn max_connections_fits_the_workers_or_names_the_least() {
+        let bounded = RelayConfig { workers: 8, max_connections: Some(30), ..Default::default() };
+        // two destinations: 2 × (2 × 5 + 3) + 3 = 29 fit in 30, six workers would need 33
+        assert_eq!(bounded.clone().fitted(2).unwrap().workers, 5);
+        assert_eq!(bounded.clone().fitted(1).unwrap().workers, 8);
+        let e = RelayConfig { max_connections: Some(7), ..Default::default() }.fitted(1).unwrap_err();
+        assert!(e.to_string().contains("max_connections is 7; a relay with 1 destinations needs at least 8"), "{e}");
+        assert_eq!(RelayConfig::default().fitted(50).unwrap().workers, RelayConfig::DEFAULT_WORKERS);
+    }
+
     use super::*;
 
     #[test]

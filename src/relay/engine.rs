@@ -165,6 +165,7 @@ impl<H: Handler> Engine<H> {
         let mut services = JoinSet::new();
         let listener = listener::Listener {
             url: self.pool.url.clone(),
+            application_name: format!("{} {}", listener::LISTENER_APPLICATION_NAME, self.pool.relay),
             reconnect_max: config.reconnect_max,
             work: shared.work.clone(),
             metrics: metrics.clone(),

@@ -24,7 +24,8 @@ use crate::connect::{DatabaseUrl, connect_error};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sql;
 
-/// The listener's `application_name`, so operators can tell it apart in `pg_stat_activity`.
+/// The start of the listener's `application_name` (the relay's id follows), so operators can
+/// tell it apart in `pg_stat_activity` and `status` counts the relays by it.
 pub(crate) const LISTENER_APPLICATION_NAME: &str = "outbox-relay listener";
 
 /// How often the listener checks that its connection still answers.
@@ -42,6 +43,8 @@ const RECONNECT_BASE: Duration = Duration::from_millis(50);
 /// The listener and what it needs.
 pub(crate) struct Listener {
     pub(crate) url: DatabaseUrl,
+    /// Its `application_name`: [`LISTENER_APPLICATION_NAME`] and the relay's id.
+    pub(crate) application_name: String,
     pub(crate) reconnect_max: Duration,
     /// Woken on every notification, and after every (re)connect for a catch-up claim.
     pub(crate) work: Arc<Notify>,
@@ -94,7 +97,7 @@ impl Listener {
     /// reset only by a connection that got as far as LISTEN.
     async fn listen(&self, connected_before: &mut bool, failures: &mut u32, stop: &CancellationToken) -> Result<()> {
         let mut config = self.url.config().clone();
-        config.application_name(LISTENER_APPLICATION_NAME);
+        config.application_name(&self.application_name);
         let (client, mut connection) = config.connect(self.url.tls()).await.map_err(|e| connect_error(&config, e))?;
         let mut messages = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
         let forwarder = async {

@@ -75,6 +75,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use config::RelayConfig;
+
+/// The `application_name` of a relay's pooled connections, followed by the relay's id (its
+/// listeners': [`listener::LISTENER_APPLICATION_NAME`] and the id), so that `status` counts relays and
+/// their connections, and operators tell them apart in `pg_stat_activity`.
+pub(crate) const POOL_APPLICATION_NAME: &str = "outbox-relay";
 pub use failure::DeliveryError;
 pub use handler::{Handler, HandlerFn, Slot, Slots, handler_fn};
 pub use metrics::{HistogramSnapshot, MetricsSnapshot, Percentiles, RelayMetrics};
@@ -144,8 +149,16 @@ impl<H: Handler> Relay<H> {
             }
             route.config(&config).validate().map_err(|e| Error::config(format!("route {:?}: {e}", route.name)))?;
         }
+        // (within max_connections: fewer workers, or an error when not even one fits)
+        let config = config.fitted(routes.len())?;
         let metrics = routes.iter().map(|_| Arc::default()).collect();
         Ok(Relay { outbox: outbox.clone(), config, routes, metrics })
+    }
+
+    /// The configuration it runs with: as given, but with fewer `workers` when
+    /// [`RelayConfig::max_connections`] holds no more.
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
     }
 
     /// Live counters of the first route (the only one of a relay built with [`Relay::new`]),
@@ -172,18 +185,18 @@ impl<H: Handler> Relay<H> {
     /// random when it starts) tells two relays of one process apart, and, below it, a span
     /// `destination` with the destination's `name`.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
-        let span = tracing::info_span!("relay", id = %format!("{:08x}", rand::random::<u32>()));
-        self.serve(shutdown).instrument(span).await
+        let id = format!("{:08x}", rand::random::<u32>());
+        let span = tracing::info_span!("relay", id = %id);
+        self.serve(id.into(), shutdown).instrument(span).await
     }
 
-    async fn serve(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+    async fn serve(self, id: Arc<str>, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let Relay { outbox, config, routes, metrics } = self;
         let url = outbox.url().clone();
-        // Per destination and worker: a held claim in delivery and the next claim (or two in
-        // delivery); and the bookkeeping beside them (marks, the race closure, registration,
-        // the janitor and the sweeper).
-        let connections = routes.iter().map(|route| 2 * route.config(&config).workers + 2).sum::<usize>() + 3;
-        let pool = RelayPool { pool: url.relay_pool(connections, config.lease)?, url: url.clone() };
+        // (the listeners connect on their own, outside the pool)
+        let connections = RelayConfig::connections_needed(routes.len(), config.workers) - routes.len();
+        let named = format!("{POOL_APPLICATION_NAME} {id}");
+        let pool = RelayPool { pool: url.relay_pool(connections, config.lease, &named)?, url: url.clone(), relay: id };
         preflight(&pool, &config).await?;
         tracing::info!(
             database = %url,

@@ -16,6 +16,8 @@ pub(crate) const STOP_BOUND: std::time::Duration = std::time::Duration::from_sec
 pub(crate) struct RelayPool {
     pub(super) pool: deadpool_postgres::Pool,
     pub(super) url: DatabaseUrl,
+    /// The relay's id (its log span's), which its connections' `application_name` carries.
+    pub(super) relay: std::sync::Arc<str>,
 }
 
 impl std::fmt::Debug for RelayPool {

@@ -1,9 +1,12 @@
 //! What operators read and do: the queue at a glance, the errors events wait on, the relays,
 //! and the dead letters.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
+
+use tokio_postgres::types::ToSql;
 
 use super::{Db, all, count, micros, one};
+use crate::dead_letters::DeadLetterFilter;
 use crate::error::{Error, ErrorKind, Result};
 use crate::queue::{ConnectedRelay, DeadLetter, ErrorCount, EventState, FoundEvent, Health, Pause, QueueStats};
 
@@ -92,14 +95,24 @@ pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<Error
     Ok(rows.iter().map(|r| ErrorCount { error: r.get("error"), events: r.get("events") }).collect())
 }
 
-/// The relays connected to this database: their listener connections, and whether each is
-/// marked waiting for a notification.
+/// The relays connected to this database: their listener connections (`application_name`
+/// `outbox-relay listener ID`, or without the id from a relay of before 0.1's connection names),
+/// whether each is marked waiting for a notification, and how many connections its relay holds
+/// (`outbox-relay ID` and `outbox-relay listener ID`).
 const RELAYS_CONNECTED: &str = "\
+with ours as (
+    select pid, client_addr, backend_start, application_name,
+           nullif(regexp_replace(application_name, '^outbox-relay (listener ?)?', ''), '') as relay,
+           application_name ~ '^outbox-relay listener( |$)' as listener
+      from pg_stat_activity
+     where datname = current_database() and application_name ~ '^outbox-relay( |$)'
+)
 select a.pid as listener_pid, coalesce(host(a.client_addr), 'local') as client, a.backend_start as connected_at,
        coalesce(r.waiting, false) as waiting, coalesce(r.breaker, 'closed') = 'open' as breaker_open,
-       r.breaker_since, r.delivery_limit, r.deliveries_in_flight, r.destination
-  from pg_stat_activity a left join outbox_relay.relays r on r.listener_pid = a.pid
- where a.datname = current_database() and a.application_name = 'outbox-relay listener'
+       r.breaker_since, r.delivery_limit, r.deliveries_in_flight, r.destination, a.relay,
+       case when a.relay is not null then (select count(*) from ours o where o.relay = a.relay) end as relay_connections
+  from ours a left join outbox_relay.relays r on r.listener_pid = a.pid
+ where a.listener
  order by a.backend_start";
 
 /// The relays connected to this database.
@@ -117,17 +130,84 @@ pub(crate) async fn connected_relays(db: &impl Db) -> Result<Vec<ConnectedRelay>
             delivery_limit: r.get("delivery_limit"),
             deliveries_in_flight: r.get("deliveries_in_flight"),
             destination: r.get("destination"),
+            relay: r.get("relay"),
+            relay_connections: r.get("relay_connections"),
         })
         .collect())
 }
 
-const DEAD_LETTER_LIST: &str = "\
-select id, topic, key, payload, created_at, attempts, last_error, failed_at, destination
-  from outbox_relay.dead_letters order by id, destination limit $1";
+/// The condition of a [`DeadLetterFilter`](crate::DeadLetterFilter) on the dead letters `d`:
+/// `$1` the destination, `$2` a topic pattern's dotted regex, `$3` and `$4` failed from and
+/// before, `$5` a substring of the last error (in any case), `$6` failed longer ago than so many
+/// microseconds; a null one holds for every dead letter.
+macro_rules! dead_letters_matching {
+    () => {
+        "($1::text is null or d.destination = $1)
+   and ($2::text is null or ('.' || d.topic) ~ $2)
+   and ($3::timestamptz is null or d.failed_at >= $3)
+   and ($4::timestamptz is null or d.failed_at < $4)
+   and ($5::text is null or strpos(lower(d.last_error), lower($5)) > 0)
+   and ($6::int8 is null or d.failed_at < now() - $6 * interval '1 microsecond')"
+    };
+}
 
-/// Up to `limit` dead letters, oldest id first.
-pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<DeadLetter>> {
-    let rows = all(db, DEAD_LETTER_LIST, &[&limit], "listing dead letters").await?;
+/// The dead letters of the first `$8` events past the id `$7` that the filter takes (every
+/// destination's of each), oldest id first.
+const DEAD_LETTER_LIST: &str = concat!(
+    "select id, topic, key, payload, created_at, attempts, last_error, failed_at, destination
+  from outbox_relay.dead_letters d
+ where ",
+    dead_letters_matching!(),
+    "
+   and d.id in (select distinct d.id from outbox_relay.dead_letters d
+                 where ",
+    dead_letters_matching!(),
+    " and ($7::int8 is null or d.id > $7)
+                 order by d.id limit $8)
+ order by id, destination"
+);
+
+const DEAD_LETTER_COUNT: &str =
+    concat!("select count(*) from outbox_relay.dead_letters d where ", dead_letters_matching!());
+
+/// A filter's parameters, `$1` to `$6` of [`dead_letters_matching`].
+struct Matching {
+    destination: Option<String>,
+    topic_regex: Option<String>,
+    since: Option<SystemTime>,
+    until: Option<SystemTime>,
+    error: Option<String>,
+    older_than: Option<i64>,
+}
+
+impl Matching {
+    fn new(filter: &DeadLetterFilter, older_than: Option<Duration>) -> Matching {
+        Matching {
+            destination: filter.destination.clone(),
+            topic_regex: filter.topic.as_ref().and_then(|t| t.dotted_regex()),
+            since: filter.failed_since,
+            until: filter.failed_before,
+            error: filter.error.clone(),
+            older_than: older_than.map(micros),
+        }
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 6] {
+        [&self.destination, &self.topic_regex, &self.since, &self.until, &self.error, &self.older_than]
+    }
+}
+
+/// The dead letters `filter` takes, of at most `limit` events past the id `after`, oldest id first.
+pub(crate) async fn list_dead_letters(
+    db: &impl Db,
+    filter: &DeadLetterFilter,
+    after: Option<i64>,
+    limit: i64,
+) -> Result<Vec<DeadLetter>> {
+    let matching = Matching::new(filter, None);
+    let mut params = matching.params().to_vec();
+    params.extend([&after as &(dyn ToSql + Sync), &limit]);
+    let rows = all(db, DEAD_LETTER_LIST, &params, "listing dead letters").await?;
     Ok(rows
         .iter()
         .map(|r| DeadLetter {
@@ -144,19 +224,31 @@ pub(crate) async fn list_dead_letters(db: &impl Db, limit: i64) -> Result<Vec<De
         .collect())
 }
 
+/// How many dead letters (one per event and destination) `filter` takes.
+pub(crate) async fn count_dead_letters(db: &impl Db, filter: &DeadLetterFilter) -> Result<u64> {
+    let matching = Matching::new(filter, None);
+    let n: i64 = one(db, DEAD_LETTER_COUNT, &matching.params(), "counting dead letters").await?.get(0);
+    Ok(u64::try_from(n).unwrap_or_default())
+}
+
 /// Puts dead letters back, under their own ids and uuids, deliverable at once, attempts reset:
 /// into their destination's parked events, so that a revived event is claimed as its key's head
 /// there (its id is older than the key's later events); one that no destination's pattern matched
 /// (destination '') into the outbox, as a new event for every destination.
-/// With `$2`, every dead letter; otherwise those with the ids `$1` (at every destination), all or
-/// none: when one of the ids is no dead letter's, nothing is revived.
-const DEAD_LETTER_RETRY: &str = "\
-with wanted as (select distinct unnest($1::int8[]) as id),
+/// Without ids (`$7` null), those the filter `$1` to `$6` takes; otherwise those with the ids `$7`
+/// (at every destination), all or none: when one of the ids is no dead letter's, nothing is
+/// revived.
+const DEAD_LETTER_RETRY: &str = concat!(
+    "\
+with wanted as (select distinct unnest($7::int8[]) as id),
 revived as (
-    delete from outbox_relay.dead_letters
-     where $2 or (id in (select id from wanted)
-                  and (select count(distinct id) from outbox_relay.dead_letters where id in (select id from wanted))
-                      = (select count(*) from wanted))
+    delete from outbox_relay.dead_letters d
+     where case when $7::int8[] is null then ",
+    dead_letters_matching!(),
+    "
+                else d.id in (select id from wanted)
+                     and (select count(distinct id) from outbox_relay.dead_letters where id in (select id from wanted))
+                         = (select count(*) from wanted) end
     returning destination, id, uuid, topic, key, payload, headers, created_at
 ),
 parked as (
@@ -176,12 +268,32 @@ unrouted as (
     returning id
 )
 select r.id from (select id from parked union select id from unrouted) r
- cross join (select count(*) from (select pg_notify('outbox_relay', 'parked') from parked limit 1) p) n(v)";
+ cross join (select count(*) from (select pg_notify('outbox_relay', 'parked') from parked limit 1) p) n(v)"
+);
 
-/// Puts the dead letters `ids` (all or none of them), or every one, back into the outbox;
-/// returns their ids.
-pub(crate) async fn retry_dead_letters(db: &impl Db, ids: &[i64], all_of_them: bool) -> Result<Vec<i64>> {
-    let rows = all(db, DEAD_LETTER_RETRY, &[&ids, &all_of_them], "retrying dead letters").await?;
+/// Which dead letters a retry or purge takes.
+pub(crate) enum Which<'a> {
+    /// Those with these ids, all or none of them.
+    Ids(&'a [i64]),
+    /// Those the filter takes (and that failed longer ago than so long).
+    Matching(&'a DeadLetterFilter, Option<Duration>),
+}
+
+impl Which<'_> {
+    fn params(&self) -> (Matching, Option<Vec<i64>>) {
+        match self {
+            Which::Ids(ids) => (Matching::new(&DeadLetterFilter::default(), None), Some(ids.to_vec())),
+            Which::Matching(filter, older_than) => (Matching::new(filter, *older_than), None),
+        }
+    }
+}
+
+/// Puts the dead letters `which` takes back into the outbox; returns their ids.
+pub(crate) async fn retry_dead_letters(db: &impl Db, which: Which<'_>) -> Result<Vec<i64>> {
+    let (matching, ids) = which.params();
+    let mut params = matching.params().to_vec();
+    params.push(&ids);
+    let rows = all(db, DEAD_LETTER_RETRY, &params, "retrying dead letters").await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
@@ -193,12 +305,17 @@ pub(crate) async fn dead_letter_ids(db: &impl Db, ids: &[i64]) -> Result<Vec<i64
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-const DEAD_LETTER_PURGE: &str = "\
-delete from outbox_relay.dead_letters where failed_at < now() - $1::int8 * interval '1 microsecond'";
+const DEAD_LETTER_PURGE: &str = concat!("delete from outbox_relay.dead_letters d where ", dead_letters_matching!());
 
-/// Deletes dead letters that failed more than `older_than` ago; returns how many.
-pub(crate) async fn purge_dead_letters(db: &impl Db, older_than: Duration) -> Result<u64> {
-    count(db, DEAD_LETTER_PURGE, &[&micros(older_than)], "purging dead letters").await
+/// Deletes the dead letters `filter` takes that failed longer ago than `older_than`; returns how
+/// many.
+pub(crate) async fn purge_dead_letters(
+    db: &impl Db,
+    filter: &DeadLetterFilter,
+    older_than: Option<Duration>,
+) -> Result<u64> {
+    let matching = Matching::new(filter, older_than);
+    count(db, DEAD_LETTER_PURGE, &matching.params(), "purging dead letters").await
 }
 
 /// The dead letters `$1`, all or none (as in [`DEAD_LETTER_RETRY`]).
@@ -283,7 +400,9 @@ select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000):
          as outbox_dead_tuples,
        (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
          as outbox_live_tuples,
-       pg_notification_queue_usage() as notification_queue_usage";
+       pg_notification_queue_usage() as notification_queue_usage,
+       (select count(*) from pg_stat_activity where backend_type = 'client backend') as connections,
+       current_setting('max_connections')::int8 as max_connections";
 
 /// The database's health as the outbox feels it.
 pub(crate) async fn health(db: &impl Db) -> Result<Health> {
@@ -294,6 +413,8 @@ pub(crate) async fn health(db: &impl Db) -> Result<Health> {
         outbox_dead_tuples: row.get::<_, Option<i64>>("outbox_dead_tuples").unwrap_or(0),
         outbox_live_tuples: row.get::<_, Option<i64>>("outbox_live_tuples").unwrap_or(0),
         notification_queue_usage: row.get("notification_queue_usage"),
+        connections: row.get("connections"),
+        max_connections: row.get("max_connections"),
     })
 }
 

@@ -111,7 +111,8 @@ pub fn start_routes<H: Handler>(outbox: &Outbox, config: RelayConfig, routes: Ve
     run(relay)
 }
 
-fn run<H: Handler>(relay: Relay<H>) -> Running {
+/// Runs a relay built by the test in the background.
+pub fn run<H: Handler>(relay: Relay<H>) -> Running {
     // RUST_LOG=pg_outbox_relay=debug shows what the relay does in a failing test.
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt()
@@ -255,7 +256,7 @@ pub async fn listener_pid(client: &tokio_postgres::Client) -> Option<i32> {
     client
         .query_opt(
             "select pid from pg_stat_activity
-              where datname = current_database() and application_name = 'outbox-relay listener'
+              where datname = current_database() and application_name like 'outbox-relay listener%'
                 and query <> 'listen outbox_relay'",
             &[],
         )

@@ -336,7 +336,7 @@ async fn notifications_lost_with_the_listeners_connection_are_caught_by_a_claim(
             let killed: bool = admin
                 .query_one(
                     "select bool_or(pg_terminate_backend(pid)) from pg_stat_activity
-                      where application_name = 'outbox-relay listener' and datname = current_database()",
+                      where application_name like 'outbox-relay listener%' and datname = current_database()",
                     &[],
                 )
                 .await

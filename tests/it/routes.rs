@@ -523,3 +523,71 @@ async fn a_destination_that_cannot_be_reached_with_few_keys_dead_letters_nothing
     assert!(receiver.counts().values().all(|n| *n == 1), "each mail arrived once");
     assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
 }
+
+/// A relay bounded by `max_connections` runs fewer workers and opens no more connections than it
+/// may, however busy both its destinations are; its connections carry its id, by which
+/// `connected_relays` tells its two listeners apart from two relays. A bound that not even one
+/// worker per destination fits is refused, naming the least.
+#[tokio::test]
+async fn max_connections_bounds_what_a_relay_opens_and_its_listeners_count_as_one_relay() {
+    let db = TestDb::new().await;
+    let (handler, deliveries) = recorder();
+    let max = RelayConfig::connections_needed(2, 1);
+    assert_eq!(max, 13);
+    // Every event fails once: its retry is parked, and parked events are claimed by every
+    // worker at once (new ones one claim at a time), each claim holding a connection while its
+    // slow deliveries run.
+    let failing_once = |label: &'static str| {
+        let handler = handler.labelled(label);
+        pg_outbox_relay::handler_fn(move |event: Event| {
+            let handler = handler.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                if event.attempts == 0 {
+                    return Err(DeliveryError::transient("the first attempt fails"));
+                }
+                handler.handle(&event).await
+            }
+        })
+    };
+    let cfg = RelayConfig { workers: 8, batch_size: 10, breaker_threshold: 0, max_connections: Some(max), ..config() };
+    let routes = vec![
+        Route::new("erp", "order.#", failing_once("erp")).unwrap(),
+        Route::new("mailer", "mail.#", failing_once("mailer")).unwrap(),
+    ];
+    publish(&db, "order.placed", 1000, 1000).await;
+    publish(&db, "mail.send", 1000, 1000).await;
+    let relay = pg_outbox_relay::Relay::with_routes(&db.outbox, cfg.clone(), routes).unwrap();
+    assert_eq!(relay.config().workers, 1, "as many workers as fit 13 connections with two destinations");
+    let relay = support::run(relay);
+    let client = db.client().await;
+    let named = "select count(*) from pg_stat_activity
+                  where datname = current_database() and application_name ~ '^outbox-relay (listener )?[0-9a-f]{8}$'";
+    let mut most = 0;
+    let drained = tokio::time::timeout(PATIENCE, async {
+        while deliveries.counts().len() < 2000 {
+            most = most.max(count(&client, named).await);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert!(drained.is_ok(), "{} of 2000 delivered", deliveries.counts().len());
+    assert!((3..=max as i64).contains(&most), "{most} connections open at most, with max_connections {max}");
+    let relays = db.outbox.connected_relays().await.unwrap();
+    assert_eq!(relays.len(), 2, "a listener per destination: {relays:?}");
+    let id = relays[0].relay.clone().expect("the listener's name carries the relay's id");
+    assert!(relays.iter().all(|r| r.relay.as_deref() == Some(id.as_str())), "one relay: {relays:?}");
+    let held = relays[0].relay_connections.unwrap();
+    assert!((2..=max as i64).contains(&held), "{held}");
+    relay.stop().await;
+
+    let (handler, _) = recorder();
+    let too_few = RelayConfig { max_connections: Some(12), ..cfg };
+    let routes = vec![
+        Route::new("erp", "order.#", handler.labelled("erp")).unwrap(),
+        Route::new("mailer", "mail.#", handler.labelled("mailer")).unwrap(),
+    ];
+    let refused = pg_outbox_relay::Relay::with_routes(&db.outbox, too_few, routes).err().expect("refused");
+    assert!(refused.to_string().contains("needs at least 13"), "{refused}");
+    assert_eq!(refused.kind(), pg_outbox_relay::ErrorKind::Config);
+}

@@ -12,9 +12,11 @@ use tokio::process::Command;
 
 use crate::factory::{OutboxRow, pass_everything};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, eventually};
+use crate::relay_support::{PATIENCE, count, eventually};
 
-use crate::binary::{BIN, cli, cli_within, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate};
+use crate::binary::{
+    BIN, cli, cli_within, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate, terminate_with_output,
+};
 
 /// Also: with the shipped defaults, delivered rows are kept for the retention, read as delivered.
 #[tokio::test]
@@ -274,6 +276,84 @@ async fn dead_letters_list_retry_and_purge() {
     assert!(stdout(&purge).contains("purged 1 dead letters"), "{}", stdout(&purge));
     let all = cli(&db.url, &["dead-letters", "retry", "--all"]).await;
     assert!(stdout(&all).contains("retried 1 dead letters: 1003"), "{}", stdout(&all));
+}
+
+/// The dead letters of a destination, a topic, a time range or an error, listed by page, counted
+/// by a dry run, retried or purged; and the filters' mistakes refused as bad arguments.
+#[tokio::test]
+async fn dead_letter_filters_list_count_retry_and_purge_what_they_say() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error, failed_at) values
+                 ('erp',    2001, 'order.placed',    '{}', now(), 9, 'HTTP 503 Service Unavailable', now() - interval '3 days'),
+                 ('erp',    2002, 'order.cancelled', '{}', now(), 9, 'timed out after 10s', now() - interval '1 hour'),
+                 ('mailer', 2002, 'order.cancelled', '{}', now(), 9, 'Timed Out', now()),
+                 ('mailer', 2003, 'mail.sent',       '{}', now(), 1, 'HTTP 410 Gone', now()),
+                 ('mailer', 2004, 'order.placed',    '{}', now(), 1, 'HTTP 410 Gone', now());",
+        )
+        .await
+        .unwrap();
+    let listed = |args: &'static [&'static str]| {
+        let url = db.url.clone();
+        async move {
+            let mut argv = vec!["dead-letters", "list", "--json"];
+            argv.extend(args);
+            let list = cli(&url, &argv).await;
+            assert!(list.status.success(), "{args:?}: {}", stderr(&list));
+            let letters: Vec<Value> = serde_json::from_str(stdout(&list).trim()).unwrap();
+            letters
+                .iter()
+                .map(|l| format!("{}@{}", l["id"], l["destination"].as_str().unwrap()))
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+    };
+    assert_eq!(listed(&["--destination", "mailer"]).await, "2002@mailer 2003@mailer 2004@mailer");
+    assert_eq!(listed(&["--topic", "order.*", "--error", "TIMED out"]).await, "2002@erp 2002@mailer");
+    assert_eq!(listed(&["--since", "2h", "--until", "30m"]).await, "2002@erp");
+    assert_eq!(listed(&["--destination", "nobody"]).await, "");
+    // Pages of events: every destination's dead letter of an event on one page.
+    assert_eq!(listed(&["--limit", "2"]).await, "2001@erp 2002@erp 2002@mailer");
+    assert_eq!(listed(&["--limit", "2", "--after", "2002"]).await, "2003@mailer 2004@mailer");
+    let table = cli(&db.url, &["dead-letters", "list", "--limit", "2"]).await;
+    assert!(stdout(&table).trim_end().ends_with("more may follow: --after 2002)"), "{}", stdout(&table));
+    let filtered_out = cli(&db.url, &["dead-letters", "list", "--error", "no such error"]).await;
+    assert_eq!(stdout(&filtered_out).trim(), "no dead letters that match");
+
+    let letters = "select count(*) from outbox_relay.dead_letters";
+    let dry = cli(&db.url, &["dead-letters", "retry", "--destination", "mailer", "--error", "410", "--dry-run"]).await;
+    assert!(stdout(&dry).contains("would retry 2 dead letters (dry run: nothing changed)"), "{}", stdout(&dry));
+    assert_eq!(count(&db.client().await, letters).await, 5);
+    let retry = cli(&db.url, &["dead-letters", "retry", "--destination", "mailer", "--error", "410"]).await;
+    assert!(stdout(&retry).contains("retried 2 dead letters: 2003, 2004"), "{} {}", stdout(&retry), stderr(&retry));
+    let parked = "select count(*) from outbox_relay.parked where destination = 'mailer' and id in (2003, 2004)";
+    assert_eq!(count(&db.client().await, parked).await, 2);
+    assert_eq!(count(&db.client().await, letters).await, 3);
+
+    let dry = cli(&db.url, &["dead-letters", "purge", "--topic", "order.#", "--older-than", "1d", "--dry-run"]).await;
+    assert!(stdout(&dry).contains("would purge 1 dead letters (dry run: nothing deleted)"), "{}", stdout(&dry));
+    let purge = cli(&db.url, &["dead-letters", "purge", "--error", "timed"]).await;
+    assert!(stdout(&purge).contains("purged 2 dead letters"), "{}", stdout(&purge));
+    assert_eq!(listed(&[]).await, "2001@erp");
+
+    // Mistakes exit with 2 and say what is wrong; nothing changes.
+    for (args, says) in [
+        (&["retry", "--all", "--destination", "erp"][..], "cannot be used with"),
+        (&["retry", "2001", "--dry-run"][..], "cannot be used with"),
+        (&["retry"][..], "--all"),
+        (&["purge", "--since", "1h", "--until", "2h"][..], "must be before"),
+        (&["list", "--error", ""][..], "--error"),
+        (&["purge", "--topic", "order..placed"][..], "order..placed"),
+    ] {
+        let mut argv = vec!["dead-letters"];
+        argv.extend(args);
+        let refused = cli(&db.url, &argv).await;
+        assert_eq!(refused.status.code(), Some(2), "{args:?}: {}", stderr(&refused));
+        assert!(stderr(&refused).contains(says), "{args:?}: {}", stderr(&refused));
+    }
+    assert_eq!(listed(&[]).await, "2001@erp");
 }
 
 #[tokio::test]
@@ -692,4 +772,85 @@ async fn libpqs_environment_fills_what_the_url_leaves_out() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
     assert!(stderr(&output).contains("PGPORT is not a port number"), "{}", stderr(&output));
+}
+
+/// One process with two routes is one relay in `status` (two listeners), with the connections
+/// it holds, within --max-connections; a bound too small for its destinations is refused.
+#[tokio::test]
+async fn status_counts_a_process_with_two_routes_as_one_relay_within_max_connections() {
+    let db = TestDb::new().await;
+    let routes = ["--route", "erp=order.#=stdout", "--route", "mailer=mail.#=stdout"];
+    let mut args = routes.to_vec();
+    args.extend(["--max-connections", "16", "--workers", "4"]);
+    let relay = spawn_run(&db.url, &args);
+    let client = db.client().await;
+    eventually("both listeners connected", || async {
+        count(&client, "select count(*) from outbox_relay.relays where listener_pid is not null").await == 2
+    })
+    .await;
+    let status = cli(&db.url, &["status", "--json"]).await;
+    let status: Value = serde_json::from_str(stdout(&status).trim()).unwrap();
+    let relays = status["relays"].as_array().unwrap();
+    assert_eq!(relays.len(), 2, "{status}");
+    assert_eq!(relays[0]["relay"], relays[1]["relay"], "{status}");
+    let held = relays[0]["relay_connections"].as_i64().unwrap();
+    assert!((2..=14).contains(&held), "16 less the command's own 2: {status}");
+    assert!(status["health"]["max_connections"].as_i64().unwrap() > 0, "{status}");
+    let table = stdout(&cli(&db.url, &["status"]).await);
+    assert!(table.contains("relays connected          1 (2 listeners"), "{table}");
+    assert!(table.contains("server connections        "), "{table}");
+    let log = stderr(&terminate_with_output(relay).await);
+    assert!(log.contains("fewer workers per destination"), "{log}");
+
+    let mut args = routes.to_vec();
+    args.extend(["--max-connections", "14"]);
+    let refused = cli(&db.url, &[&["run"][..], &args].concat()).await;
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("--max-connections 14 is too few for 2 destinations: `run` needs at least 15"),
+        "{}",
+        stderr(&refused)
+    );
+}
+
+/// Completion scripts and the manual page come from the parser's own definitions.
+#[tokio::test]
+async fn completions_and_the_manual_page_cover_every_command() {
+    let bash = cli("", &["completions", "bash"]).await;
+    assert!(bash.status.success(), "{}", stderr(&bash));
+    let script = stdout(&bash);
+    for word in ["dead-letters", "--max-connections", "--log-format", "replay", "--older-than"] {
+        assert!(script.contains(word), "bash completion lacks {word}");
+    }
+    let zsh = stdout(&cli("", &["completions", "zsh"]).await);
+    assert!(zsh.starts_with("#compdef outbox-relay"), "{}", &zsh[..zsh.len().min(200)]);
+    let checked = std::process::Command::new("bash").arg("-n").arg("-c").arg(&script).status().unwrap();
+    assert!(checked.success(), "the bash completion script does not parse");
+    let unknown = cli("", &["completions", "tcsh"]).await;
+    assert_eq!(unknown.status.code(), Some(2));
+
+    let page = stdout(&cli("", &["man"]).await);
+    assert!(page.starts_with(".ie") || page.contains(".TH outbox-relay 1"), "{}", &page[..page.len().min(200)]);
+    assert!(page.contains("dead\\-letters") && page.contains("\\-\\-database\\-url"), "{page}");
+    let dir = tempfile::tempdir().unwrap();
+    let wrote = cli("", &["man", "--dir", dir.path().to_str().unwrap()]).await;
+    assert!(wrote.status.success(), "{}", stderr(&wrote));
+    for page in ["outbox-relay.1", "outbox-relay-run.1", "outbox-relay-dead-letters-purge.1"] {
+        let text = std::fs::read_to_string(dir.path().join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(text.contains(".TH"), "{page}");
+    }
+    // `man` renders it when it is there (man-db's nroff, as a packager's check would)
+    if std::process::Command::new("man").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        let rendered = std::process::Command::new("man")
+            .arg("-l")
+            .arg(dir.path().join("outbox-relay-run.1"))
+            .env("MANPAGER", "cat")
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&rendered.stdout).contains("--max-connections"),
+            "{}",
+            String::from_utf8_lossy(&rendered.stderr)
+        );
+    }
 }

@@ -69,7 +69,7 @@ fn sample(text: &str, name: &str) -> Option<f64> {
 }
 
 /// A private PostgreSQL of the test's own (to stop and start), migrated, and its URL.
-async fn migrated_private_cluster() -> (EmbeddedPostgres, String) {
+pub(crate) async fn migrated_private_cluster() -> (EmbeddedPostgres, String) {
     let pg = tokio::task::spawn_blocking(|| EmbeddedPostgres::start(EmbeddedOptions::default()))
         .await
         .unwrap()

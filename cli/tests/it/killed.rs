@@ -356,7 +356,7 @@ async fn a_frozen_relay_loses_its_held_claims_after_the_lease() {
     .await;
     assert_eq!(count(&client, holding).await, 0, "the frozen relay's sessions were ended");
     let listeners = "select count(*) from pg_stat_activity
-                      where datname = current_database() and application_name = 'outbox-relay listener'";
+                      where datname = current_database() and application_name like 'outbox-relay listener%'";
     assert_eq!(count(&client, listeners).await, 1, "the frozen relay's listener session was ended");
     frozen.send("-CONT");
     let frozen_log = frozen.log.clone();

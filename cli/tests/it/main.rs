@@ -12,6 +12,7 @@ mod hostile;
 mod http;
 mod kafka;
 mod killed;
+mod logs;
 mod memory;
 mod operator;
 mod routes;
