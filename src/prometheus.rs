@@ -42,12 +42,13 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 pub struct Exporter {
     outbox: Outbox,
     relays: Vec<(String, Arc<RelayMetrics>)>,
+    counters: Vec<(String, String, u64)>,
 }
 
 impl Exporter {
     /// The metrics of the queue in `outbox`'s database.
     pub fn new(outbox: &Outbox) -> Self {
-        Exporter { outbox: outbox.clone(), relays: Vec::new() }
+        Exporter { outbox: outbox.clone(), relays: Vec::new(), counters: Vec::new() }
     }
 
     /// Adds the counters of a relay with one destination ([`crate::Relay::metrics`]), labelled
@@ -62,6 +63,14 @@ impl Exporter {
     #[must_use]
     pub fn with_destinations(mut self, destinations: Vec<(String, Arc<RelayMetrics>)>) -> Self {
         self.relays = destinations;
+        self
+    }
+
+    /// Adds a counter of the program's own, `name` without its `_total` (which the text adds),
+    /// with its value now (the command's `outbox_relay_spans_dropped_total`, say).
+    #[must_use]
+    pub fn with_counter(mut self, name: &str, help: &str, value: u64) -> Self {
+        self.counters.push((name.to_string(), help.to_string(), value));
         self
     }
 
@@ -89,6 +98,9 @@ impl Exporter {
             self.relays.iter().map(|(name, m)| (name.clone(), m.snapshot())).collect();
         let mut registry = Registry::default();
         register(&mut registry, database.as_ref(), &relays);
+        for (name, help, value) in &self.counters {
+            registry.register(name, help, ConstCounter::new(*value));
+        }
         let mut text = String::new();
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut text, &registry);

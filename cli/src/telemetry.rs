@@ -2,9 +2,14 @@
 //! (http/protobuf) when the standard variables say where (`OTEL_EXPORTER_OTLP_ENDPOINT` or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`), and nothing at all otherwise.
 
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::SdkTracerProvider;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{SdkTracerProvider, SpanData, SpanExporter};
 use tracing_subscriber::filter::{LevelFilter, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
@@ -20,10 +25,14 @@ pub struct Telemetry {
 
 impl Drop for Telemetry {
     fn drop(&mut self) {
-        if let Some(provider) = self.provider.take()
-            && let Err(e) = provider.shutdown()
-        {
-            eprintln!("warning: the last spans could not be exported over OTLP: {e}");
+        if let Some(provider) = self.provider.take() {
+            if let Err(e) = provider.shutdown() {
+                eprintln!("warning: the last spans could not be exported over OTLP: {e}");
+            }
+            let dropped = SPANS_DROPPED.load(Ordering::Relaxed);
+            if dropped > 0 {
+                eprintln!("warning: {dropped} spans could not be exported over OTLP while the command ran");
+            }
         }
     }
 }
@@ -104,12 +113,95 @@ fn provider() -> Result<Option<SdkTracerProvider>, String> {
         .with_http()
         .build()
         .map_err(|e| format!("cannot export spans to the OTLP endpoint {shown}: {e}"))?;
+    let exporter = Watched { inner: exporter, endpoint: shown, state: Default::default() };
     let mut resource = Resource::builder();
     let named_in_attributes = set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| a.contains("service.name="));
     if set("OTEL_SERVICE_NAME").is_none() && !named_in_attributes {
         resource = resource.with_service_name("outbox-relay");
     }
     Ok(Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build()))
+}
+
+/// Spans the OTLP endpoint did not take (their export failed) since the command started:
+/// `outbox_relay_spans_dropped_total` on /metrics.
+pub static SPANS_DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// How often a failing export is warned of while it lasts.
+const EXPORT_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// The OTLP exporter, watched: a failed export is warned of (at once, then at most once a
+/// minute while failures last, with the count) and its spans counted in [`SPANS_DROPPED`]; the
+/// first success after failures says so.
+#[derive(Debug)]
+struct Watched<E> {
+    inner: E,
+    endpoint: String,
+    state: Mutex<ExportState>,
+}
+
+#[derive(Debug, Default)]
+struct ExportState {
+    last_warning: Option<Instant>,
+    /// Spans dropped since the last warning, and since the exports began failing.
+    unreported: u64,
+    failing: u64,
+}
+
+impl<E: SpanExporter> Watched<E> {
+    fn record(&self, result: &OTelSdkResult, spans: u64) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match result {
+            Ok(()) if state.failing > 0 => {
+                tracing::info!(
+                    "spans reach the OTLP endpoint {} again; {} were dropped meanwhile",
+                    self.endpoint,
+                    state.failing
+                );
+                *state = ExportState { last_warning: state.last_warning, ..Default::default() };
+            }
+            Ok(()) => {}
+            Err(e) => {
+                SPANS_DROPPED.fetch_add(spans, Ordering::Relaxed);
+                state.unreported += spans;
+                state.failing += spans;
+                let now = Instant::now();
+                if state.last_warning.is_none_or(|at| now.duration_since(at) >= EXPORT_WARNING_EVERY) {
+                    tracing::warn!(
+                        "spans could not be exported to the OTLP endpoint {}: {e}; {} dropped since the last warning ({} in all; outbox_relay_spans_dropped_total counts them, and this repeats at most once a minute)",
+                        self.endpoint,
+                        state.unreported,
+                        SPANS_DROPPED.load(Ordering::Relaxed)
+                    );
+                    state.last_warning = Some(now);
+                    state.unreported = 0;
+                }
+            }
+        }
+    }
+}
+
+impl<E: SpanExporter> SpanExporter for Watched<E> {
+    fn export(&self, batch: Vec<SpanData>) -> impl std::future::Future<Output = OTelSdkResult> + Send {
+        let spans = batch.len() as u64;
+        let export = self.inner.export(batch);
+        async move {
+            let result = export.await;
+            self.record(&result, spans);
+            result
+        }
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
 }
 
 /// An endpoint as messages show it: without a password in it or its query.

@@ -246,3 +246,54 @@ mod needs_otel {
         assert!(!stderr(&output).to_lowercase().contains("otlp"), "{}", stderr(&output));
     }
 }
+
+/// An OTLP endpoint where nothing listens: the relay delivers all the same, says so once (not
+/// per batch of spans) naming the endpoint, counts the spans it could not export on /metrics, and
+/// says at exit how many were lost.
+#[tokio::test]
+async fn an_unreachable_otlp_endpoint_is_warned_of_once_and_its_dropped_spans_counted() {
+    use crate::binary::{spawn_run_with_env, stderr, terminate_with_output};
+    use crate::harness::TestDb;
+    use crate::relay_support::{PATIENCE, eventually, free_port};
+
+    let db = TestDb::new().await;
+    let (http, nowhere) = (free_port(), free_port());
+    let endpoint = format!("http://127.0.0.1:{nowhere}");
+    let relay = spawn_run_with_env(
+        &db.url,
+        &["--sink", "stdout", "--http", &format!("127.0.0.1:{http}")],
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint), ("OTEL_BSP_SCHEDULE_DELAY", "50")],
+    );
+    let traced =
+        serde_json::json!({"traceparent": "00-5b8efff798038103d269b633813fc60c-eee19b7ec3c1b174-01"}).to_string();
+    // Three rounds, each its own export batch.
+    for _ in 0..3 {
+        db.client()
+            .await
+            .execute(
+                "select outbox_relay.publish('trace.sql', '{}', null, $1::text::jsonb) from generate_series(1, 5)",
+                &[&traced],
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+    let metrics = format!("http://127.0.0.1:{http}/metrics");
+    let http_client = crate::http::http();
+    eventually("15 spans counted as dropped", || async {
+        let Ok(answer) = http_client.get(&metrics).timeout(PATIENCE).send().await else { return false };
+        let text = answer.text().await.unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix("outbox_relay_spans_dropped_total ")?.parse::<f64>().ok())
+            .is_some_and(|n| n >= 15.0)
+    })
+    .await;
+    let output = terminate_with_output(relay).await;
+    let log = stderr(&output);
+    let warned: Vec<&str> =
+        log.lines().filter(|l| l.contains("spans could not be exported to the OTLP endpoint")).collect();
+    assert_eq!(warned.len(), 1, "once, not per batch: {log}");
+    assert!(warned[0].contains(&endpoint) && warned[0].contains("WARN"), "{}", warned[0]);
+    assert!(log.contains("spans could not be exported over OTLP while the command ran"), "{log}");
+    assert_eq!(output.status.code(), Some(0), "{log}");
+}
