@@ -15,6 +15,7 @@ mod killed;
 mod logs;
 mod memory;
 mod operator;
+mod packages;
 mod routes;
 mod secrets;
 mod tracing;
