@@ -17,6 +17,7 @@ mod bench;
 mod commands;
 mod console;
 mod demo;
+mod docs_check;
 mod http;
 mod json_logs;
 mod outcome;

@@ -854,3 +854,38 @@ async fn completions_and_the_manual_page_cover_every_command() {
         );
     }
 }
+
+/// The text of the docs' `status` and `dead-letters list` examples has every line and column the
+/// commands print now: a field added to one and not the other is drift.
+#[tokio::test]
+async fn the_docs_status_and_dead_letter_examples_show_what_the_commands_print() {
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.dead_letters (destination, id, topic, payload, created_at, attempts, last_error, failed_at)
+             values ('erp', 1001, 'order.placed', '{}', now(), 12, 'gave up', now())",
+        )
+        .await
+        .unwrap();
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/command.md")).unwrap();
+    let block_after = |command: &str| -> String {
+        let start = doc.find(&format!("$ {command}\n")).unwrap_or_else(|| panic!("no `$ {command}` in command.md"));
+        let rest = &doc[start..];
+        rest[..rest.find("\n```").unwrap()].to_string()
+    };
+    let status = stdout(&cli(&db.url, &["status"]).await);
+    let shown = block_after("outbox-relay status");
+    for line in status.lines().filter(|l| !l.starts_with(' ') && !l.starts_with("warning:")) {
+        let label = line.split("  ").next().unwrap().trim();
+        assert!(shown.contains(label), "`status` prints {label:?}, which command.md's example lacks:\n{shown}");
+    }
+    let list = stdout(&cli(&db.url, &["dead-letters", "list"]).await);
+    let header: Vec<&str> = list.lines().next().unwrap().split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+    let shown = block_after(
+        "outbox-relay dead-letters list            # or --json; --limit N events a page, --after ID for the next",
+    );
+    let shown_header: Vec<&str> =
+        shown.lines().nth(1).unwrap().split("  ").map(str::trim).filter(|c| !c.is_empty()).collect();
+    assert_eq!(header, shown_header, "command.md's dead-letters list example");
+}

@@ -1,0 +1,168 @@
+//! The docs against the parser (issue 44, item 9): every `outbox-relay` command line in a shell
+//! block of README.md and docs/ parses as it is written, every flag of every command is named in
+//! docs/command.md, and the migrations the docs list are the ones there are. (What the commands
+//! print is checked against the docs by the integration tests: `cli::the_docs_status_example_*`.)
+
+#![cfg(test)]
+
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// README.md and every page of docs/, with their text.
+fn pages() -> Vec<(String, String)> {
+    let mut paths = vec![root().join("README.md")];
+    let mut docs: Vec<PathBuf> = std::fs::read_dir(root().join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    paths.extend(docs);
+    paths
+        .into_iter()
+        .map(|p| (p.strip_prefix(root()).unwrap().display().to_string(), std::fs::read_to_string(&p).unwrap()))
+        .collect()
+}
+
+/// The `outbox-relay` command lines of the pages' `sh` blocks (`$ ` prompts and `sudo -u USER`
+/// taken off, continuation lines joined), with where each is.
+fn command_lines() -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (page, text) in pages() {
+        let mut shell = false;
+        let mut pending: Option<(String, String)> = None;
+        for (n, line) in text.lines().enumerate() {
+            if let Some(info) = line.strip_prefix("```") {
+                shell = !shell && matches!(info.trim(), "sh" | "bash" | "shell");
+                continue;
+            }
+            if !shell {
+                continue;
+            }
+            if let Some((at, mut joined)) = pending.take() {
+                joined.push(' ');
+                joined.push_str(line.trim().trim_end_matches('\\'));
+                if line.trim_end().ends_with('\\') {
+                    pending = Some((at, joined));
+                } else {
+                    found.push((at, joined));
+                }
+                continue;
+            }
+            let mut command = line.trim().strip_prefix("$ ").unwrap_or(line.trim());
+            if let Some(rest) = command.strip_prefix("sudo -u ") {
+                command = rest.split_once(' ').map_or("", |(_, c)| c);
+            }
+            if !command.starts_with("outbox-relay ") {
+                continue;
+            }
+            let at = format!("{page}:{}", n + 1);
+            if command.ends_with('\\') {
+                pending = Some((at, command.trim_end_matches('\\').to_string()));
+            } else {
+                found.push((at, command.to_string()));
+            }
+        }
+    }
+    found
+}
+
+/// A command line as the shell splits it, up to a comment, a pipe, a redirection or `&&`;
+/// `"$NAME"` stands for a value of that variable's kind.
+fn words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut quote: Option<char> = None;
+    let mut any = false;
+    for c in line.chars() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => word.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                any = true;
+            }
+            (None, ' ' | '\t') => {
+                if any || !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+                any = false;
+            }
+            (None, '#' | '|' | '>' | '&') if word.is_empty() && !any => break,
+            (None, c) => word.push(c),
+        }
+    }
+    if any || !word.is_empty() {
+        words.push(word);
+    }
+    words
+        .into_iter()
+        .map(|w| match w.as_str() {
+            "$WEBHOOK_SECRET" => "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".to_string(),
+            _ => w,
+        })
+        .collect()
+}
+
+#[test]
+fn every_command_line_in_the_docs_parses() {
+    let lines = command_lines();
+    assert!(lines.len() > 40, "the docs' command lines were found: {}", lines.len());
+    let mut refused = Vec::new();
+    for (at, line) in &lines {
+        let argv: Vec<std::ffi::OsString> = words(line).into_iter().map(Into::into).collect();
+        if let Err(e) = crate::route_flags::parse(argv) {
+            refused.push(format!("{at}: {line}\n    {}", e.to_string().lines().next().unwrap_or_default()));
+        }
+    }
+    assert!(refused.is_empty(), "command lines in the docs that the parser refuses:\n{}", refused.join("\n"));
+}
+
+#[test]
+fn every_flag_of_every_command_is_in_command_md() {
+    let text = std::fs::read_to_string(root().join("docs/command.md")).unwrap();
+    let mut missing = Vec::new();
+    fn walk(command: &clap::Command, path: &str, text: &str, missing: &mut Vec<String>) {
+        for arg in command.get_arguments().filter(|a| !a.is_hide_set()) {
+            let Some(long) = arg.get_long() else { continue };
+            if ["help", "version"].contains(&long) {
+                continue;
+            }
+            let named = format!("--{long}");
+            let mentioned = text
+                .match_indices(&named)
+                .any(|(i, _)| !text[i + named.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-'));
+            if !mentioned {
+                missing.push(format!("{path} {named}"));
+            }
+        }
+        for sub in command.get_subcommands() {
+            if !text.contains(&format!("{path} {}", sub.get_name()).replace("outbox-relay ", "")) {
+                missing.push(format!("{path} {} (the command)", sub.get_name()));
+            }
+            walk(sub, &format!("{path} {}", sub.get_name()), text, missing);
+        }
+    }
+    walk(&<crate::args::Cli as clap::CommandFactory>::command(), "outbox-relay", &text, &mut missing);
+    assert!(missing.is_empty(), "flags and commands docs/command.md does not name:\n{}", missing.join("\n"));
+}
+
+#[test]
+fn the_migrations_the_docs_list_are_the_ones_there_are() {
+    let mut migrations: Vec<String> = std::fs::read_dir(root().join("migrations"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".sql") && n.as_bytes()[0].is_ascii_digit())
+        .map(|n| n.trim_end_matches(".sql").to_string())
+        .collect();
+    migrations.sort();
+    let text = std::fs::read_to_string(root().join("docs/command.md")).unwrap();
+    let last = migrations.last().unwrap();
+    assert!(text.contains(&format!("applied {last}\n")), "docs/command.md's migrate shows {last} last");
+    let n = migrations.len();
+    assert!(text.contains(&format!("{n} applied, 0 already in place")), "docs/command.md: {n} applied");
+    assert!(text.contains(&format!("nothing to apply: {n} migrations")), "docs/command.md: {n} migrations");
+}
