@@ -126,6 +126,11 @@ impl ConnInfo {
         {
             config.application_name(&name);
         }
+        if config.get_options().is_none()
+            && let Some(options) = env("PGOPTIONS")
+        {
+            config.options(&options);
+        }
         if config.get_connect_timeout().is_none()
             && let Some(seconds) = env("PGCONNECT_TIMEOUT")
         {

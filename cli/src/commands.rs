@@ -150,10 +150,21 @@ impl Database {
     }
 }
 
+/// libpq's variables that name a database without a URL, as `psql` takes them.
+const LIBPQ_TARGET: [&str; 4] = ["PGHOST", "PGPORT", "PGDATABASE", "PGUSER"];
+
 fn require_url(url: Option<String>, timeout: std::time::Duration) -> Result<Database, CliError> {
     match url.filter(|u| !u.is_empty()) {
         Some(url) => Ok(Database { url: DatabaseUrl::parse(&url)?, timeout }),
-        None => Err(UsageError("no database given: pass --database-url URL or set DATABASE_URL".into()).into()),
+        // No URL, but libpq's environment names a server or database: everything from it.
+        None if LIBPQ_TARGET.iter().any(|name| std::env::var_os(name).is_some_and(|v| !v.is_empty())) => {
+            Ok(Database { url: DatabaseUrl::parse("")?, timeout })
+        }
+        None => Err(UsageError(
+            "no database given: pass --database-url URL, set DATABASE_URL, or set libpq's PGHOST, PGDATABASE, ..."
+                .into(),
+        )
+        .into()),
     }
 }
 

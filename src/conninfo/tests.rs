@@ -161,6 +161,7 @@ fn libpqs_environment_fills_what_the_string_leaves_out() {
             ("PGCONNECT_TIMEOUT", "7"),
             ("PGSSLMODE", "verify-full"),
             ("PGSSLROOTCERT", "/etc/ssl/db-root.pem"),
+            ("PGOPTIONS", "-c statement_timeout=5s"),
         ],
     )
     .unwrap();
@@ -177,6 +178,9 @@ fn libpqs_environment_fills_what_the_string_leaves_out() {
     assert_eq!(info.verify, Verify::Full);
     assert_eq!(c.get_ssl_mode(), SslMode::Require);
     assert_eq!(info.root_cert.as_deref(), Some(std::path::Path::new("/etc/ssl/db-root.pem")));
+    assert_eq!(c.get_options(), Some("-c statement_timeout=5s"));
+    let own = with_env("postgres://u@h/d?options=-c%20search_path%3Dx", &[("PGOPTIONS", "-c jit=off")]).unwrap();
+    assert_eq!(own.config.get_options(), Some("-c search_path=x"), "the string's options win");
 
     // An empty string takes everything from the environment; the string's own settings win.
     let info = with_env("", &[("PGHOST", "h1,h2"), ("PGUSER", "u"), ("PGDATABASE", "d")]).unwrap();

@@ -430,7 +430,12 @@ async fn bad_input_gives_a_one_line_error_and_a_non_zero_exit() {
     assert!(!unreachable.status.success());
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(err.contains("127.0.0.1:1") && !err.contains("hunter2"), "{err}");
-    let no_db = Command::new(BIN).arg("status").env_remove("DATABASE_URL").output().await.unwrap();
+    let mut no_db = Command::new(BIN);
+    no_db.arg("status");
+    for name in ["DATABASE_URL", "PGHOST", "PGPORT", "PGDATABASE", "PGUSER"] {
+        no_db.env_remove(name);
+    }
+    let no_db = no_db.output().await.unwrap();
     assert!(String::from_utf8_lossy(&no_db.stderr).contains("no database given"));
     assert_eq!(no_db.status.code(), Some(2), "a missing database URL is a bad argument");
     // A value the command refuses is a bad argument too (exit 2), with or without a database.
@@ -772,6 +777,29 @@ async fn libpqs_environment_fills_what_the_url_leaves_out() {
         .unwrap();
     assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
     assert!(stderr(&output).contains("PGPORT is not a port number"), "{}", stderr(&output));
+    // No URL at all: the environment alone, as psql takes it; PGOPTIONS reaches the server.
+    let parsed = pg_outbox_relay::DatabaseUrl::parse(&db.url).unwrap();
+    let config = parsed.config();
+    let host = match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+        other => panic!("{other:?}"),
+    };
+    let env_only = |options: &str| {
+        let mut command = Command::new(BIN);
+        command
+            .args(["status", "--json"])
+            .env_remove("DATABASE_URL")
+            .env("PGHOST", &host)
+            .env("PGPORT", config.get_ports()[0].to_string())
+            .env("PGUSER", config.get_user().unwrap())
+            .env("PGDATABASE", &db.name)
+            .env("PGOPTIONS", options);
+        command
+    };
+    let output = env_only("-c statement_timeout=5s").output().await.unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = env_only("-c no_such_setting=1").output().await.unwrap();
+    assert!(stderr(&output).contains("no_such_setting"), "PGOPTIONS went to the server: {}", stderr(&output));
 }
 
 /// One process with two routes is one relay in `status` (two listeners), with the connections
