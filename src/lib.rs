@@ -184,3 +184,21 @@ pub use relay::{
     DEFAULT_DESTINATION, DeliveryError, Handler, HandlerFn, HistogramSnapshot, MetricsSnapshot, Percentiles, Relay,
     RelayConfig, RelayMetrics, Route, Slot, Slots, TopicPattern, handler_fn,
 };
+
+/// The Rust examples of the README and of docs/ compiled as doctests (`no_run` where they need
+/// a database), so that they keep up with the API.
+#[cfg(doctest)]
+mod docs_examples {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/write-path.md")]
+    struct WritePath;
+    #[doc = include_str!("../docs/relay.md")]
+    struct RelayPage;
+    #[doc = include_str!("../docs/guarantees.md")]
+    struct Guarantees;
+    #[doc = include_str!("../docs/operations.md")]
+    struct Operations;
+    #[doc = include_str!("../docs/tracing.md")]
+    struct Tracing;
+}

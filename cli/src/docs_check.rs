@@ -107,6 +107,64 @@ fn words(line: &str) -> Vec<String> {
         .collect()
 }
 
+/// The fenced blocks of the pages whose info string is `lang`, with where each starts.
+fn blocks(lang: &str) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (page, text) in pages() {
+        let mut open: Option<(String, String)> = None;
+        for (n, line) in text.lines().enumerate() {
+            match (&mut open, line.strip_prefix("```")) {
+                (None, Some(info)) if info.trim() == lang => open = Some((format!("{page}:{}", n + 1), String::new())),
+                (None, Some(_)) => open = Some((String::new(), String::new())),
+                (Some(_), Some(_)) => {
+                    let (at, body) = open.take().unwrap();
+                    if !at.is_empty() {
+                        found.push((at, body));
+                    }
+                }
+                (Some((_, body)), None) => {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+                (None, None) => {}
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn every_json_example_is_json() {
+    let found = blocks("json");
+    assert!(found.len() >= 3, "{found:?}");
+    for (at, body) in found {
+        // one document, or one object per line (a log)
+        let whole = serde_json::from_str::<serde_json::Value>(&body).is_ok();
+        let lines = body.lines().all(|l| serde_json::from_str::<serde_json::Value>(l).is_ok());
+        assert!(whole || lines, "{at}: not JSON:\n{body}");
+    }
+}
+
+#[test]
+fn every_config_file_example_is_read_as_run_reads_it() {
+    let found: Vec<_> = blocks("toml").into_iter().filter(|(_, body)| body.contains("[[destination]]")).collect();
+    assert!(found.len() >= 2, "{found:?}");
+    let dir = std::env::temp_dir().join(format!("outbox-relay-docs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (n, (at, body)) in found.iter().enumerate() {
+        let path = dir.join(format!("{n}.toml"));
+        std::fs::write(&path, body).unwrap();
+        // (as the page runs it: a Kafka password from OUTBOX_RELAY_KAFKA_PASSWORD)
+        let mut defaults = crate::sinks::SinkOptions::default();
+        defaults.kafka.password = Some(pg_outbox_relay::sink::Secret::new("from-the-environment"));
+        let read = crate::routes::read_file(&path, &defaults);
+        assert!(read.is_ok(), "{at}: {}", read.err().map(|e| e.to_string()).unwrap_or_default());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let installed = crate::routes::read_file(&root().join("packaging/relay.toml"), &Default::default());
+    assert!(installed.is_ok(), "packaging/relay.toml: {:?}", installed.err().map(|e| e.to_string()));
+}
+
 #[test]
 fn every_command_line_in_the_docs_parses() {
     let lines = command_lines();
