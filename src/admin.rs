@@ -30,7 +30,8 @@ impl Outbox {
         self.bounded("listing the relays", async { sql::connected_relays(&*self.pooled().await?).await }).await
     }
 
-    /// Lists up to `limit` dead letters, oldest id first.
+    /// Lists the dead letters of up to `limit` events (every destination's of each), oldest id
+    /// first.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
         self.find_dead_letters(&DeadLetterFilter::default(), None, limit).await
     }
@@ -73,10 +74,11 @@ impl Outbox {
     }
 
     /// Puts the dead letters `filter` takes back into the outbox, as
-    /// [`Outbox::retry_dead_letters`] does. Returns their ids.
+    /// [`Outbox::retry_dead_letters`] does. Returns the id of each dead letter retried (an event
+    /// dead at two destinations twice): as many as [`Outbox::count_dead_letters`] counted.
     pub async fn retry_dead_letters_matching(&self, filter: &DeadLetterFilter) -> Result<Vec<i64>> {
         filter.check()?;
-        self.revive(sql::Which::Matching(filter, None)).await
+        self.revive(sql::Which::Matching(filter)).await
     }
 
     async fn revive(&self, which: sql::Which<'_>) -> Result<Vec<i64>> {
@@ -100,20 +102,14 @@ impl Outbox {
 
     /// Deletes dead letters that failed more than `older_than` ago (zero: all). Returns how many.
     pub async fn purge_dead_letters(&self, older_than: Duration) -> Result<u64> {
-        self.purge(&DeadLetterFilter::default(), Some(older_than)).await
+        self.purge_dead_letters_matching(&DeadLetterFilter::default().failed_longer_ago(older_than)).await
     }
 
     /// Deletes the dead letters `filter` takes. Returns how many.
     pub async fn purge_dead_letters_matching(&self, filter: &DeadLetterFilter) -> Result<u64> {
         filter.check()?;
-        self.purge(filter, None).await
-    }
-
-    async fn purge(&self, filter: &DeadLetterFilter, older_than: Option<Duration>) -> Result<u64> {
-        self.bounded("purging dead letters", async {
-            sql::purge_dead_letters(&*self.pooled().await?, filter, older_than).await
-        })
-        .await
+        self.bounded("purging dead letters", async { sql::purge_dead_letters(&*self.pooled().await?, filter).await })
+            .await
     }
 
     /// Deletes the dead letters with these ids: all of them, or none when one of them is not a

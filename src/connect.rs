@@ -217,9 +217,15 @@ impl deadpool_postgres::Connect for PooledConnect {
                         // (its Display carries PostgreSQL's own words and SQLSTATE, or the I/O cause)
                         let ended = Error::new(ErrorKind::Connect, "ended").with_source(e);
                         let now = std::time::Instant::now();
-                        let mut last = LAST_ENDED_WARNING.lock().unwrap_or_else(|p| p.into_inner());
-                        if last.is_none_or(|at| now.duration_since(at) >= ENDED_WARNING_EVERY) {
-                            *last = Some(now);
+                        let warn = {
+                            let mut last = LAST_ENDED_WARNING.lock().unwrap_or_else(|p| p.into_inner());
+                            let warn = last.is_none_or(|at| now.duration_since(at) >= ENDED_WARNING_EVERY);
+                            if warn {
+                                *last = Some(now);
+                            }
+                            warn
+                        };
+                        if warn {
                             tracing::warn!(
                                 "a pooled connection to PostgreSQL at {target} {ended}; the pool opens a new one when it next needs one (more endings within a minute are logged at debug)"
                             );

@@ -1,6 +1,6 @@
 //! Which dead letters an operator's listing, retry or purge takes.
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
 use crate::relay::TopicPattern;
@@ -26,6 +26,8 @@ pub struct DeadLetterFilter {
     pub failed_since: Option<SystemTime>,
     /// Moved to the dead letters before this moment.
     pub failed_before: Option<SystemTime>,
+    /// Moved to the dead letters longer ago than this, by the database's clock.
+    pub failed_longer_ago: Option<Duration>,
     /// Whose last error contains this text, in any case.
     pub error: Option<String>,
 }
@@ -52,6 +54,13 @@ impl DeadLetterFilter {
     /// Only those that failed before `moment`.
     pub fn failed_before(mut self, moment: SystemTime) -> Self {
         self.failed_before = Some(moment);
+        self
+    }
+
+    /// Only those that failed longer ago than `age`, by the database's clock (not this
+    /// machine's, as [`DeadLetterFilter::failed_before`] is).
+    pub fn failed_longer_ago(mut self, age: Duration) -> Self {
+        self.failed_longer_ago = Some(age);
         self
     }
 

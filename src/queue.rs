@@ -205,8 +205,8 @@ pub struct Health {
     pub outbox_live_tuples: i64,
     /// Share of the notification queue in use (0 to 1).
     pub notification_queue_usage: f64,
-    /// Client connections on the server now (every database's; those of other roles count
-    /// when the role may see them).
+    /// Backends connected to the server's databases now (`pg_stat_database.numbackends`, which
+    /// every role may read: every role's sessions, and the autovacuum and parallel workers).
     pub connections: i64,
     /// The server's `max_connections`.
     pub max_connections: i64,
@@ -258,7 +258,7 @@ impl Health {
             && self.connections as f64 >= Health::CONNECTIONS_WARNING * self.max_connections as f64
         {
             warnings.push(format!(
-                "{} of the server's max_connections {} are in use: a relay that needs one more waits for it (docs/operations.md, \"Connections\", says how many each relay opens; run --max-connections bounds them)",
+                "{} of the server's max_connections {} are in use: past it the server refuses new connections (SQLSTATE 53300, too many clients; relays retry, writers fail) (docs/operations.md, \"Connections\", says how many each relay opens; run --max-connections bounds them)",
                 self.connections, self.max_connections
             ));
         }

@@ -531,8 +531,11 @@ impl Reload<'_> {
     /// A relay with the routes of the file as it reads now, and what it was made of.
     async fn relay(&self) -> Result<(Relay<Sink>, Vec<String>, Vec<crate::routes::Destination>), CliError> {
         let destinations = destinations_of(self.args, self.defaults)?;
+        // (--max-connections checked again: the file may give more destinations now)
+        let unbounded = RelayConfig { max_connections: None, ..self.config.clone() };
+        let (config, _) = within_max_connections(unbounded, self.args.max_connections, destinations.len())?;
         let (routes, shown) = routes_of(destinations.clone(), self.args.exit_on_sink_error).await?;
-        Ok((Relay::with_routes(self.outbox, self.config.clone(), routes)?, shown, destinations))
+        Ok((Relay::with_routes(self.outbox, config, routes)?, shown, destinations))
     }
 }
 
@@ -865,12 +868,15 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
                 out!("would retry {n} dead letters (dry run: nothing changed)");
                 return Ok(());
             }
-            let revived = if ids.is_empty() {
+            let mut revived = if ids.is_empty() {
                 outbox.retry_dead_letters_matching(&filter).await?
             } else {
                 outbox.retry_dead_letters(&ids).await?
             };
-            out!("retried {} dead letters{}", revived.len(), list_ids(&revived));
+            let n = revived.len();
+            revived.sort_unstable();
+            revived.dedup();
+            out!("retried {n} dead letters{}", list_ids(&revived));
         }
         DeadLetterCommand::Purge { all: _, older_than, filter, dry_run } => {
             // (clap requires --older-than, a filter or --all, and --all alone)
@@ -887,25 +893,20 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
     Ok(())
 }
 
-/// The library's filter from the flags; `--older-than` as a `--until` that many ago (the earlier
-/// of the two when both are given).
+/// The library's filter from the flags (`--older-than` by the database's clock).
 fn dead_letter_filter(
     args: DeadLetterFilterArgs,
     older_than: Option<std::time::Duration>,
 ) -> Result<pg_outbox_relay::DeadLetterFilter, CliError> {
-    refuse_empty("--destination", &args.destination)?;
-    refuse_empty("--error", &args.error)?;
+    // (--destination '' is the events no destination's pattern matched)
     let mut filter = pg_outbox_relay::DeadLetterFilter::default();
     filter.destination = args.destination;
     filter.topic = args.topic.as_deref().map(TopicPattern::parse).transpose()?;
     filter.failed_since = args.since;
-    let older = older_than.map(|d| std::time::SystemTime::now().checked_sub(d).unwrap_or(std::time::UNIX_EPOCH));
-    filter.failed_before = match (args.until, older) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    filter.failed_before = args.until;
+    filter.failed_longer_ago = older_than;
     filter.error = args.error;
-    filter.check().map_err(|e| UsageError(format!("{e} (--since, --until, --older-than)")))?;
+    filter.check().map_err(|e| UsageError(format!("{e} (--since, --until, --error)")))?;
     Ok(filter)
 }
 

@@ -282,7 +282,7 @@ fn loopback_host(host: &str) -> bool {
 async fn metrics(State(console): State<Arc<Console>>) -> Response {
     let exporter = Exporter::new(&console.exported).with_destinations(console.destinations()).with_counter(
         "outbox_relay_spans_dropped",
-        "Spans the OTLP endpoint did not take (their export failed) since the process started",
+        "Spans whose export to the OTLP endpoint failed since the process started (not those the exporter's full queue dropped)",
         crate::telemetry::SPANS_DROPPED.load(std::sync::atomic::Ordering::Relaxed),
     );
     ([(header::CONTENT_TYPE, CONTENT_TYPE)], exporter.encode().await).into_response()

@@ -82,7 +82,14 @@ fn line<S: Subscriber + for<'a> LookupSpan<'a>>(event: &Event<'_>, ctx: &Context
         Value::String(humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string()),
     );
     line.insert("level".into(), Value::String(metadata.level().to_string()));
-    line.insert("target".into(), Value::String(metadata.target().to_string()));
+    // A line of a crate that logs through `log` (librdkafka's, say) comes with its target and
+    // place as `log.*` fields: its target is the line's, the rest is noise.
+    let target = match fields.remove("log.target") {
+        Some(Value::String(target)) => target,
+        _ => metadata.target().to_string(),
+    };
+    fields.retain(|name, _| !name.starts_with("log."));
+    line.insert("target".into(), Value::String(target));
     let message = fields.remove("message").unwrap_or(Value::String(String::new()));
     line.insert("message".into(), message);
     for (name, value) in fields {
@@ -125,4 +132,16 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for JsonLogs {
         // cannot be written (stderr closed) is dropped, as the text format drops it.
         let _ = std::io::stderr().lock().write_all(text.as_bytes());
     }
+}
+
+/// A line said outside the log (the command's last error, what the exporter lost at exit) as
+/// one JSON object of the same shape, for a log pipeline that reads stderr whole.
+pub fn outside(level: tracing::Level, target: &str, message: &str) -> String {
+    serde_json::json!({
+        "time": humantime::format_rfc3339_micros(std::time::SystemTime::now()).to_string(),
+        "level": level.to_string(),
+        "target": target,
+        "message": message,
+    })
+    .to_string()
 }

@@ -74,7 +74,7 @@ fn main() -> ExitCode {
     ) {
         Ok(telemetry) => telemetry,
         Err(e) => {
-            eprintln!("error: {e}");
+            telemetry::say(cli.log_format, tracing::Level::ERROR, &e);
             return ExitCode::from(2);
         }
     };
@@ -85,10 +85,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let format = cli.log_format;
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e.to_string()));
+            telemetry::say(format, tracing::Level::ERROR, &one_line(&e.to_string()));
             exit_code(&e)
         }
     }

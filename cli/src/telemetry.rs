@@ -21,17 +21,29 @@ const SPANS: &str = "pg_outbox_relay::trace";
 /// Flushes the exporter when the command ends.
 pub struct Telemetry {
     provider: Option<SdkTracerProvider>,
+    format: LogFormat,
+}
+
+/// Says a warning or an error on stderr outside the log (the log may be gone): `warning: ...`
+/// or `error: ...`, or a JSON object with `--log-format json`.
+pub fn say(format: LogFormat, level: tracing::Level, message: &str) {
+    match format {
+        LogFormat::Json => eprintln!("{}", crate::json_logs::outside(level, "outbox_relay", message)),
+        LogFormat::Text if level == tracing::Level::ERROR => eprintln!("error: {message}"),
+        LogFormat::Text => eprintln!("warning: {message}"),
+    }
 }
 
 impl Drop for Telemetry {
     fn drop(&mut self) {
         if let Some(provider) = self.provider.take() {
             if let Err(e) = provider.shutdown() {
-                eprintln!("warning: the last spans could not be exported over OTLP: {e}");
+                say(self.format, tracing::Level::WARN, &format!("the last spans could not be exported over OTLP: {e}"));
             }
             let dropped = SPANS_DROPPED.load(Ordering::Relaxed);
             if dropped > 0 {
-                eprintln!("warning: {dropped} spans could not be exported over OTLP while the command ran");
+                let said = format!("{dropped} spans could not be exported over OTLP while the command ran");
+                say(self.format, tracing::Level::WARN, &said);
             }
         }
     }
@@ -80,7 +92,7 @@ pub fn init(level: &str, format: LogFormat) -> Result<Telemetry, String> {
             .with_filter(Targets::new().with_target(SPANS, LevelFilter::INFO))
     });
     tracing_subscriber::registry().with(logs).with(spans).init();
-    Ok(Telemetry { provider })
+    Ok(Telemetry { provider, format })
 }
 
 fn set(name: &str) -> Option<String> {
@@ -157,7 +169,8 @@ impl<E: SpanExporter> Watched<E> {
                     self.endpoint,
                     state.failing
                 );
-                *state = ExportState { last_warning: state.last_warning, ..Default::default() };
+                // (a new outage is warned of at once)
+                *state = ExportState::default();
             }
             Ok(()) => {}
             Err(e) => {

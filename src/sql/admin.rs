@@ -1,7 +1,7 @@
 //! What operators read and do: the queue at a glance, the errors events wait on, the relays,
 //! and the dead letters.
 
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use tokio_postgres::types::ToSql;
 
@@ -101,11 +101,12 @@ pub(crate) async fn pending_errors(db: &impl Db, limit: i64) -> Result<Vec<Error
 /// (`outbox-relay ID` and `outbox-relay listener ID`).
 const RELAYS_CONNECTED: &str = "\
 with ours as (
-    select pid, client_addr, backend_start, application_name,
-           nullif(regexp_replace(application_name, '^outbox-relay (listener ?)?', ''), '') as relay,
-           application_name ~ '^outbox-relay listener( |$)' as listener
+    select pid, client_addr, backend_start,
+           substring(application_name from '([0-9a-f]{8})$') as relay,
+           application_name like 'outbox-relay listener%' as listener
       from pg_stat_activity
-     where datname = current_database() and application_name ~ '^outbox-relay( |$)'
+     where datname = current_database()
+       and (application_name ~ '^outbox-relay (listener )?[0-9a-f]{8}$' or application_name = 'outbox-relay listener')
 )
 select a.pid as listener_pid, coalesce(host(a.client_addr), 'local') as client, a.backend_start as connected_at,
        coalesce(r.waiting, false) as waiting, coalesce(r.breaker, 'closed') = 'open' as breaker_open,
@@ -181,14 +182,14 @@ struct Matching {
 }
 
 impl Matching {
-    fn new(filter: &DeadLetterFilter, older_than: Option<Duration>) -> Matching {
+    fn new(filter: &DeadLetterFilter) -> Matching {
         Matching {
             destination: filter.destination.clone(),
             topic_regex: filter.topic.as_ref().and_then(|t| t.dotted_regex()),
             since: filter.failed_since,
             until: filter.failed_before,
             error: filter.error.clone(),
-            older_than: older_than.map(micros),
+            older_than: filter.failed_longer_ago.map(micros),
         }
     }
 
@@ -204,7 +205,7 @@ pub(crate) async fn list_dead_letters(
     after: Option<i64>,
     limit: i64,
 ) -> Result<Vec<DeadLetter>> {
-    let matching = Matching::new(filter, None);
+    let matching = Matching::new(filter);
     let mut params = matching.params().to_vec();
     params.extend([&after as &(dyn ToSql + Sync), &limit]);
     let rows = all(db, DEAD_LETTER_LIST, &params, "listing dead letters").await?;
@@ -226,7 +227,7 @@ pub(crate) async fn list_dead_letters(
 
 /// How many dead letters (one per event and destination) `filter` takes.
 pub(crate) async fn count_dead_letters(db: &impl Db, filter: &DeadLetterFilter) -> Result<u64> {
-    let matching = Matching::new(filter, None);
+    let matching = Matching::new(filter);
     let n: i64 = one(db, DEAD_LETTER_COUNT, &matching.params(), "counting dead letters").await?.get(0);
     Ok(u64::try_from(n).unwrap_or_default())
 }
@@ -267,7 +268,7 @@ unrouted as (
     on conflict (id) do nothing
     returning id
 )
-select r.id from (select id from parked union select id from unrouted) r
+select r.id from revived r
  cross join (select count(*) from (select pg_notify('outbox_relay', 'parked') from parked limit 1) p) n(v)"
 );
 
@@ -275,20 +276,21 @@ select r.id from (select id from parked union select id from unrouted) r
 pub(crate) enum Which<'a> {
     /// Those with these ids, all or none of them.
     Ids(&'a [i64]),
-    /// Those the filter takes (and that failed longer ago than so long).
-    Matching(&'a DeadLetterFilter, Option<Duration>),
+    /// Those the filter takes.
+    Matching(&'a DeadLetterFilter),
 }
 
 impl Which<'_> {
     fn params(&self) -> (Matching, Option<Vec<i64>>) {
         match self {
-            Which::Ids(ids) => (Matching::new(&DeadLetterFilter::default(), None), Some(ids.to_vec())),
-            Which::Matching(filter, older_than) => (Matching::new(filter, *older_than), None),
+            Which::Ids(ids) => (Matching::new(&DeadLetterFilter::default()), Some(ids.to_vec())),
+            Which::Matching(filter) => (Matching::new(filter), None),
         }
     }
 }
 
-/// Puts the dead letters `which` takes back into the outbox; returns their ids.
+/// Puts the dead letters `which` takes back into the outbox; returns the id of each (an event
+/// dead at two destinations twice).
 pub(crate) async fn retry_dead_letters(db: &impl Db, which: Which<'_>) -> Result<Vec<i64>> {
     let (matching, ids) = which.params();
     let mut params = matching.params().to_vec();
@@ -307,15 +309,9 @@ pub(crate) async fn dead_letter_ids(db: &impl Db, ids: &[i64]) -> Result<Vec<i64
 
 const DEAD_LETTER_PURGE: &str = concat!("delete from outbox_relay.dead_letters d where ", dead_letters_matching!());
 
-/// Deletes the dead letters `filter` takes that failed longer ago than `older_than`; returns how
-/// many.
-pub(crate) async fn purge_dead_letters(
-    db: &impl Db,
-    filter: &DeadLetterFilter,
-    older_than: Option<Duration>,
-) -> Result<u64> {
-    let matching = Matching::new(filter, older_than);
-    count(db, DEAD_LETTER_PURGE, &matching.params(), "purging dead letters").await
+/// Deletes the dead letters `filter` takes; returns how many.
+pub(crate) async fn purge_dead_letters(db: &impl Db, filter: &DeadLetterFilter) -> Result<u64> {
+    count(db, DEAD_LETTER_PURGE, &Matching::new(filter).params(), "purging dead letters").await
 }
 
 /// The dead letters `$1`, all or none (as in [`DEAD_LETTER_RETRY`]).
@@ -401,7 +397,7 @@ select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000):
        (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
          as outbox_live_tuples,
        pg_notification_queue_usage() as notification_queue_usage,
-       (select count(*) from pg_stat_activity where backend_type = 'client backend') as connections,
+       (select sum(numbackends) from pg_stat_database)::int8 as connections,
        current_setting('max_connections')::int8 as max_connections";
 
 /// The database's health as the outbox feels it.

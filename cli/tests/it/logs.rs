@@ -83,3 +83,22 @@ async fn json_logs_name_the_relay_and_destination_and_say_a_restart_once() {
     let said = ended[0]["message"].as_str().unwrap();
     assert!(said.contains("[SQLSTATE 57P01]") && said.contains("opens a new one"), "{said}");
 }
+
+/// With `--log-format json`, the command's last error (printed after the log ends) is a JSON
+/// line of the same shape too, so a pipeline reading stderr loses nothing.
+#[tokio::test]
+async fn json_logs_carry_the_commands_last_error_as_json() {
+    let output = tokio::process::Command::new(crate::binary::BIN)
+        .args(["status", "--log-format", "json", "--database-url", "postgres://app:hunter2@127.0.0.1:1/shop"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let log = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<Value> =
+        log.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let last = lines.last().expect("a line");
+    assert_eq!(last["level"], "ERROR", "{last}");
+    let message = last["message"].as_str().unwrap();
+    assert!(message.contains("127.0.0.1:1") && !message.contains("hunter2"), "{message}");
+}

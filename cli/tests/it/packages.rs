@@ -146,24 +146,35 @@ mod needs_debian {
             eprintln!("skipped: running the image's root filesystem needs root (chroot); it was built and checked");
             return;
         }
-        // Started as an engine would start it: its entrypoint and command, as uid 65532, with
-        // nothing of the host's but the network.
-        let db = TestDb::new().await;
-        // (no environment of the host's: the image's own PATH, and the database's URL)
+        // As installed, the config gives no destination: the default command refuses to start,
+        // saying so, rather than send events anywhere.
         let chroot = ran("which", Command::new("which").arg("chroot").output()).trim().to_string();
-        let mut relay = tokio::process::Command::new(chroot)
+        let entrypoint: Vec<&str> = run["Entrypoint"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let cmd: Vec<&str> = run["Cmd"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        let image_env: Vec<(&str, &str)> = env.iter().filter_map(|e| e.split_once('=')).collect();
+        let refused = Command::new(&chroot)
             .arg("--userspec=65532:65532")
             .arg(&rootfs)
-            .args(
-                run["Entrypoint"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .chain(run["Cmd"].as_array().unwrap())
-                    .map(|v| v.as_str().unwrap()),
-            )
+            .args(&entrypoint)
+            .args(&cmd)
             .env_clear()
-            .env("PATH", "/usr/bin:/bin")
+            .envs(image_env.iter().copied())
+            .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+            .output()
+            .unwrap();
+        assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
+        assert!(String::from_utf8_lossy(&refused.stderr).contains("no [[destination]]"));
+        // Started as an engine starts it with the operator's command (`docker run IMAGE run
+        // --sink stdout`): its entrypoint, as uid 65532, with nothing of the host's but the
+        // network (the image's environment, and the database's URL).
+        let db = TestDb::new().await;
+        let mut relay = tokio::process::Command::new(&chroot)
+            .arg("--userspec=65532:65532")
+            .arg(&rootfs)
+            .args(&entrypoint)
+            .args(["run", "--sink", "stdout"])
+            .env_clear()
+            .envs(image_env.iter().copied())
             .env("DATABASE_URL", &db.url)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
@@ -198,11 +209,27 @@ mod needs_debian {
 
     /// The Debian package installs with dpkg (the binary, the unit, the config and environment
     /// readable by the service's user only, the manual pages, the completions), runs as its
-    /// system user the way its unit starts it, reloads on SIGHUP, and purges without a trace.
+    /// system user the way its unit starts it, reloads on SIGHUP, and purges without a trace
+    /// but its system user (Debian's policy keeps those).
+    ///
+    /// It changes the machine (a package, a system user), so it runs only where
+    /// `OUTBOX_RELAY_TEST_DPKG=1` says the machine is there for it (`.ci/run` does), and never
+    /// over an installation it did not make.
     #[tokio::test]
     async fn the_debian_package_installs_runs_as_its_user_and_purges() {
+        if std::env::var("OUTBOX_RELAY_TEST_DPKG").as_deref() != Ok("1") {
+            eprintln!(
+                "skipped: installing the Debian package changes this machine; OUTBOX_RELAY_TEST_DPKG=1 allows it"
+            );
+            return;
+        }
         if !is_root() || Command::new("dpkg").arg("--version").output().is_err() {
             eprintln!("skipped: installing a Debian package needs root and dpkg");
+            return;
+        }
+        let status = Command::new("dpkg-query").args(["-W", "-f=${Status}", "outbox-relay"]).output().unwrap();
+        if String::from_utf8_lossy(&status.stdout).contains("installed") {
+            eprintln!("skipped: an outbox-relay package is installed on this machine already; not touching it");
             return;
         }
         let dir = tempfile::tempdir().unwrap();
@@ -236,14 +263,30 @@ mod needs_debian {
                 Command::new("systemd-analyze").args(["verify", "/lib/systemd/system/outbox-relay.service"]).output(),
             );
         }
-        // Started as the unit starts it: its user (systemd's User= and Group= are setpriv's
-        // switch, no PAM session), its ExecStart.
-        let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap().replace(" $OUTBOX_RELAY_ARGS", "");
+        // Configured as the operator does (a destination in relay.toml, the database in the
+        // environment file), then started as the unit starts it: its user (systemd's User= and
+        // Group= are setpriv's switch, no PAM session), its environment file, its ExecStart.
         let db = TestDb::new().await;
+        let config = "[[destination]]\nname = \"default\"\npattern = \"#\"\nsink = \"stdout\"\n";
+        std::fs::write("/etc/outbox-relay/relay.toml", config).unwrap();
+        let defaults = std::fs::read_to_string("/etc/default/outbox-relay").unwrap();
+        let ours = format!("{defaults}DATABASE_URL={}\nOUTBOX_RELAY_ARGS=--workers 3\n", db.url);
+        std::fs::write("/etc/default/outbox-relay", ours).unwrap();
+        let environment: Vec<(String, String)> = std::fs::read_to_string("/etc/default/outbox-relay")
+            .unwrap()
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .filter_map(|l| l.split_once('=').map(|(k, v)| (k.trim().to_string(), v.trim().to_string())))
+            .collect();
+        let extra = environment.iter().find(|(k, _)| k == "OUTBOX_RELAY_ARGS").map(|(_, v)| v.clone());
+        let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap();
+        let exec = exec.replace("$OUTBOX_RELAY_ARGS", &extra.unwrap_or_default());
         let mut relay = tokio::process::Command::new("setpriv")
             .args(["--reuid=outbox-relay", "--regid=outbox-relay", "--init-groups", "--"])
             .args(exec.split_whitespace())
-            .env("DATABASE_URL", &db.url)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .envs(environment)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
@@ -273,12 +316,16 @@ mod needs_debian {
         crate::binary::send_sigterm(&relay);
         let status = tokio::time::timeout(crate::relay_support::PATIENCE, relay.wait()).await.unwrap().unwrap();
         assert_eq!(status.code(), Some(0), "{}", log.lock().unwrap());
+        assert!(log.lock().unwrap().contains("workers=3"), "OUTBOX_RELAY_ARGS reached run: {}", log.lock().unwrap());
         drop(installed);
-        assert!(!Path::new("/usr/bin/outbox-relay").exists(), "purged");
-        assert!(
-            Command::new("getent").args(["passwd", "outbox-relay"]).output().unwrap().stdout.is_empty(),
-            "the user is gone"
-        );
+        for gone in [
+            "/usr/bin/outbox-relay",
+            "/etc/outbox-relay",
+            "/etc/default/outbox-relay",
+            "/lib/systemd/system/outbox-relay.service",
+        ] {
+            assert!(!Path::new(gone).exists(), "{gone} purged");
+        }
     }
 
     /// The package installed for the test's length, purged at its end however it ends.
