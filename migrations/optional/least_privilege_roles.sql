@@ -22,17 +22,21 @@
 -- outbox_consumer: a receiver's service recording the events it handled in its own transactions
 --                 (outbox_relay::inbox) and deleting old records; nothing else of the schema.
 
+-- (Roles belong to the cluster: two sessions applying this file at once, to two databases, may
+-- both find a role missing; the second to create it finds it made, and goes on.)
 do $$
+declare
+    role text;
 begin
-    if not exists (select from pg_roles where rolname = 'outbox_writer') then
-        create role outbox_writer nologin;
-    end if;
-    if not exists (select from pg_roles where rolname = 'outbox_relayer') then
-        create role outbox_relayer nologin;
-    end if;
-    if not exists (select from pg_roles where rolname = 'outbox_consumer') then
-        create role outbox_consumer nologin;
-    end if;
+    foreach role in array array['outbox_writer', 'outbox_relayer', 'outbox_consumer'] loop
+        if not exists (select from pg_roles where rolname = role) then
+            begin
+                execute format('create role %I nologin', role);
+            exception when duplicate_object or unique_violation then
+                null;
+            end;
+        end if;
+    end loop;
 end
 $$;
 
