@@ -242,3 +242,11 @@ fn the_migrations_the_docs_list_are_the_ones_there_are() {
     assert!(text.contains(&format!("{n} applied, 0 already in place")), "docs/command.md: {n} applied");
     assert!(text.contains(&format!("nothing to apply: {n} migrations")), "docs/command.md: {n} migrations");
 }
+
+#[test]
+fn the_sql_doors_python_in_write_path_md_is_the_example_a_test_runs() {
+    // examples/sql_door/place_order.py is run by tests/it/sql_door_examples.rs: the page shows it.
+    let shown = blocks("python").into_iter().find(|(at, _)| at.starts_with("docs/write-path.md")).expect("a block");
+    let example = std::fs::read_to_string(root().join("examples/sql_door/place_order.py")).unwrap();
+    assert!(example.contains(shown.1.trim_end()), "{}: not the text of examples/sql_door/place_order.py", shown.0);
+}
