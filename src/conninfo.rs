@@ -162,6 +162,9 @@ impl ConnInfo {
         {
             info.root_cert = Some(PathBuf::from(path));
         }
+        if info.config.get_hosts().is_empty() && info.config.get_hostaddrs().is_empty() {
+            default_host(&mut info.config);
+        }
         if info.config.get_password().is_none() {
             if let Some(password) = env("PGPASSWORD") {
                 info.config.password(password);
@@ -321,6 +324,21 @@ pub(crate) fn describe(config: &Config, sslmode: Option<&str>) -> String {
 }
 
 /// Where the database is, as `host:port[,host:port]` (a socket directory as `dir/.s.PGSQL.port`).
+/// libpq's default when neither the string nor PGHOST names a host: the server's Unix socket
+/// (Debian's directory, /var/run/postgresql, or /tmp, where its socket file for the port is),
+/// and otherwise localhost over TCP.
+fn default_host(config: &mut Config) {
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    #[cfg(unix)]
+    for dir in ["/var/run/postgresql", "/tmp"] {
+        if std::path::Path::new(dir).join(format!(".s.PGSQL.{port}")).exists() {
+            config.host(dir);
+            return;
+        }
+    }
+    config.host("localhost");
+}
+
 pub(crate) fn describe_target(config: &Config) -> String {
     let ports = config.get_ports();
     let hosts = config.get_hosts();

@@ -10,9 +10,28 @@ use crate::telemetry::LogFormat;
 use crate::values::*;
 use crate::{bench, demo};
 
+/// What `--help` and the manual page end with: the environment, the exit status, the files.
+const ENVIRONMENT: &str = "\
+Environment:
+  DATABASE_URL                  the database (--database-url); else libpq's PGHOST, PGPORT, PGUSER,
+                                PGPASSWORD (or PGPASSFILE, ~/.pgpass), PGDATABASE, PGSSLMODE,
+                                PGSSLROOTCERT, PGAPPNAME, PGOPTIONS, PGCONNECT_TIMEOUT
+  OUTBOX_RELAY_LOG_FORMAT       text or json (--log-format); RUST_LOG filters the log
+  OUTBOX_RELAY_SIGNING_SECRETS, OUTBOX_RELAY_KAFKA_PASSWORD, OUTBOX_RELAY_HTTP_TOKEN
+                                secrets of run and console, kept out of the process list
+  OTEL_EXPORTER_OTLP_ENDPOINT   where run exports its spans (OTLP http/protobuf), with
+                                OTEL_SERVICE_NAME and the other standard OTEL_* variables
+
+Exit status: 0 on success, 2 for bad arguments (a flag, a value, the database URL, a config
+file, a sink), 1 for everything else.
+
+Files (the Debian package): /etc/outbox-relay/relay.toml (run --config), /etc/default/outbox-relay
+(the service's environment), /lib/systemd/system/outbox-relay.service; the documentation, which
+the help's docs/*.md names, in /usr/share/doc/outbox-relay.";
+
 /// Atomic writes and their events on PostgreSQL, delivered within milliseconds of commit.
 #[derive(Debug, Parser)]
-#[command(name = "outbox-relay", version, about, propagate_version = true)]
+#[command(name = "outbox-relay", version, about, propagate_version = true, after_long_help = ENVIRONMENT)]
 pub(crate) struct Cli {
     /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db (or set DATABASE_URL).
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true, value_name = "URL")]
@@ -97,10 +116,10 @@ pub(crate) enum Command {
         destination: String,
         /// From events created at this moment on: an RFC 3339 time in UTC (2026-12-05T08:00:00Z)
         /// or how long ago (90m, 2h).
-        #[arg(long, value_name = "TIME", value_parser = moment)]
+        #[arg(long, value_name = "TIME", value_parser = moment, allow_hyphen_values = true)]
         since: std::time::SystemTime,
         /// Up to events created before this moment (default: now); as --since.
-        #[arg(long, value_name = "TIME", value_parser = moment)]
+        #[arg(long, value_name = "TIME", value_parser = moment, allow_hyphen_values = true)]
         until: Option<std::time::SystemTime>,
         /// Only the events whose topic this pattern matches (`order.*`, `mail.#`).
         #[arg(long, value_name = "PATTERN")]
@@ -165,7 +184,7 @@ pub(crate) enum DestinationCommand {
         pattern: String,
         /// Start at this moment in the past: an RFC 3339 time in UTC (2026-12-05T08:00:00Z) or
         /// how long ago (90m, 2h).
-        #[arg(long, value_name = "TIME", value_parser = moment)]
+        #[arg(long, value_name = "TIME", value_parser = moment, allow_hyphen_values = true)]
         since: Option<std::time::SystemTime>,
     },
     /// Drop a destination: events stop waiting for it (what was parked for it goes to its dead
@@ -240,10 +259,10 @@ pub(crate) struct DeadLetterFilterArgs {
     pub(crate) topic: Option<String>,
     /// Only those that failed at this moment or later: an RFC 3339 time in UTC
     /// (2026-12-05T08:00:00Z) or how long ago (90m, 2h).
-    #[arg(long, value_name = "TIME", value_parser = moment)]
+    #[arg(long, value_name = "TIME", value_parser = moment, allow_hyphen_values = true)]
     pub(crate) since: Option<std::time::SystemTime>,
     /// Only those that failed before this moment; as --since.
-    #[arg(long, value_name = "TIME", value_parser = moment)]
+    #[arg(long, value_name = "TIME", value_parser = moment, allow_hyphen_values = true)]
     pub(crate) until: Option<std::time::SystemTime>,
     /// Only those whose last error contains this text, in any case ("timed out", "HTTP 410").
     #[arg(long, value_name = "TEXT")]

@@ -808,7 +808,11 @@ async fn status(db: &Database, json: bool) -> Result<(), CliError> {
     if !errors.is_empty() {
         out!("most common errors of pending events:");
         for e in &errors {
-            let text: String = crate::outcome::one_line(&e.error).chars().take(160).collect();
+            let whole = crate::outcome::one_line(&e.error);
+            let mut text: String = whole.chars().take(160).collect();
+            if text.len() < whole.len() {
+                text.push('…');
+            }
             out!("  {:>8}  {text}", e.events);
         }
     }
@@ -857,7 +861,7 @@ async fn dead_letters(db: &Database, command: DeadLetterCommand) -> Result<(), C
             }
             let events = letters.iter().map(|d| d.id).collect::<std::collections::BTreeSet<_>>();
             if let Some(last) = events.last().filter(|_| events.len() as i64 == limit) {
-                out!("(the first {limit} events' dead letters; more may follow: --after {last})");
+                out!("({limit} events' dead letters shown; more may follow: --after {last})");
             }
         }
         DeadLetterCommand::Retry { all: _, ids, filter, dry_run } => {

@@ -44,6 +44,23 @@ fn exit_code(error: &CliError) -> ExitCode {
     if bad_arguments(&**error) { ExitCode::from(2) } else { ExitCode::FAILURE }
 }
 
+/// The log format the arguments or the environment ask for, read before they are parsed (an
+/// error in them is said in that format too).
+fn asked_format() -> telemetry::LogFormat {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = args.iter().enumerate().find_map(|(i, a)| match a.strip_prefix("--log-format") {
+        Some("") => args.get(i + 1).cloned(),
+        Some(rest) => rest.strip_prefix('=').map(str::to_string),
+        None => None,
+    });
+    let asked = flag.or_else(|| std::env::var("OUTBOX_RELAY_LOG_FORMAT").ok());
+    if asked.is_some_and(|f| f.eq_ignore_ascii_case("json")) {
+        telemetry::LogFormat::Json
+    } else {
+        telemetry::LogFormat::Text
+    }
+}
+
 /// Parses the arguments, runs the command, and turns its error into one line and exit code 1
 /// (2 for bad arguments).
 fn main() -> ExitCode {
@@ -63,14 +80,16 @@ fn main() -> ExitCode {
                 .map(str::trim)
                 .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
                 .collect();
-            eprintln!("{} (see --help)", reason.join(" "));
+            telemetry::say(asked_format(), tracing::Level::ERROR, &format!("{} (see --help)", reason.join(" ")));
             return ExitCode::from(2);
         }
     };
     // The demo prints a report; its expected failures (a dead letter) need not be logged too.
+    // Only `run` exports spans: the OTEL_* variables are no other command's concern.
     let _telemetry = match telemetry::init(
         if matches!(cli.command, Command::Demo(_) | Command::Bench(_)) { "error" } else { "info" },
         cli.log_format,
+        matches!(cli.command, Command::Run(_)),
     ) {
         Ok(telemetry) => telemetry,
         Err(e) => {

@@ -61,7 +61,7 @@ pub enum LogFormat {
 /// Logs go to stderr (stdout is for results) in `format`, filtered by RUST_LOG, `level` by
 /// default (PostgreSQL's notices only from `warn`); spans go to the OTLP endpoint when one is
 /// configured. An OTLP setting this command cannot follow is an error that names it.
-pub fn init(level: &str, format: LogFormat) -> Result<Telemetry, String> {
+pub fn init(level: &str, format: LogFormat, export_spans: bool) -> Result<Telemetry, String> {
     // deadpool says that a pooled connection ended once per connection ("Connection error: db
     // error", "Connection could not be recycled"), without the reason; the library says it once
     // a minute with PostgreSQL's words. (RUST_LOG that names deadpool has them back.)
@@ -85,13 +85,16 @@ pub fn init(level: &str, format: LogFormat) -> Result<Telemetry, String> {
         LogFormat::Json => crate::json_logs::JsonLogs.boxed(),
     }
     .with_filter(filter);
-    let provider = provider()?;
+    let (provider, endpoint) = if export_spans { provider()?.unzip() } else { (None, None) };
     let spans = provider.as_ref().map(|provider| {
         tracing_opentelemetry::layer()
             .with_tracer(provider.tracer("outbox-relay"))
             .with_filter(Targets::new().with_target(SPANS, LevelFilter::INFO))
     });
     tracing_subscriber::registry().with(logs).with(spans).init();
+    if let Some(endpoint) = endpoint {
+        tracing::info!(%endpoint, "exporting the relay's spans over OTLP (http/protobuf)");
+    }
     Ok(Telemetry { provider, format })
 }
 
@@ -101,7 +104,7 @@ fn set(name: &str) -> Option<String> {
 
 /// The tracer provider the variables configure, or `None` when they name no endpoint (or
 /// `OTEL_SDK_DISABLED=true`, or `OTEL_TRACES_EXPORTER=none`).
-fn provider() -> Result<Option<SdkTracerProvider>, String> {
+fn provider() -> Result<Option<(SdkTracerProvider, String)>, String> {
     let endpoint = set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"));
     let disabled = set("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true"))
         || set("OTEL_TRACES_EXPORTER").is_some_and(|v| v.eq_ignore_ascii_case("none"));
@@ -125,13 +128,14 @@ fn provider() -> Result<Option<SdkTracerProvider>, String> {
         .with_http()
         .build()
         .map_err(|e| format!("cannot export spans to the OTLP endpoint {shown}: {e}"))?;
-    let exporter = Watched { inner: exporter, endpoint: shown, state: Default::default() };
+    let exporter = Watched { inner: exporter, endpoint: shown.clone(), state: Default::default() };
     let mut resource = Resource::builder();
     let named_in_attributes = set("OTEL_RESOURCE_ATTRIBUTES").is_some_and(|a| a.contains("service.name="));
     if set("OTEL_SERVICE_NAME").is_none() && !named_in_attributes {
         resource = resource.with_service_name("outbox-relay");
     }
-    Ok(Some(SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build()))
+    let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource.build()).build();
+    Ok(Some((provider, shown)))
 }
 
 /// Spans the OTLP endpoint did not take (their export failed) since the command started:
@@ -179,11 +183,15 @@ impl<E: SpanExporter> Watched<E> {
                 state.failing += spans;
                 let now = Instant::now();
                 if state.last_warning.is_none_or(|at| now.duration_since(at) >= EXPORT_WARNING_EVERY) {
+                    let total = SPANS_DROPPED.load(Ordering::Relaxed);
                     tracing::warn!(
-                        "spans could not be exported to the OTLP endpoint {}: {e}; {} dropped since the last warning ({} in all; outbox_relay_spans_dropped_total counts them, and this repeats at most once a minute)",
+                        endpoint = %self.endpoint,
+                        error = %e,
+                        dropped = state.unreported,
+                        dropped_in_all = total,
+                        "spans could not be exported to the OTLP endpoint {}: {e}; {} dropped since the last warning ({total} in all; outbox_relay_spans_dropped_total counts them, and this repeats at most once a minute)",
                         self.endpoint,
                         state.unreported,
-                        SPANS_DROPPED.load(Ordering::Relaxed)
                     );
                     state.last_warning = Some(now);
                     state.unreported = 0;

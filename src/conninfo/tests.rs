@@ -249,3 +249,21 @@ fn the_password_file_gives_the_password_of_the_first_matching_line() {
     let info = with_env("postgres://app@elsewhere/x", &[("PGPASSFILE", passfile)]).unwrap();
     assert_eq!(info.config.get_password(), None);
 }
+
+#[test]
+fn no_host_anywhere_is_the_servers_socket_or_localhost_as_in_libpq() {
+    let info = with_env("dbname=shop user=app", &[]).unwrap();
+    let socket = ["/var/run/postgresql", "/tmp"]
+        .into_iter()
+        .find(|dir| std::path::Path::new(dir).join(".s.PGSQL.5432").exists());
+    let expected = match socket {
+        Some(dir) => Host::Unix(dir.into()),
+        None => Host::Tcp("localhost".into()),
+    };
+    assert_eq!(info.config.get_hosts(), &[expected]);
+    // A host given anywhere is taken as given.
+    let info = with_env("dbname=shop", &[("PGHOST", "db.internal")]).unwrap();
+    assert_eq!(info.config.get_hosts(), &[Host::Tcp("db.internal".into())]);
+    let info = with_env("postgres://u@db/x", &[]).unwrap();
+    assert_eq!(info.config.get_hosts(), &[Host::Tcp("db".into())]);
+}

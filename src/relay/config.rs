@@ -284,7 +284,8 @@ impl RelayConfig {
                 workers = fits,
                 asked = self.workers,
                 max_connections = max,
-                "fewer workers per destination, to open at most max_connections connections"
+                needed = Self::connections_needed(destinations, self.workers),
+                "fewer workers per destination, to open at most max_connections connections (needed: what the workers asked for would open)"
             );
             self.workers = fits;
         }

@@ -276,7 +276,9 @@ mod needs_debian {
             .unwrap()
             .lines()
             .filter(|l| !l.trim_start().starts_with('#'))
-            .filter_map(|l| l.split_once('=').map(|(k, v)| (k.trim().to_string(), v.trim().to_string())))
+            .filter_map(|l| {
+                l.split_once('=').map(|(k, v)| (k.trim().to_string(), v.trim().trim_matches('"').to_string()))
+            })
             .collect();
         let extra = environment.iter().find(|(k, _)| k == "OUTBOX_RELAY_ARGS").map(|(_, v)| v.clone());
         let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap();

@@ -179,7 +179,7 @@ async fn bad_routes_and_files_are_refused_at_start_naming_the_problem() {
         (vec!["run", "--route", "a b=#=stdout"], "destination name \"a b\""),
         (vec!["run", "--sink", "stdout", "--route", "a=#=stdout"], "cannot be used with"),
         (vec!["run"], "<--sink <SINK>|--route <NAME=PATTERN=SINK>|--config <FILE>>"),
-        (vec!["dead-letters", "retry"], "<--all|ID>"),
+        (vec!["dead-letters", "retry"], "<--all|ID|--destination <NAME>|--topic <PATTERN>"),
     ] {
         let out = cli(&db.url, &args).await;
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
