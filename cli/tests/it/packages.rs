@@ -45,8 +45,23 @@ async fn publish(url: &str, n: i64) -> Vec<i64> {
     rows.iter().map(|r| r.get(0)).collect()
 }
 
+type StdoutLines = tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>;
+
+/// Starts `command` with its output piped (killed when dropped), and its stdout's lines.
+fn started(mut command: tokio::process::Command) -> (tokio::process::Child, StdoutLines) {
+    use tokio::io::AsyncBufReadExt;
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let out = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, out)
+}
+
 /// Reads `lines` until every event of `ids` came by (as the stdout sink writes them).
-async fn delivered(lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>, ids: &[i64]) {
+async fn delivered(lines: &mut StdoutLines, ids: &[i64]) {
     let mut left: std::collections::HashSet<i64> = ids.iter().copied().collect();
     tokio::time::timeout(crate::relay_support::PATIENCE, async {
         while !left.is_empty() {
@@ -168,20 +183,16 @@ mod needs_debian {
         // --sink stdout`): its entrypoint, as uid 65532, with nothing of the host's but the
         // network (the image's environment, and the database's URL).
         let db = TestDb::new().await;
-        let mut relay = tokio::process::Command::new(&chroot)
+        let mut relay = tokio::process::Command::new(&chroot);
+        relay
             .arg("--userspec=65532:65532")
             .arg(&rootfs)
             .args(&entrypoint)
             .args(["run", "--sink", "stdout"])
             .env_clear()
             .envs(image_env.iter().copied())
-            .env("DATABASE_URL", &db.url)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut out = tokio::io::BufReader::new(relay.stdout.take().unwrap()).lines();
+            .env("DATABASE_URL", &db.url);
+        let (relay, mut out) = started(relay);
         let ids = publish(&db.url, 3).await;
         delivered(&mut out, &ids).await;
         let output = terminate_with_output(relay).await;
@@ -283,18 +294,14 @@ mod needs_debian {
         let extra = environment.iter().find(|(k, _)| k == "OUTBOX_RELAY_ARGS").map(|(_, v)| v.clone());
         let exec = unit.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap();
         let exec = exec.replace("$OUTBOX_RELAY_ARGS", &extra.unwrap_or_default());
-        let mut relay = tokio::process::Command::new("setpriv")
+        let mut relay = tokio::process::Command::new("setpriv");
+        relay
             .args(["--reuid=outbox-relay", "--regid=outbox-relay", "--init-groups", "--"])
             .args(exec.split_whitespace())
             .env_clear()
             .env("PATH", "/usr/bin:/bin")
-            .envs(environment)
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut out = tokio::io::BufReader::new(relay.stdout.take().unwrap()).lines();
+            .envs(environment);
+        let (mut relay, mut out) = started(relay);
         let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let mut lines = tokio::io::BufReader::new(relay.stderr.take().unwrap()).lines();
         let kept = log.clone();
