@@ -139,6 +139,10 @@ async fn killed_mid_held_claim(fail_first: bool) {
             // (the heads' retries all due at once, so that one claim of parked events takes
             // every key: a worker has at most two claims in delivery)
             backoff_jitter: 0.0,
+            // (every event in one claim, so that the heads fail together: the fast path may
+            // split them over several notifications, and heads failing apart come due apart,
+            // more claims of parked events than the worker's two)
+            fast_path: false,
             ..config()
         },
         handler,
