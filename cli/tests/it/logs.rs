@@ -81,7 +81,11 @@ async fn json_logs_name_the_relay_and_destination_and_say_a_restart_once() {
     assert_eq!(ended.len(), 1, "the restart said once, not per connection: {ended:?}");
     assert_eq!(ended[0]["level"], "WARN");
     let said = ended[0]["message"].as_str().unwrap();
-    assert!(said.contains("[SQLSTATE 57P01]") && said.contains("opens a new one"), "{said}");
+    // (the server's reason, 57P01, when the connection read it before the socket closed; under
+    // load the first to notice may only see the socket close)
+    let reason = said.contains("ended: terminating connection due to administrator command [SQLSTATE 57P01]")
+        || said.contains("ended: connection closed");
+    assert!(reason && said.contains("opens a new one"), "{said}");
 }
 
 /// With `--log-format json`, the command's last error (printed after the log ends) is a JSON
