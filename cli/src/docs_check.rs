@@ -27,21 +27,13 @@ fn pages() -> Vec<(String, String)> {
         .collect()
 }
 
-/// The `outbox-relay` command lines of the pages' `sh` blocks (`$ ` prompts and `sudo -u USER`
+/// The `outbox-relay` command lines of the pages' shell blocks (`$ ` prompts and `sudo -u USER`
 /// taken off, continuation lines joined), with where each is.
 fn command_lines() -> Vec<(String, String)> {
     let mut found = Vec::new();
-    for (page, text) in pages() {
-        let mut shell = false;
+    for block in fenced(&["sh", "bash", "shell"]) {
         let mut pending: Option<(String, String)> = None;
-        for (n, line) in text.lines().enumerate() {
-            if let Some(info) = line.strip_prefix("```") {
-                shell = !shell && matches!(info.trim(), "sh" | "bash" | "shell");
-                continue;
-            }
-            if !shell {
-                continue;
-            }
+        for (i, line) in block.lines.iter().enumerate() {
             if let Some((at, mut joined)) = pending.take() {
                 joined.push(' ');
                 joined.push_str(line.trim().trim_end_matches('\\'));
@@ -59,7 +51,7 @@ fn command_lines() -> Vec<(String, String)> {
             if !command.starts_with("outbox-relay ") {
                 continue;
             }
-            let at = format!("{page}:{}", n + 1);
+            let at = format!("{}:{}", block.page, block.first_line + i);
             if command.ends_with('\\') {
                 pending = Some((at, command.trim_end_matches('\\').to_string()));
             } else {
@@ -107,30 +99,45 @@ fn words(line: &str) -> Vec<String> {
         .collect()
 }
 
-/// The fenced blocks of the pages whose info string is `lang`, with where each starts.
-fn blocks(lang: &str) -> Vec<(String, String)> {
+/// A fenced block of a page: where its first line is, and its lines.
+struct Block {
+    page: String,
+    first_line: usize,
+    lines: Vec<String>,
+}
+
+/// The fenced blocks of the pages whose info string is one of `langs`.
+fn fenced(langs: &[&str]) -> Vec<Block> {
     let mut found = Vec::new();
     for (page, text) in pages() {
-        let mut open: Option<(String, String)> = None;
+        // (the block open now, and whether it is one of `langs`)
+        let mut open: Option<(Block, bool)> = None;
         for (n, line) in text.lines().enumerate() {
             match (&mut open, line.strip_prefix("```")) {
-                (None, Some(info)) if info.trim() == lang => open = Some((format!("{page}:{}", n + 1), String::new())),
-                (None, Some(_)) => open = Some((String::new(), String::new())),
+                (None, Some(info)) => {
+                    let block = Block { page: page.clone(), first_line: n + 2, lines: Vec::new() };
+                    open = Some((block, langs.contains(&info.trim())));
+                }
                 (Some(_), Some(_)) => {
-                    let (at, body) = open.take().unwrap();
-                    if !at.is_empty() {
-                        found.push((at, body));
+                    if let Some((block, true)) = open.take() {
+                        found.push(block);
                     }
                 }
-                (Some((_, body)), None) => {
-                    body.push_str(line);
-                    body.push('\n');
-                }
+                (Some((block, _)), None) => block.lines.push(line.to_string()),
                 (None, None) => {}
             }
         }
     }
     found
+}
+
+/// The fenced blocks of the pages whose info string is `lang`, each with where it starts (the
+/// fence's line) and its text.
+fn blocks(lang: &str) -> Vec<(String, String)> {
+    fenced(&[lang])
+        .into_iter()
+        .map(|b| (format!("{}:{}", b.page, b.first_line - 1), b.lines.iter().map(|l| format!("{l}\n")).collect()))
+        .collect()
 }
 
 #[test]
