@@ -75,6 +75,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "unit_of_work_in_sql",
         sql: include_str!("../migrations/0020_unit_of_work_in_sql.sql"),
     },
+    Migration {
+        version: 21,
+        name: "cheaper_write_path",
+        sql: include_str!("../migrations/0021_cheaper_write_path.sql"),
+    },
 ];
 
 /// What a migration run did.

@@ -71,10 +71,38 @@ async fn the_table_refuses_rows_no_relay_could_deliver() {
         "(topic, payload, available_at) values ('t', '{}', '-infinity')",
         "(topic, payload) values ('order..placed', '{}')",
         "(topic, payload) values ('.order', '{}')",
+        "(topic, payload) values ('', '{}')",
+        "(topic, payload) values (repeat('t', 256), '{}')",
+        "(topic, payload) values ('ordér.placed', '{}')",
+        "(topic, payload) values ('order placed', '{}')",
+        "(topic, payload, key) values ('t', '{}', '')",
+        "(topic, payload, key) values ('t', '{}', repeat('k', 256))",
+        "(topic, payload, key) values ('t', '{}', repeat('é', 256))",
+        "(topic, payload, key) values ('t', '{}', E'a\\nb')",
+        "(topic, payload, key) values ('t', '{}', E'\\x01')",
+        "(topic, payload, headers) values ('t', '{}', '{\"x-a\": 1}')",
     ] {
         let err = owner.batch_execute(&format!("insert into outbox_relay.outbox {row}")).await.unwrap_err();
         assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION), "{row}: {err}");
     }
+    for key in ["''", "repeat('k', 256)", "E'a\\tb'"] {
+        let err = owner
+            .batch_execute(&format!("insert into outbox_relay.idempotency (key, fingerprint) values ({key}, '\\x00')"))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION), "receipt key {key}: {err}");
+    }
+    // Migration 0021 rewrote the checks in fewer nodes; what they admit is unchanged: the
+    // longest topic, a key of 255 characters that are not ASCII, no key, headers.
+    owner
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload, key) values (repeat('t', 255), '{}', repeat('é', 255));
+             insert into outbox_relay.outbox (topic, payload, key) values ('a.b_c:d/e-f.G9', '{}', null);
+             insert into outbox_relay.outbox (topic, payload, headers) values ('t', '{}', '{\"x-a\": \"1\"}');
+             insert into outbox_relay.idempotency (key, fingerprint) values (repeat('é', 255), '\\x00');",
+        )
+        .await
+        .unwrap();
 }
 
 /// An event's `xid` is its inserting transaction's (migration 0009): one naming a transaction
