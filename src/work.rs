@@ -245,14 +245,37 @@ impl<'c> Work<'c> {
         tx.savepoint(name).await.map_err(|e| Error::database("opening a savepoint", e))
     }
 
+    /// Prepares `sql` once per pooled connection (the pool's statement cache) and returns the
+    /// statement: a business statement that every unit of work runs then costs one round trip,
+    /// where `query(&str, ..)` prepares it anew each time (two).
+    pub async fn prepare_cached(&self, sql: &str) -> Result<tokio_postgres::Statement> {
+        self.tx.prepare_cached(sql).await.map_err(|e| Error::database("preparing a statement", e))
+    }
+
     /// Stores `response` with the receipt (what every replay of this key will return) and
     /// commits: business rows, audit entries, receipt and events, together. Wakes a relay in
     /// this process.
+    ///
+    /// The response and the COMMIT go in one round trip. When storing the response fails, the
+    /// server refuses what follows in the transaction, so the COMMIT rolls back and the error is
+    /// the store's.
     pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
         let stored = response_to_store(response)?;
-        sql::store_response(&self.tx, &self.key, &stored).await?;
-        self.tx.commit().await.map_err(|e| Error::database("committing", e))?;
-        self.outbox.wakeup().wake();
+        let Work { tx, key, outbox } = self;
+        // Prepared first (once per connection), so that the store is sent at its first poll,
+        // ahead of the COMMIT. Its parameters (a text and a JSON value, for text and jsonb)
+        // cannot fail to encode, so the COMMIT never goes without the store before it.
+        sql::Db::prepare(&tx, sql::IDEMPOTENCY_STORE_RESPONSE)
+            .await
+            .map_err(|e| Error::database("storing the response", e))?;
+        let (stored, committed) = futures::join!(sql::store_response(&tx, &key, &stored), tx.batch_execute("commit"));
+        // The transaction has ended on the server either way (committed, or rolled back by the
+        // COMMIT of a failed transaction): the handle must not send its ROLLBACK when dropped.
+        // It owns nothing on the heap (a top-level transaction has no savepoint name).
+        std::mem::forget(tx);
+        stored?;
+        committed.map_err(|e| Error::database("committing", e))?;
+        outbox.wakeup().wake();
         Ok(())
     }
 

@@ -333,7 +333,8 @@ impl Writer {
         let key = format!("{}-{}", self.key_prefix, self.next_key);
         self.outbox
             .execute(&key, &request, async |work| {
-                let order_id: i64 = work.query_one(ORDERS_INSERT, &[&CUSTOMER, &TOTAL]).await?.get(0);
+                let insert = work.prepare_cached(ORDERS_INSERT).await?;
+                let order_id: i64 = work.query_one(&insert, &[&CUSTOMER, &TOTAL]).await?.get(0);
                 work.audit(&AuditEntry::new("order", order_id, "placed", &request)?).await?;
                 let event = |n: usize| {
                     let event = NewEvent::new("order.placed", json!({"order_id": order_id, "n": n}));

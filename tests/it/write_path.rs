@@ -114,6 +114,43 @@ async fn a_failure_at_commit_leaves_nothing_behind() {
     assert_eq!(counts(&db).await, before);
 }
 
+/// The response is stored and the transaction committed in one round trip: when the store
+/// fails on the server, the COMMIT that follows it rolls back, nothing is written, and the
+/// connection goes on serving the next unit of work (no transaction left open, no stray
+/// ROLLBACK answered out of turn).
+#[tokio::test]
+async fn a_response_the_server_refuses_to_store_rolls_back_everything() {
+    let db = setup().await;
+    let one_connection = Outbox::connect_with(db.database_url(), 1).await.unwrap();
+    place_order(&one_connection, "earlier", &ana(), false).await.unwrap();
+    let before = counts(&db).await;
+    // Deleting its own receipt inside the work (the test's role owns the table) leaves
+    // `store_response` nothing to fill in: it fails on the server, after every business write.
+    let err = one_connection
+        .execute("key-1", &json!({"customer": "ana"}), async |work| {
+            let insert = work
+                .prepare_cached("insert into orders (key, customer, total) values ($1, $2, 1) returning id")
+                .await?;
+            let id: i64 = work.query_one(&insert, &[&"key-1", &"ana"]).await.unwrap().get(0);
+            work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
+            work.execute("delete from outbox_relay.idempotency where key = 'key-1'", &[]).await.unwrap();
+            Ok::<_, pg_outbox_relay::Error>(json!({"order_id": id}))
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Database, "{err}");
+    assert!(err.to_string().contains("no receipt for key 'key-1' was created by this transaction"), "{err}");
+    assert_eq!(counts(&db).await, before, "nothing committed");
+
+    // The same (only) connection: the key is free and the work runs and commits.
+    let retry = place_order(&one_connection, "key-1", &ana(), false).await.unwrap();
+    assert!(!retry.replayed);
+    assert_eq!(counts(&db).await.orders, before.orders + 1);
+    let again = place_order(&one_connection, "key-1", &ana(), false).await.unwrap();
+    assert!(again.replayed);
+    assert_eq!(again.response.order_id, retry.response.order_id);
+}
+
 async fn race(n: usize) {
     let db = setup().await;
     // Real tasks on a multi-threaded runtime, each on its own pooled connection.
