@@ -116,32 +116,34 @@ begin
 end
 $$;
 
--- store_response: one statement instead of two (the update says which receipt it changed).
+-- store_response: one statement instead of two. The update says which door took the key (the
+-- Rust doors' fingerprints are 32 bytes); a JSON null refused after it is undone with the
+-- failed statement, as every write of the transaction is.
 create or replace function outbox_relay.store_response(key text, response jsonb) returns void
 language plpgsql security definer set search_path = pg_catalog, pg_temp as $$
+declare
+    rust_door boolean;
 begin
-    if response is null then
+    if response is not null then
+        update outbox_relay.idempotency i set response = store_response.response
+         where i.key = store_response.key and i.response is null and i.xmin = pg_current_xact_id()::xid
+        returning length(i.fingerprint) = 32 into rust_door;
+        if not found then
+            raise exception using errcode = '55000',
+                message = format('outbox_relay.store_response: no receipt for key %L was created by this transaction', store_response.key);
+        end if;
+    end if;
+    if response is null or (jsonb_typeof(response) = 'null' and not rust_door) then
         raise exception using errcode = '22004',
             message = format('outbox_relay.store_response: the response of idempotency key %L must not be null: a replay could not tell it from a fresh request (store an object, e.g. {})', store_response.key);
     end if;
-    update outbox_relay.idempotency i set response = store_response.response
-     where i.key = store_response.key and i.response is null and i.xmin = pg_current_xact_id()::xid
-       and (jsonb_typeof(store_response.response) <> 'null' or length(i.fingerprint) = 32);
-    if found then
-        return;
-    end if;
-    if jsonb_typeof(response) = 'null' and exists (
-        select 1 from outbox_relay.idempotency i
-         where i.key = store_response.key and i.response is null and i.xmin = pg_current_xact_id()::xid) then
-        raise exception using errcode = '22004',
-            message = format('outbox_relay.store_response: the response of idempotency key %L must not be null: a replay could not tell it from a fresh request (store an object, e.g. {})', store_response.key);
-    end if;
-    raise exception using errcode = '55000',
-        message = format('outbox_relay.store_response: no receipt for key %L was created by this transaction', store_response.key);
 end
 $$;
 
 -- audit: the common case tested in one expression, the detailed tests only to say what is wrong.
+-- The expression states key_problem's rules again (one pattern each): with key_problem's inlined
+-- CASEs in it a call cost 10 µs more (pgbench, backend CPU, 5,000 calls: 192 to 194 µs against
+-- 180 to 184 µs; 194 to 202 µs as in 0020).
 create or replace function outbox_relay.audit(entity text, entity_id text, action text, data jsonb, idempotency_key text default null)
 returns bigint
 language plpgsql as $$
