@@ -80,6 +80,11 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "cheaper_write_path",
         sql: include_str!("../migrations/0021_cheaper_write_path.sql"),
     },
+    Migration {
+        version: 22,
+        name: "receipt_written_once",
+        sql: include_str!("../migrations/0022_receipt_written_once.sql"),
+    },
 ];
 
 /// What a migration run did.

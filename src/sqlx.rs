@@ -156,11 +156,11 @@ pub enum Begun<'t> {
 }
 
 /// [`Connection::begin`](crate::outbox::Connection::begin) on a sqlx transaction the caller
-/// began: claims `key` for `request` (its fingerprint is the SHA-256 of its JSON, as the
-/// tokio-postgres door computes it, so the two doors replay each other's keys). If another
-/// request holds the key uncommitted, this waits for it: when it commits, its stored response
-/// comes back as [`Begun::Replayed`] (and `tx` is rolled back); when it rolls back, this request
-/// gets the key.
+/// began: takes `key` for `request` (its fingerprint is the SHA-256 of its JSON, as the
+/// tokio-postgres door computes it, so the two doors replay each other's keys, and they take a
+/// key's lock alike). If another request of the key is running, this waits for it: when it
+/// commits, its stored response comes back as [`Begun::Replayed`] (and `tx` is rolled back);
+/// when it rolls back, this request gets the key.
 ///
 /// # Errors
 /// An invalid key ([`ErrorKind::InvalidInput`]), a key reused with a different request or taken
@@ -191,28 +191,25 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
 ) -> Result<Begun<'t>> {
     crate::event::validate_key("idempotency key", key)?;
     let fingerprint = crate::work::fingerprint(request)?;
-    for _ in 0..crate::work::CLAIM_TRIES {
-        let claimed = ::sqlx::query_scalar::<_, String>(sql::IDEMPOTENCY_CLAIM)
-            .bind(key)
-            .bind(&fingerprint)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(failed("claiming the idempotency key"))?;
-        if claimed.is_some() {
-            return Ok(Begun::Fresh(Work { tx, key: key.to_string() }));
-        }
-        let stored = ::sqlx::query_as::<_, (Vec<u8>, Option<Json<serde_json::Value>>)>(sql::IDEMPOTENCY_GET)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(failed("reading the idempotency receipt"))?;
-        if let Some((stored_fingerprint, response)) = stored {
-            drop(tx.rollback().await);
-            let receipt = sql::Receipt { fingerprint: stored_fingerprint, response: response.map(|r| r.0) };
-            return crate::work::replay(key, &fingerprint, receipt).map(Begun::Replayed);
-        }
+    // The key's lock, then the receipt in a statement of its own (see `Connection::begin`):
+    // sqlx sends one statement at a time, so these are two round trips.
+    ::sqlx::query(sql::RECEIPT_LOCK)
+        .bind(sql::RECEIPT_LOCK_CLASS)
+        .bind(key)
+        .execute(&mut *tx)
+        .await
+        .map_err(failed("taking the idempotency key's lock"))?;
+    let stored = ::sqlx::query_as::<_, (Vec<u8>, Option<Json<serde_json::Value>>)>(sql::RECEIPT_GET)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(failed("reading the idempotency receipt"))?;
+    if let Some((stored_fingerprint, response)) = stored {
+        drop(tx.rollback().await);
+        let receipt = sql::Receipt { fingerprint: stored_fingerprint, response: response.map(|r| r.0) };
+        return crate::work::replay(key, &fingerprint, receipt).map(Begun::Replayed);
     }
-    Err(crate::work::key_changed_hands(key))
+    Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint }))
 }
 
 /// [`Outbox::execute`](crate::Outbox::execute) on a sqlx pool: runs `work` once per idempotency
@@ -249,6 +246,7 @@ where
 pub struct Work<'t> {
     tx: ::sqlx::Transaction<'t, ::sqlx::Postgres>,
     key: String,
+    fingerprint: Vec<u8>,
 }
 
 impl Work<'_> {
@@ -272,16 +270,22 @@ impl Work<'_> {
         insert_audit(&mut self.tx, entry, Some(&self.key)).await
     }
 
-    /// Stores `response` with the receipt (what every replay of this key will return) and
+    /// Writes the receipt with `response` (what every replay of this key will return) and
     /// commits: business rows, audit entries, receipt and events, together.
     pub async fn commit<T: serde::Serialize + ?Sized>(mut self, response: &T) -> Result<()> {
         let stored = crate::work::response_to_store(response)?;
-        ::sqlx::query(sql::IDEMPOTENCY_STORE_RESPONSE)
+        let inserted = ::sqlx::query(sql::RECEIPT_INSERT)
             .bind(&self.key)
+            .bind(&self.fingerprint)
             .bind(Json(&stored))
             .execute(&mut *self.tx)
-            .await
-            .map_err(failed("storing the response"))?;
+            .await;
+        match inserted {
+            Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => {
+                return Err(failed(&sql::receipt_taken_meanwhile(&self.key))(e));
+            }
+            inserted => inserted.map_err(failed("storing the response"))?,
+        };
         self.tx.commit().await.map_err(failed("committing"))
     }
 

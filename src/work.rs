@@ -1,9 +1,9 @@
 //! The high-level write API: a unit of work under an idempotency key, in one transaction.
 //!
-//! [`Connection::begin`] claims the key and answers [`Begun::Replayed`] (the key was used for
+//! [`Connection::begin`] takes the key and answers [`Begun::Replayed`] (the key was used for
 //! this request before: here is its response, nothing runs) or [`Begun::Fresh`] (a [`Work`]: the
-//! open transaction, for the business SQL, audit entries and events). [`Work::commit`] stores the
-//! response with the receipt and commits; dropping a `Work` rolls everything back.
+//! open transaction, for the business SQL, audit entries and events). [`Work::commit`] writes the
+//! receipt with the response and commits; dropping a `Work` rolls everything back.
 //! [`Outbox::execute`] does the same around an async closure.
 
 use std::ops::{Deref, DerefMut};
@@ -63,9 +63,10 @@ impl Connection {
     ///
     /// # Behavior
     /// 1. Validates `key` and fingerprints `request` (SHA-256 of its JSON).
-    /// 2. Opens a transaction and claims the key. If another request holds the key uncommitted,
-    ///    this waits for it: when it commits, its stored response comes back as
-    ///    [`Begun::Replayed`]; when it rolls back, this request gets the key.
+    /// 2. Opens a transaction and takes the key's lock (an advisory lock of the transaction). If
+    ///    another request of the key is running, this waits for it: when it commits, its stored
+    ///    response comes back as [`Begun::Replayed`]; when it rolls back, this request gets the
+    ///    key. The receipt itself is written once, with the response, by [`Work::commit`].
     /// 3. Returns [`Begun::Fresh`]: a [`Work`] that derefs to the open transaction for business
     ///    SQL, records audit entries and events, and [`commit`](Work::commit)s the response with
     ///    the receipt: business rows, audit entries, receipt and events exist together, or none
@@ -99,29 +100,15 @@ impl Connection {
         validate_key("idempotency key", key)?;
         let fingerprint = fingerprint(request)?;
         let tx = self.client.transaction().await.map_err(|e| Error::database("starting a transaction", e))?;
-        // A stored receipt may vanish between our conflicting claim and our read (the janitor
-        // removed an expired one): the key is free again, and the next claim in this same
-        // transaction (READ COMMITTED: each statement sees what is committed now) takes it.
-        for _ in 0..CLAIM_TRIES {
-            if sql::claim_receipt(&tx, key, &fingerprint).await? {
-                return Ok(Begun::Fresh(Work { tx, key: key.to_string(), outbox: &self.outbox }));
-            }
-            if let Some(receipt) = sql::get_receipt(&tx, key).await? {
-                drop(tx.rollback().await);
-                return replay(key, &fingerprint, receipt).map(Begun::Replayed);
-            }
+        // The key's lock first: another request of this key, still running, is waited for. Its
+        // receipt, when it committed one, is what the read (a statement of its own, after the
+        // wait) finds.
+        if let Some(receipt) = sql::lock_and_get_receipt(&tx, key).await? {
+            drop(tx.rollback().await);
+            return replay(key, &fingerprint, receipt).map(Begun::Replayed);
         }
-        Err(key_changed_hands(key))
+        Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint, outbox: &self.outbox }))
     }
-}
-
-/// How many times a unit of work claims its key: a stored receipt may vanish between a
-/// conflicting claim and the read (the janitor removed an expired one), and the key is free again.
-pub(crate) const CLAIM_TRIES: usize = 3;
-
-/// The error when a key was taken and freed again at each of the [`CLAIM_TRIES`].
-pub(crate) fn key_changed_hands(key: &str) -> Error {
-    Error::new(ErrorKind::Database, format!("idempotency key {key:?} kept changing hands; try again"))
 }
 
 /// `response` as the receipt stores it, checked as a payload is.
@@ -211,6 +198,7 @@ pub(crate) fn replay(key: &str, fingerprint: &[u8], stored: sql::Receipt) -> Res
 pub struct Work<'c> {
     tx: deadpool_postgres::Transaction<'c>,
     key: String,
+    fingerprint: Vec<u8>,
     outbox: &'c Outbox,
 }
 
@@ -252,23 +240,23 @@ impl<'c> Work<'c> {
         self.tx.prepare_cached(sql).await.map_err(|e| Error::database("preparing a statement", e))
     }
 
-    /// Stores `response` with the receipt (what every replay of this key will return) and
+    /// Writes the receipt with `response` (what every replay of this key will return) and
     /// commits: business rows, audit entries, receipt and events, together. Wakes a relay in
     /// this process.
     ///
-    /// The response and the COMMIT go in one round trip. When storing the response fails, the
-    /// server refuses what follows in the transaction, so the COMMIT rolls back and the error is
-    /// the store's.
+    /// The receipt and the COMMIT go in one round trip. When the receipt's insert fails on the
+    /// server (the key was taken meanwhile by a request that does not take its lock: an earlier
+    /// version of this library), the server refuses what follows in the
+    /// transaction, so the COMMIT rolls back and the error is the insert's.
     pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
         let stored = response_to_store(response)?;
-        let Work { tx, key, outbox } = self;
-        // Prepared first (once per connection), so that the store is sent at its first poll,
-        // ahead of the COMMIT. Its parameters (a text and a JSON value, for text and jsonb)
-        // cannot fail to encode, so the COMMIT never goes without the store before it.
-        sql::Db::prepare(&tx, sql::IDEMPOTENCY_STORE_RESPONSE)
-            .await
-            .map_err(|e| Error::database("storing the response", e))?;
-        let (stored, committed) = futures::join!(sql::store_response(&tx, &key, &stored), tx.batch_execute("commit"));
+        let Work { tx, key, fingerprint, outbox } = self;
+        // Prepared first (once per connection), so that the insert is sent at its first poll,
+        // ahead of the COMMIT. Its parameters (a text, a bytea and a JSON value, for text, bytea
+        // and jsonb) cannot fail to encode, so the COMMIT never goes without the insert before it.
+        sql::Db::prepare(&tx, sql::RECEIPT_INSERT).await.map_err(|e| Error::database("storing the response", e))?;
+        let (stored, committed) =
+            futures::join!(sql::insert_receipt(&tx, &key, &fingerprint, &stored), tx.batch_execute("commit"));
         // The transaction has ended on the server either way (committed, or rolled back by the
         // COMMIT of a failed transaction): the handle must not send its ROLLBACK when dropped.
         // It owns nothing on the heap (a top-level transaction has no savepoint name).

@@ -14,9 +14,10 @@
 -- outbox_writer:  services that add events, audit entries and idempotency receipts inside their
 --                 own transactions (Outbox::execute, publish, outbox_relay.publish). It may name
 --                 only the columns a writer sets (never an id, a transaction id, a lease or a time),
---                 reads back only ids and receipts, and fills in a receipt's response only through
---                 outbox_relay.store_response, which touches nothing but the receipt its own
---                 transaction created. It cannot change events once written, nor touch dead letters.
+--                 reads back only ids and receipts, and writes a receipt's response only with a
+--                 new receipt or through outbox_relay.store_response, which touches nothing but
+--                 the receipt its own transaction created: it cannot change a receipt once
+--                 written, nor events, nor touch dead letters.
 -- outbox_relayer: the relay (`outbox-relay run`, `status`, `dead-letters`, `cleanup`). It reads and
 --                 updates the library's tables and nothing else: no business table.
 -- outbox_consumer: a receiver's service recording the events it handled in its own transactions
@@ -50,8 +51,9 @@ grant insert (entity, entity_id, action, data, idempotency_key) on outbox_relay.
 -- `insert ... returning id` needs to read the id, and only the id.
 grant select (id) on outbox_relay.outbox, outbox_relay.audit to outbox_writer;
 grant usage on sequence outbox_relay.outbox_id_seq, outbox_relay.audit_id_seq to outbox_writer;
--- Receipts: claim a key (insert), read a stored one for a replay, fill in the response of one's own.
-grant insert (key, fingerprint), select (key, fingerprint, response) on outbox_relay.idempotency to outbox_writer;
+-- Receipts: write one with its response (the Rust doors, migration 0022) or claim a key and
+-- fill in the response of one's own (the SQL door); read a stored one for a replay.
+grant insert (key, fingerprint, response), select (key, fingerprint, response) on outbox_relay.idempotency to outbox_writer;
 grant execute on function outbox_relay.store_response(text, jsonb) to outbox_writer;
 -- The outbox trigger runs as the writer and reads whether a relay is waiting.
 grant select on outbox_relay.relays to outbox_writer;

@@ -1,4 +1,4 @@
-//! Idempotency receipts: claiming a key, reading a stored answer, storing one, expiring them.
+//! Idempotency receipts: taking a key, reading a stored answer, writing one, expiring them.
 
 use std::time::Duration;
 
@@ -7,19 +7,23 @@ use serde_json::Value;
 use super::{Db, all, count, micros};
 use crate::error::Result;
 
-/// Claims an idempotency key: returns a row when this transaction now owns the key. When another
-/// transaction holds the key uncommitted, this waits for it to end.
-pub(crate) const IDEMPOTENCY_CLAIM: &str = "\
-insert into outbox_relay.idempotency (key, fingerprint) values ($1, $2)
-on conflict (key) do nothing
-returning key";
+/// The class of the advisory locks that serialize requests of one idempotency key (migration
+/// 0022): `pg_advisory_xact_lock(RECEIPT_LOCK_CLASS, hashtext(key))`. Apart from the events'
+/// key locks ([`super::KEY_LOCK_CLASS`]).
+pub(crate) const RECEIPT_LOCK_CLASS: i32 = 0x6964_6d70;
 
-/// Claims `key` for this transaction; false when another request holds it (committed).
-pub(crate) async fn claim_receipt(db: &impl Db, key: &str, fingerprint: &[u8]) -> Result<bool> {
-    Ok(!all(db, IDEMPOTENCY_CLAIM, &[&key, &fingerprint], "claiming the idempotency key").await?.is_empty())
-}
+/// Takes the key's lock: waits while another request of the key runs, until it ends. The
+/// receipt is read after it, in a statement of its own, which sees what that request committed
+/// (READ COMMITTED takes a snapshot per statement; one taken before the wait would not).
+pub(crate) const RECEIPT_LOCK: &str = "select pg_advisory_xact_lock($1, hashtext($2))";
 
-pub(crate) const IDEMPOTENCY_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
+pub(crate) const RECEIPT_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
+
+/// The receipt with its response, written once at the end of the work, in the COMMIT's round
+/// trip. It fails with unique_violation when a request that does not take the key's lock (the
+/// Rust doors before migration 0022) wrote the key's receipt meanwhile.
+pub(crate) const RECEIPT_INSERT: &str =
+    "insert into outbox_relay.idempotency (key, fingerprint, response) values ($1, $2, $3)";
 
 /// A stored receipt: the request's fingerprint and the response given.
 pub(crate) struct Receipt {
@@ -27,19 +31,40 @@ pub(crate) struct Receipt {
     pub(crate) response: Option<Value>,
 }
 
-/// The receipt of `key`, if there is one.
-pub(crate) async fn get_receipt(db: &impl Db, key: &str) -> Result<Option<Receipt>> {
-    let rows = all(db, IDEMPOTENCY_GET, &[&key], "reading the idempotency receipt").await?;
-    Ok(rows.first().map(|r| Receipt { fingerprint: r.get("fingerprint"), response: r.get("response") }))
+/// Takes `key`'s lock and reads its receipt, in one round trip: both statements are prepared
+/// first, so that they are sent in this order when the joined futures are first polled. (On a
+/// connection that keeps statements: one of [`super::Unprepared`] would prepare each at its
+/// first poll, and could send the read ahead of the lock.)
+pub(crate) async fn lock_and_get_receipt(db: &impl Db, key: &str) -> Result<Option<Receipt>> {
+    db.prepare(RECEIPT_LOCK).await.map_err(|e| crate::Error::database("taking the idempotency key's lock", e))?;
+    db.prepare(RECEIPT_GET).await.map_err(|e| crate::Error::database("reading the idempotency receipt", e))?;
+    let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&RECEIPT_LOCK_CLASS, &key];
+    let get_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&key];
+    let (locked, rows) = futures::join!(
+        all(db, RECEIPT_LOCK, &lock_params, "taking the idempotency key's lock"),
+        all(db, RECEIPT_GET, &get_params, "reading the idempotency receipt"),
+    );
+    locked?;
+    Ok(rows?.first().map(|r| Receipt { fingerprint: r.get("fingerprint"), response: r.get("response") }))
 }
 
-/// Fills in the response of the receipt this transaction claimed (migration 0003's function, so
-/// that writers need no UPDATE on receipts).
-pub(crate) const IDEMPOTENCY_STORE_RESPONSE: &str = "select outbox_relay.store_response($1, $2)";
+/// Writes the receipt of `key` with `response`.
+pub(crate) async fn insert_receipt(db: &impl Db, key: &str, fingerprint: &[u8], response: &Value) -> Result<()> {
+    match db.run(RECEIPT_INSERT, &[&key, &fingerprint, response]).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
+            Err(crate::Error::database(&receipt_taken_meanwhile(key), e))
+        }
+        Err(e) => Err(crate::Error::database("storing the response", e)),
+    }
+}
 
-/// Stores `response` with the receipt of `key` that this transaction claimed.
-pub(crate) async fn store_response(db: &impl Db, key: &str, response: &Value) -> Result<()> {
-    all(db, IDEMPOTENCY_STORE_RESPONSE, &[&key, response], "storing the response").await.map(drop)
+/// What a receipt's insert that met another one means: the key was taken, while this request
+/// ran, by one that does not take the key's lock.
+pub(crate) fn receipt_taken_meanwhile(key: &str) -> String {
+    format!(
+        "idempotency key {key:?} was taken while this request ran, by a request that does not take the key's lock (a version of this library before migration 0022, or a receipt written by hand): nothing was written; retry the request to get the answer of the one that took the key"
+    )
 }
 
 const IDEMPOTENCY_DELETE_EXPIRED: &str = "\

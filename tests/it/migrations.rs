@@ -151,3 +151,50 @@ async fn the_new_publish_function_keeps_the_old_ones_privileges() {
     }
     client.batch_execute(&format!("drop owned by {writer}; drop role {writer}; drop role {stranger}")).await.unwrap();
 }
+
+/// Migration 0022 has the Rust doors write a receipt with its response: every role that could
+/// insert a receipt's fingerprint (the roles file's writer of earlier versions inserted only
+/// the key and the fingerprint) may now insert its response too, and no one else. (Applied by
+/// hand over 0001 to 0021, as an installation of the previous version is.)
+#[tokio::test]
+async fn writers_of_receipts_may_write_their_responses_after_0022() {
+    let db = TestDb::empty().await;
+    let client = db.client().await;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "sql"))
+        .collect();
+    files.sort();
+    let (before, after): (Vec<_>, Vec<_>) =
+        files.into_iter().partition(|p| p.file_name().unwrap().to_str().unwrap() < "0022");
+    assert_eq!(before.len(), 21);
+    assert!(after[0].ends_with("0022_receipt_written_once.sql"), "{after:?}");
+    for path in &before {
+        client.batch_execute(&std::fs::read_to_string(path).unwrap()).await.unwrap();
+    }
+    let writer = format!("outbox_writer_{}", rand::random::<u32>());
+    let stranger = format!("stranger_{}", rand::random::<u32>());
+    client
+        .batch_execute(&format!(
+            "create role {writer}; create role {stranger};
+             grant insert (key, fingerprint), select (key, fingerprint, response) on outbox_relay.idempotency to {writer};
+             grant select (key) on outbox_relay.idempotency to {stranger};"
+        ))
+        .await
+        .unwrap();
+    client.batch_execute(&std::fs::read_to_string(&after[0]).unwrap()).await.unwrap();
+    for (role, expected) in [(&writer, true), (&stranger, false)] {
+        let may: bool = client
+            .query_one("select has_column_privilege($1, 'outbox_relay.idempotency', 'response', 'insert')", &[role])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(may, expected, "{role}");
+    }
+    client
+        .batch_execute(&format!("drop owned by {writer}, {stranger}; drop role {writer}; drop role {stranger}"))
+        .await
+        .unwrap();
+}

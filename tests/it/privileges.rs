@@ -76,7 +76,8 @@ async fn the_relay_role_relays_but_cannot_read_business_tables_and_the_writer_on
         "insert into outbox_relay.audit (entity, entity_id, action, data, at) values ('o', '1', 'a', '{}', now())"
             .to_string(),
         "update outbox_relay.idempotency set response = '{\"order_id\": 666}' where key = 'key-1'".to_string(),
-        "insert into outbox_relay.idempotency (key, fingerprint, response) values ('forged', '\\x00', '{}')"
+        // (a receipt is written with its response: a fresh key's only; never with a time)
+        "insert into outbox_relay.idempotency (key, fingerprint, response, created_at) values ('forged', '\\x00', '{}', now())"
             .to_string(),
     ] {
         let err = as_writer.batch_execute(&forbidden).await.unwrap_err();

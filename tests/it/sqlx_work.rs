@@ -105,6 +105,37 @@ async fn fifty_concurrent_calls_with_one_key_make_one_order() {
     race(50).await;
 }
 
+/// A receipt of the key written while the work ran (as a request that does not take the key's
+/// lock writes it: this library before migration 0022): the work's receipt
+/// meets it at the commit, nothing of the work is written, and the error says to retry.
+#[tokio::test]
+async fn a_key_taken_meanwhile_rolls_the_work_back() {
+    let (db, pool) = setup().await;
+    let err = pg_outbox_relay::sqlx::execute(&pool, "key-1", &ana(), async |work| {
+        sqlx::query("insert into orders (key, customer, total) values ('key-1', 'ana', 1)")
+            .execute(&mut **work)
+            .await?;
+        sqlx::query(
+            "insert into outbox_relay.idempotency (key, fingerprint, response) values ('key-1', '\\x00', '{}')",
+        )
+        .execute(&mut **work)
+        .await?;
+        Ok::<_, TestError>(crate::orders::Placed { order_id: 1 })
+    })
+    .await
+    .unwrap_err();
+    match err {
+        TestError::Outbox(e) => {
+            assert_eq!(e.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{e}");
+            assert!(e.to_string().contains("idempotency key \"key-1\" was taken while this request ran"), "{e}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(counts(&db).await, Counts::NOTHING);
+    let placed = place_order_sqlx(&pool, "key-1", &ana(), false).await.unwrap();
+    assert!(!placed.replayed, "the key is free again");
+}
+
 #[tokio::test]
 async fn a_key_reused_for_another_request_is_refused_and_bad_input_is_named() {
     let (db, pool) = setup().await;

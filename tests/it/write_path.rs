@@ -114,18 +114,18 @@ async fn a_failure_at_commit_leaves_nothing_behind() {
     assert_eq!(counts(&db).await, before);
 }
 
-/// The response is stored and the transaction committed in one round trip: when the store
-/// fails on the server, the COMMIT that follows it rolls back, nothing is written, and the
-/// connection goes on serving the next unit of work (no transaction left open, no stray
+/// The receipt is written and the transaction committed in one round trip: when the receipt's
+/// insert fails on the server, the COMMIT that follows it rolls back, nothing is written, and
+/// the connection goes on serving the next unit of work (no transaction left open, no stray
 /// ROLLBACK answered out of turn).
 #[tokio::test]
-async fn a_response_the_server_refuses_to_store_rolls_back_everything() {
+async fn a_receipt_the_server_refuses_to_store_rolls_back_everything() {
     let db = setup().await;
     let one_connection = Outbox::connect_with(db.database_url(), 1).await.unwrap();
     place_order(&one_connection, "earlier", &ana(), false).await.unwrap();
     let before = counts(&db).await;
-    // Deleting its own receipt inside the work (the test's role owns the table) leaves
-    // `store_response` nothing to fill in: it fails on the server, after every business write.
+    // A receipt of the same key written inside the work (the test's role owns the table) makes
+    // the final insert fail on the server, after every business write.
     let err = one_connection
         .execute("key-1", &json!({"customer": "ana"}), async |work| {
             let insert = work
@@ -133,13 +133,19 @@ async fn a_response_the_server_refuses_to_store_rolls_back_everything() {
                 .await?;
             let id: i64 = work.query_one(&insert, &[&"key-1", &"ana"]).await.unwrap().get(0);
             work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
-            work.execute("delete from outbox_relay.idempotency where key = 'key-1'", &[]).await.unwrap();
+            work.execute(
+                "insert into outbox_relay.idempotency (key, fingerprint, response) values ('key-1', '\\x00', '{}')",
+                &[],
+            )
+            .await
+            .unwrap();
             Ok::<_, pg_outbox_relay::Error>(json!({"order_id": id}))
         })
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Database, "{err}");
-    assert!(err.to_string().contains("no receipt for key 'key-1' was created by this transaction"), "{err}");
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{err}");
+    assert!(err.to_string().contains("idempotency key \"key-1\" was taken while this request ran"), "{err}");
     assert_eq!(counts(&db).await, before, "nothing committed");
 
     // The same (only) connection: the key is free and the work runs and commits.
@@ -149,6 +155,138 @@ async fn a_response_the_server_refuses_to_store_rolls_back_everything() {
     let again = place_order(&one_connection, "key-1", &ana(), false).await.unwrap();
     assert!(again.replayed);
     assert_eq!(again.response.order_id, retry.response.order_id);
+}
+
+/// The fingerprint the Rust doors give `request` (SHA-256 of its JSON), computed by the server.
+const FINGERPRINT: &str = "sha256(convert_to($2, 'UTF8'))";
+
+/// An order placed under `key` through `Outbox::execute`, paused inside its work after the
+/// order's insert (the key's lock held, no receipt written yet) until the sender is used; and
+/// the pid of its backend.
+async fn paused_order(
+    db: &TestDb,
+    key: &'static str,
+) -> (tokio::task::JoinHandle<Result<Executed<Placed>, pg_outbox_relay::Error>>, tokio::sync::oneshot::Sender<()>, i32)
+{
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (go_on, go_on_rx) = tokio::sync::oneshot::channel::<()>();
+    let outbox = db.outbox.clone();
+    let running = tokio::spawn(async move {
+        outbox
+            .execute(key, &ana(), async |work| {
+                let id: i64 = work
+                    .query_one("insert into orders (key, customer, total) values ($1, 'ana', 1) returning id", &[&key])
+                    .await?
+                    .get(0);
+                started_tx.send(work.query_one("select pg_backend_pid()", &[]).await?.get::<_, i32>(0)).unwrap();
+                go_on_rx.await.unwrap();
+                Ok::<_, pg_outbox_relay::Error>(Placed { order_id: id })
+            })
+            .await
+    });
+    let pid = started.await.unwrap();
+    (running, go_on, pid)
+}
+
+/// Waits until the server says that a backend is blocked by the one with `pid`.
+async fn until_blocked_by(db: &TestDb, pid: i32) {
+    let c = db.client().await;
+    loop {
+        let blocked: i64 = c
+            .query_one("select count(*) from pg_stat_activity where $1 = any(pg_blocking_pids(pid))", &[&pid])
+            .await
+            .unwrap()
+            .get(0);
+        if blocked > 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The SQL door takes the key's lock as the Rust doors do: `begin_request` for a key whose
+/// request is still running through `Outbox::execute` waits for it, then is refused, naming the
+/// door that took the key.
+#[tokio::test]
+async fn the_sql_door_waits_for_a_running_request_of_the_rust_door() {
+    let db = setup().await;
+    let (running, go_on, rust_pid) = paused_order(&db, "key-1").await;
+    let client = db.client().await;
+    let sql_door = tokio::spawn(async move {
+        client.batch_execute("begin").await.unwrap();
+        let answer =
+            client.query_one("select outbox_relay.begin_request('key-1', '{\"customer\": \"ana\"}')", &[]).await;
+        drop(client.batch_execute("rollback").await);
+        answer
+    });
+    until_blocked_by(&db, rust_pid).await;
+    assert!(!sql_door.is_finished());
+    go_on.send(()).unwrap();
+    let placed = running.await.unwrap().unwrap();
+    assert!(!placed.replayed);
+    let refused = sql_door.await.unwrap().unwrap_err();
+    let refused = refused.as_db_error().unwrap();
+    assert_eq!(refused.code().code(), "OR001");
+    assert!(refused.message().contains("was claimed through the Rust API"), "{}", refused.message());
+    assert_eq!(counts(&db).await, Counts { audit: 0, events: 0, ..Counts::ONE_OF_EACH });
+}
+
+/// A request that does not take the key's lock (this library before migration 0022, which
+/// claimed a key with its receipt and filled the response in at the end) takes the
+/// key while a request of this version runs: the later receipt's insert meets it, everything of
+/// the later request rolls back, and its retry replays the first one's answer.
+#[tokio::test]
+async fn a_key_taken_meanwhile_without_the_lock_rolls_the_request_back_and_its_retry_replays() {
+    let db = setup().await;
+    let (running, go_on, _) = paused_order(&db, "key-1").await;
+    // The earlier version's request, as it ran: claim, work, response, commit. Nothing waits.
+    let request = serde_json::to_string(&ana()).unwrap();
+    let c = db.client().await;
+    c.batch_execute("begin").await.unwrap();
+    c.execute(
+        &format!("insert into outbox_relay.idempotency (key, fingerprint) values ($1, {FINGERPRINT})"),
+        &[&"key-1", &request],
+    )
+    .await
+    .unwrap();
+    c.execute("select outbox_relay.store_response('key-1', '{\"order_id\": 999}')", &[]).await.unwrap();
+    c.batch_execute("commit").await.unwrap();
+
+    go_on.send(()).unwrap();
+    let err = running.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{err}");
+    assert!(err.to_string().contains("retry the request to get the answer of the one that took the key"), "{err}");
+    assert_eq!(counts(&db).await.orders, 0, "the later request's order rolled back");
+    let retry = place_order(&db.outbox, "key-1", &ana(), false).await.unwrap();
+    assert!(retry.replayed);
+    assert_eq!(retry.response.order_id, 999);
+}
+
+/// A key claimed and still held uncommitted by a request that does not take the key's lock: a
+/// request of this version runs its work, then waits at its receipt's insert until the other
+/// ends; when it rolls back, this one commits.
+#[tokio::test]
+async fn a_key_held_without_the_lock_is_waited_for_at_the_receipt() {
+    let db = setup().await;
+    let request = serde_json::to_string(&ana()).unwrap();
+    let older = db.client().await;
+    older.batch_execute("begin").await.unwrap();
+    older
+        .execute(
+            &format!("insert into outbox_relay.idempotency (key, fingerprint) values ($1, {FINGERPRINT})"),
+            &[&"key-1", &request],
+        )
+        .await
+        .unwrap();
+    let older_pid: i32 = older.query_one("select pg_backend_pid()", &[]).await.unwrap().get(0);
+    let outbox = db.outbox.clone();
+    let running = tokio::spawn(async move { place_order(&outbox, "key-1", &ana(), false).await });
+    until_blocked_by(&db, older_pid).await;
+    assert!(!running.is_finished());
+    older.batch_execute("rollback").await.unwrap();
+    let placed = running.await.unwrap().unwrap();
+    assert!(!placed.replayed);
+    assert_eq!(counts(&db).await, Counts::ONE_OF_EACH);
 }
 
 async fn race(n: usize) {
