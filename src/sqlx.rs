@@ -163,8 +163,10 @@ pub enum Begun<'t> {
 /// when it rolls back, this request gets the key.
 ///
 /// # Errors
-/// An invalid key ([`ErrorKind::InvalidInput`]), a key reused with a different request or taken
-/// through the SQL door ([`ErrorKind::KeyReused`]; nothing is written), or a database failure.
+/// An invalid key, or a transaction not at READ COMMITTED ([`ErrorKind::InvalidInput`]: the
+/// read after the key's lock must see what a request waited for committed), a key reused with
+/// a different request or taken through the SQL door ([`ErrorKind::KeyReused`]; nothing is
+/// written), or a database failure.
 ///
 /// ```no_run
 /// # async fn f(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -193,12 +195,13 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
     let fingerprint = crate::work::fingerprint(request)?;
     // The key's lock, then the receipt in a statement of its own (see `Connection::begin`):
     // sqlx sends one statement at a time, so these are two round trips.
-    ::sqlx::query(sql::RECEIPT_LOCK)
+    let (isolation, began) = ::sqlx::query_as::<_, (String, i64)>(sql::RECEIPT_LOCK)
         .bind(sql::RECEIPT_LOCK_CLASS)
         .bind(key)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await
         .map_err(failed("taking the idempotency key's lock"))?;
+    sql::check_isolation(key, &sql::KeyLock { began, isolation })?;
     let stored = ::sqlx::query_as::<_, (Vec<u8>, Option<Json<serde_json::Value>>)>(sql::RECEIPT_GET)
         .bind(key)
         .fetch_optional(&mut *tx)
@@ -209,7 +212,7 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
         let receipt = sql::Receipt { fingerprint: stored_fingerprint, response: response.map(|r| r.0) };
         return crate::work::replay(key, &fingerprint, receipt).map(Begun::Replayed);
     }
-    Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint }))
+    Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint, began }))
 }
 
 /// [`Outbox::execute`](crate::Outbox::execute) on a sqlx pool: runs `work` once per idempotency
@@ -247,6 +250,8 @@ pub struct Work<'t> {
     tx: ::sqlx::Transaction<'t, ::sqlx::Postgres>,
     key: String,
     fingerprint: Vec<u8>,
+    /// When the transaction that took the key began (`now()`, microseconds).
+    began: i64,
 }
 
 impl Work<'_> {
@@ -278,14 +283,17 @@ impl Work<'_> {
             .bind(&self.key)
             .bind(&self.fingerprint)
             .bind(Json(&stored))
+            .bind(self.began)
             .execute(&mut *self.tx)
             .await;
         match inserted {
+            Ok(done) if done.rows_affected() == 1 => {}
+            Ok(_) => return Err(Error::new(ErrorKind::Database, sql::receipt_outside_its_transaction(&self.key))),
             Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => {
                 return Err(failed(&sql::receipt_taken_meanwhile(&self.key))(e));
             }
-            inserted => inserted.map_err(failed("storing the response"))?,
-        };
+            Err(e) => return Err(failed("storing the response")(e)),
+        }
         self.tx.commit().await.map_err(failed("committing"))
     }
 

@@ -63,7 +63,7 @@ impl Connection {
     ///
     /// # Behavior
     /// 1. Validates `key` and fingerprints `request` (SHA-256 of its JSON).
-    /// 2. Opens a transaction and takes the key's lock (an advisory lock of the transaction). If
+    /// 2. Opens a transaction (READ COMMITTED, whatever the session's default) and takes the key's lock (an advisory lock of the transaction). If
     ///    another request of the key is running, this waits for it: when it commits, its stored
     ///    response comes back as [`Begun::Replayed`]; when it rolls back, this request gets the
     ///    key. The receipt itself is written once, with the response, by [`Work::commit`].
@@ -99,15 +99,25 @@ impl Connection {
     pub async fn begin<Req: Serialize + ?Sized>(&mut self, key: &str, request: &Req) -> Result<Begun<'_>> {
         validate_key("idempotency key", key)?;
         let fingerprint = fingerprint(request)?;
-        let tx = self.client.transaction().await.map_err(|e| Error::database("starting a transaction", e))?;
+        // READ COMMITTED whatever the session's default: the receipt's read must see what a
+        // request it waited for committed.
+        let tx = self
+            .client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+            .start()
+            .await
+            .map_err(|e| Error::database("starting a transaction", e))?;
         // The key's lock first: another request of this key, still running, is waited for. Its
         // receipt, when it committed one, is what the read (a statement of its own, after the
         // wait) finds.
-        if let Some(receipt) = sql::lock_and_get_receipt(&tx, key).await? {
+        let (lock, receipt) = sql::lock_and_get_receipt(&tx, key).await?;
+        sql::check_isolation(key, &lock)?;
+        if let Some(receipt) = receipt {
             drop(tx.rollback().await);
             return replay(key, &fingerprint, receipt).map(Begun::Replayed);
         }
-        Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint, outbox: &self.outbox }))
+        Ok(Begun::Fresh(Work { tx, key: key.to_string(), fingerprint, began: lock.began, outbox: &self.outbox }))
     }
 }
 
@@ -199,6 +209,8 @@ pub struct Work<'c> {
     tx: deadpool_postgres::Transaction<'c>,
     key: String,
     fingerprint: Vec<u8>,
+    /// When the transaction that took the key began (`now()`, microseconds).
+    began: i64,
     outbox: &'c Outbox,
 }
 
@@ -250,13 +262,13 @@ impl<'c> Work<'c> {
     /// transaction, so the COMMIT rolls back and the error is the insert's.
     pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
         let stored = response_to_store(response)?;
-        let Work { tx, key, fingerprint, outbox } = self;
+        let Work { tx, key, fingerprint, began, outbox } = self;
         // Prepared first (once per connection), so that the insert is sent at its first poll,
         // ahead of the COMMIT. Its parameters (a text, a bytea and a JSON value, for text, bytea
         // and jsonb) cannot fail to encode, so the COMMIT never goes without the insert before it.
         sql::Db::prepare(&tx, sql::RECEIPT_INSERT).await.map_err(|e| Error::database("storing the response", e))?;
         let (stored, committed) =
-            futures::join!(sql::insert_receipt(&tx, &key, &fingerprint, &stored), tx.batch_execute("commit"));
+            futures::join!(sql::insert_receipt(&tx, &key, &fingerprint, &stored, began), tx.batch_execute("commit"));
         // The transaction has ended on the server either way (committed, or rolled back by the
         // COMMIT of a failed transaction): the handle must not send its ROLLBACK when dropped.
         // It owns nothing on the heap (a top-level transaction has no savepoint name).

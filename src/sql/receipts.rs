@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::{Db, all, count, micros};
+use super::{Db, all, count, micros, one};
 use crate::error::Result;
 
 /// The class of the advisory locks that serialize requests of one idempotency key (migration
@@ -14,16 +14,30 @@ pub(crate) const RECEIPT_LOCK_CLASS: i32 = 0x6964_6d70;
 
 /// Takes the key's lock: waits while another request of the key runs, until it ends. The
 /// receipt is read after it, in a statement of its own, which sees what that request committed
-/// (READ COMMITTED takes a snapshot per statement; one taken before the wait would not).
-pub(crate) const RECEIPT_LOCK: &str = "select pg_advisory_xact_lock($1, hashtext($2))";
+/// (READ COMMITTED takes a snapshot per statement; one taken before the wait would not, so the
+/// transaction's isolation comes back to be checked). Also returns when the transaction began
+/// (`now()`, in microseconds), which [`RECEIPT_INSERT`] compares with its own.
+pub(crate) const RECEIPT_LOCK: &str = "\
+select current_setting('transaction_isolation') as isolation,
+       (extract(epoch from now()) * 1000000)::int8 as began
+  from pg_advisory_xact_lock($1, hashtext($2))";
 
 pub(crate) const RECEIPT_GET: &str = "select fingerprint, response from outbox_relay.idempotency where key = $1";
 
 /// The receipt with its response, written once at the end of the work, in the COMMIT's round
 /// trip. It fails with unique_violation when a request that does not take the key's lock (the
-/// Rust doors before migration 0022) wrote the key's receipt meanwhile.
-pub(crate) const RECEIPT_INSERT: &str =
-    "insert into outbox_relay.idempotency (key, fingerprint, response) values ($1, $2, $3)";
+/// Rust doors before migration 0022) wrote the key's receipt meanwhile, and writes nothing when
+/// it does not run in the transaction that took the key (`$4`: when that one began): the work
+/// ended it itself, and the key's lock is gone.
+pub(crate) const RECEIPT_INSERT: &str = "\
+insert into outbox_relay.idempotency (key, fingerprint, response)
+select $1::text, $2::bytea, $3::jsonb where (extract(epoch from now()) * 1000000)::int8 = $4::int8";
+
+/// The key's lock held: when the transaction took it, and the transaction's isolation.
+pub(crate) struct KeyLock {
+    pub(crate) began: i64,
+    pub(crate) isolation: String,
+}
 
 /// A stored receipt: the request's fingerprint and the response given.
 pub(crate) struct Receipt {
@@ -35,23 +49,33 @@ pub(crate) struct Receipt {
 /// first, so that they are sent in this order when the joined futures are first polled. (On a
 /// connection that keeps statements: one of [`super::Unprepared`] would prepare each at its
 /// first poll, and could send the read ahead of the lock.)
-pub(crate) async fn lock_and_get_receipt(db: &impl Db, key: &str) -> Result<Option<Receipt>> {
+pub(crate) async fn lock_and_get_receipt(db: &impl Db, key: &str) -> Result<(KeyLock, Option<Receipt>)> {
     db.prepare(RECEIPT_LOCK).await.map_err(|e| crate::Error::database("taking the idempotency key's lock", e))?;
     db.prepare(RECEIPT_GET).await.map_err(|e| crate::Error::database("reading the idempotency receipt", e))?;
     let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&RECEIPT_LOCK_CLASS, &key];
     let get_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&key];
     let (locked, rows) = futures::join!(
-        all(db, RECEIPT_LOCK, &lock_params, "taking the idempotency key's lock"),
+        one(db, RECEIPT_LOCK, &lock_params, "taking the idempotency key's lock"),
         all(db, RECEIPT_GET, &get_params, "reading the idempotency receipt"),
     );
-    locked?;
-    Ok(rows?.first().map(|r| Receipt { fingerprint: r.get("fingerprint"), response: r.get("response") }))
+    let locked = locked?;
+    let lock = KeyLock { began: locked.get("began"), isolation: locked.get("isolation") };
+    let receipt = rows?.first().map(|r| Receipt { fingerprint: r.get("fingerprint"), response: r.get("response") });
+    Ok((lock, receipt))
 }
 
-/// Writes the receipt of `key` with `response`.
-pub(crate) async fn insert_receipt(db: &impl Db, key: &str, fingerprint: &[u8], response: &Value) -> Result<()> {
-    match db.run(RECEIPT_INSERT, &[&key, &fingerprint, response]).await {
-        Ok(_) => Ok(()),
+/// Writes the receipt of `key` with `response`, in the transaction that took the key's lock
+/// when `began`.
+pub(crate) async fn insert_receipt(
+    db: &impl Db,
+    key: &str,
+    fingerprint: &[u8],
+    response: &Value,
+    began: i64,
+) -> Result<()> {
+    match db.run(RECEIPT_INSERT, &[&key, &fingerprint, response, &began]).await {
+        Ok(1) => Ok(()),
+        Ok(_) => Err(crate::Error::new(crate::ErrorKind::Database, receipt_outside_its_transaction(key))),
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
             Err(crate::Error::database(&receipt_taken_meanwhile(key), e))
         }
@@ -59,11 +83,32 @@ pub(crate) async fn insert_receipt(db: &impl Db, key: &str, fingerprint: &[u8], 
     }
 }
 
+/// What a receipt's insert that found itself in another transaction than the key's lock means.
+pub(crate) fn receipt_outside_its_transaction(key: &str) -> String {
+    format!(
+        "the transaction of idempotency key {key:?} ended before the work's commit (a COMMIT or ROLLBACK run inside the work?): its receipt was not written, and the work's writes were committed or rolled back by that statement, not by this commit"
+    )
+}
+
+/// The transaction's isolation, when it is not the READ COMMITTED a key's lock relies on.
+pub(crate) fn check_isolation(key: &str, lock: &KeyLock) -> Result<()> {
+    if lock.isolation == "read committed" {
+        return Ok(());
+    }
+    Err(crate::Error::new(
+        crate::ErrorKind::InvalidInput,
+        format!(
+            "the unit of work of idempotency key {key:?} needs READ COMMITTED, and its transaction is {}: a request of the key that committed while this one waited would not be seen (begin the transaction with `isolation level read committed`); nothing was written",
+            lock.isolation
+        ),
+    ))
+}
+
 /// What a receipt's insert that met another one means: the key was taken, while this request
 /// ran, by one that does not take the key's lock.
 pub(crate) fn receipt_taken_meanwhile(key: &str) -> String {
     format!(
-        "idempotency key {key:?} was taken while this request ran, by a request that does not take the key's lock (a version of this library before migration 0022, or a receipt written by hand): nothing was written; retry the request to get the answer of the one that took the key"
+        "idempotency key {key:?} was taken while this request ran, by a request that does not take the key's lock (a version of this library before migration 0022, or a receipt written by hand): nothing was written; a retry replays that request's answer (or is refused, if it was another request)"
     )
 }
 

@@ -105,11 +105,12 @@ async fn fifty_concurrent_calls_with_one_key_make_one_order() {
     race(50).await;
 }
 
-/// A receipt of the key written while the work ran (as a request that does not take the key's
-/// lock writes it: this library before migration 0022): the work's receipt
-/// meets it at the commit, nothing of the work is written, and the error says to retry.
+/// The error mapping of a key taken meanwhile (by a request that does not take the key's lock:
+/// this library before migration 0022; `write_path.rs` races one for real): here the receipt is
+/// written inside the work itself, so the work's receipt meets it at the commit, nothing of the
+/// work is written, and the error says what happened.
 #[tokio::test]
-async fn a_key_taken_meanwhile_rolls_the_work_back() {
+async fn a_receipt_met_at_the_commit_rolls_the_work_back() {
     let (db, pool) = setup().await;
     let err = pg_outbox_relay::sqlx::execute(&pool, "key-1", &ana(), async |work| {
         sqlx::query("insert into orders (key, customer, total) values ('key-1', 'ana', 1)")
@@ -134,6 +135,31 @@ async fn a_key_taken_meanwhile_rolls_the_work_back() {
     assert_eq!(counts(&db).await, Counts::NOTHING);
     let placed = place_order_sqlx(&pool, "key-1", &ana(), false).await.unwrap();
     assert!(!placed.replayed, "the key is free again");
+}
+
+/// The sqlx door runs in the caller's transaction: one at REPEATABLE READ (here the pool's
+/// default) is refused before any work, since a request of the key that committed while this
+/// one waited for the key's lock would not be seen.
+#[tokio::test]
+async fn a_transaction_not_at_read_committed_is_refused_before_the_work() {
+    let (db, _) = setup().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("set default_transaction_isolation = 'repeatable read'").execute(conn).await.map(drop)
+            })
+        })
+        .connect(&db.url)
+        .await
+        .unwrap();
+    match place_order_sqlx(&pool, "key-1", &ana(), false).await.unwrap_err() {
+        TestError::Outbox(e) => {
+            assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+            assert!(e.to_string().contains("needs READ COMMITTED, and its transaction is repeatable read"), "{e}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(counts(&db).await, Counts::NOTHING);
 }
 
 #[tokio::test]

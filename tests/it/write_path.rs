@@ -188,10 +188,13 @@ async fn paused_order(
     (running, go_on, pid)
 }
 
-/// Waits until the server says that a backend is blocked by the one with `pid`.
+/// Waits until the server says that a backend is blocked by the one with `pid` (a minute at
+/// most: a backend that is never blocked fails the test).
 async fn until_blocked_by(db: &TestDb, pid: i32) {
     let c = db.client().await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
+        assert!(std::time::Instant::now() < deadline, "no backend was blocked by {pid} within a minute");
         let blocked: i64 = c
             .query_one("select count(*) from pg_stat_activity where $1 = any(pg_blocking_pids(pid))", &[&pid])
             .await
@@ -202,6 +205,53 @@ async fn until_blocked_by(db: &TestDb, pid: i32) {
         }
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// A request of a key that is running makes a second one wait on the key's lock; when the
+/// first commits, the second reads its receipt (in a statement after the wait) and replays it.
+/// Also at REPEATABLE READ as the database's default: the unit of work runs at READ COMMITTED.
+#[tokio::test]
+async fn a_request_waits_for_the_running_one_of_its_key_and_replays_its_answer() {
+    let db = setup().await;
+    for (key, isolation) in [("key-1", "read committed"), ("key-2", "repeatable read")] {
+        db.client()
+            .await
+            .batch_execute(&format!("alter database \"{}\" set default_transaction_isolation = '{isolation}'", db.name))
+            .await
+            .unwrap();
+        let outbox = Outbox::connect_with(db.database_url(), 4).await.unwrap();
+        let (running, go_on, pid) = paused_order(&db, key).await;
+        let waiting = tokio::spawn(async move { place_order(&outbox, key, &ana(), false).await });
+        until_blocked_by(&db, pid).await;
+        assert!(!waiting.is_finished());
+        go_on.send(()).unwrap();
+        let first = running.await.unwrap().unwrap();
+        let second = waiting.await.unwrap().unwrap();
+        assert!(!first.replayed, "{isolation}");
+        assert!(second.replayed, "{isolation}");
+        assert_eq!(second.response.order_id, first.response.order_id, "{isolation}");
+    }
+    assert_eq!(counts(&db).await.orders, 2);
+}
+
+/// A work that ends its transaction itself (a COMMIT run through the `Work`'s transaction) has
+/// no receipt written by a later `commit`: the error says so, and a retry is fresh, as it was
+/// when the response was stored with a claim made in that transaction.
+#[tokio::test]
+async fn a_work_that_commits_by_itself_gets_an_error_and_no_receipt() {
+    let db = setup().await;
+    let err = db
+        .outbox
+        .execute("key-1", &ana(), async |work| {
+            work.batch_execute("insert into orders (key, customer, total) values ('key-1', 'ana', 1); commit").await?;
+            Ok::<_, pg_outbox_relay::Error>(Placed { order_id: 1 })
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("ended before the work's commit"), "{err}");
+    assert_eq!(counts(&db).await, Counts { orders: 1, ..Counts::NOTHING }, "the work's own COMMIT committed its order");
+    let retry = place_order(&db.outbox, "key-1", &ana(), false).await.unwrap();
+    assert!(!retry.replayed);
 }
 
 /// The SQL door takes the key's lock as the Rust doors do: `begin_request` for a key whose
@@ -255,7 +305,7 @@ async fn a_key_taken_meanwhile_without_the_lock_rolls_the_request_back_and_its_r
     go_on.send(()).unwrap();
     let err = running.await.unwrap().unwrap_err();
     assert_eq!(err.code(), Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION), "{err}");
-    assert!(err.to_string().contains("retry the request to get the answer of the one that took the key"), "{err}");
+    assert!(err.to_string().contains("a retry replays that request's answer"), "{err}");
     assert_eq!(counts(&db).await.orders, 0, "the later request's order rolled back");
     let retry = place_order(&db.outbox, "key-1", &ana(), false).await.unwrap();
     assert!(retry.replayed);
