@@ -292,6 +292,11 @@ impl Work<'_> {
             Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => {
                 return Err(failed(&sql::receipt_taken_meanwhile(&self.key))(e));
             }
+            Err(e) if e.as_database_error().and_then(|d| d.code()).is_some_and(|code| code == "42501") => {
+                return Err(Error::new(ErrorKind::Permission, sql::RECEIPT_NOT_GRANTED)
+                    .with_sqlstate("42501")
+                    .with_source(e));
+            }
             Err(e) => return Err(failed("storing the response")(e)),
         }
         self.tx.commit().await.map_err(failed("committing"))

@@ -79,9 +79,15 @@ pub(crate) async fn insert_receipt(
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
             Err(crate::Error::database(&receipt_taken_meanwhile(key), e))
         }
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            Err(crate::Error::new(crate::ErrorKind::Permission, RECEIPT_NOT_GRANTED).with_source(e))
+        }
         Err(e) => Err(crate::Error::database("storing the response", e)),
     }
 }
+
+/// What a receipt's insert refused for its privileges means.
+pub(crate) const RECEIPT_NOT_GRANTED: &str = "storing the response: this role may not insert a receipt with its response (since migration 0022 the unit of work writes the receipt once, at its commit): grant it insert (key, fingerprint, response) on outbox_relay.idempotency, or re-run migrations/optional/least_privilege_roles.sql for outbox_writer; nothing was written";
 
 /// What a receipt's insert that found itself in another transaction than the key's lock means.
 pub(crate) fn receipt_outside_its_transaction(key: &str) -> String {

@@ -194,3 +194,61 @@ async fn the_consumer_role_keeps_its_inbox_and_nothing_else() {
         assert_eq!(refused.code(), Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE), "{table}");
     }
 }
+
+/// A writer role granted as before migration 0022 (a receipt's key and fingerprint only) cannot
+/// write the receipt with its response: the unit of work fails at its commit with a permission
+/// error that says which grant is missing, and writes nothing.
+#[tokio::test]
+async fn a_writer_without_the_receipts_response_is_told_which_grant_it_lacks() {
+    let db = TestDb::new().await;
+    let admin = db.client().await;
+    admin.batch_execute(ROLES_SQL).await.expect("applying the roles file");
+    let writer = format!("{}_writer", db.name);
+    admin
+        .batch_execute(&format!(
+            "create role {writer} login in role outbox_writer;
+             revoke insert (response) on outbox_relay.idempotency from outbox_writer;
+             create table orders (id bigserial primary key, customer text not null);
+             grant insert, select on orders to {writer};
+             grant usage on sequence orders_id_seq to {writer};"
+        ))
+        .await
+        .unwrap();
+    let service = Outbox::connect(&url_as(&db, &writer)).await.unwrap();
+    let err = service
+        .execute("key-1", &json!({"customer": "ana"}), async |work| {
+            let id: i64 =
+                work.query_one("insert into orders (customer) values ('ana') returning id", &[]).await?.get(0);
+            work.publish(&NewEvent::new("order.placed", json!({"order_id": id}))).await?;
+            Ok::<_, pg_outbox_relay::Error>(id)
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), pg_outbox_relay::ErrorKind::Permission, "{err}");
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    assert!(
+        err.to_string().contains("grant it insert (key, fingerprint, response) on outbox_relay.idempotency"),
+        "{err}"
+    );
+    // The same through the sqlx door.
+    let pool = sqlx::PgPool::connect(&url_as(&db, &writer)).await.unwrap();
+    let err = pg_outbox_relay::sqlx::execute(&pool, "key-1", &json!({"customer": "ana"}), async |work| {
+        sqlx::query("insert into orders (customer) values ('ana')").execute(&mut **work).await.unwrap();
+        Ok::<_, pg_outbox_relay::Error>(1)
+    })
+    .await
+    .unwrap_err();
+    assert_eq!(err.kind(), pg_outbox_relay::ErrorKind::Permission, "{err}");
+    assert_eq!(err.code(), Some(&SqlState::INSUFFICIENT_PRIVILEGE), "{err}");
+    assert!(
+        err.to_string().contains("grant it insert (key, fingerprint, response) on outbox_relay.idempotency"),
+        "{err}"
+    );
+    pool.close().await;
+    for table in ["orders", "outbox_relay.outbox", "outbox_relay.idempotency"] {
+        let n: i64 = admin.query_one(&format!("select count(*) from {table}"), &[]).await.unwrap().get(0);
+        assert_eq!(n, 0, "{table}");
+    }
+    drop(service);
+    admin.batch_execute(&format!("drop owned by {writer}; drop role {writer}")).await.unwrap();
+}
