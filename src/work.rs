@@ -63,10 +63,11 @@ impl Connection {
     ///
     /// # Behavior
     /// 1. Validates `key` and fingerprints `request` (SHA-256 of its JSON).
-    /// 2. Opens a transaction (READ COMMITTED, whatever the session's default) and takes the key's lock (an advisory lock of the transaction). If
-    ///    another request of the key is running, this waits for it: when it commits, its stored
-    ///    response comes back as [`Begun::Replayed`]; when it rolls back, this request gets the
-    ///    key. The receipt itself is written once, with the response, by [`Work::commit`].
+    /// 2. Opens a transaction (READ COMMITTED, whatever the session's default) and takes the
+    ///    key's lock (an advisory lock of the transaction). If another request of the key is
+    ///    running, this waits for it: when it commits, its stored response comes back as
+    ///    [`Begun::Replayed`]; when it rolls back, this request gets the key. The receipt itself
+    ///    is written once, with the response, by [`Work::commit`].
     /// 3. Returns [`Begun::Fresh`]: a [`Work`] that derefs to the open transaction for business
     ///    SQL, records audit entries and events, and [`commit`](Work::commit)s the response with
     ///    the receipt: business rows, audit entries, receipt and events exist together, or none
@@ -258,14 +259,16 @@ impl<'c> Work<'c> {
     ///
     /// The receipt and the COMMIT go in one round trip. When the receipt's insert fails on the
     /// server (the key was taken meanwhile by a request that does not take its lock: an earlier
-    /// version of this library), the server refuses what follows in the
-    /// transaction, so the COMMIT rolls back and the error is the insert's.
+    /// version of this library), the server refuses what follows in the transaction, so the
+    /// COMMIT rolls back and the error is the insert's. When the work ended the transaction
+    /// itself (a COMMIT or ROLLBACK run through it), no receipt is written, and the error says so.
     pub async fn commit<T: Serialize + ?Sized>(self, response: &T) -> Result<()> {
         let stored = response_to_store(response)?;
         let Work { tx, key, fingerprint, began, outbox } = self;
         // Prepared first (once per connection), so that the insert is sent at its first poll,
-        // ahead of the COMMIT. Its parameters (a text, a bytea and a JSON value, for text, bytea
-        // and jsonb) cannot fail to encode, so the COMMIT never goes without the insert before it.
+        // ahead of the COMMIT. Its parameters (a text, a bytea, a JSON value and an int8, for
+        // text, bytea, jsonb and int8) cannot fail to encode, so the COMMIT never goes without the
+        // insert before it.
         sql::Db::prepare(&tx, sql::RECEIPT_INSERT).await.map_err(|e| Error::database("storing the response", e))?;
         let (stored, committed) =
             futures::join!(sql::insert_receipt(&tx, &key, &fingerprint, &stored, began), tx.batch_execute("commit"));

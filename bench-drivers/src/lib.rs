@@ -69,13 +69,14 @@
 //! writes it:
 //!
 //! ```text
-//! begin;
-//! insert into outbox_relay.idempotency (key, fingerprint) ... on conflict do nothing;  -- the key claimed first
+//! begin isolation level read committed;
+//! select .. from pg_advisory_xact_lock($1, hashtext($2));                            -- the key's lock, and
+//! select fingerprint, response from outbox_relay.idempotency where key = $1;         -- its receipt (none)
 //! insert into bench_orders (customer, total) values ($1, $2) returning id;          -- business row
 //! insert into outbox_relay.audit (entity, entity_id, action, data, idempotency_key) .. ;
 //! insert into outbox_relay.outbox (topic, key, payload, available_at) .. ;          -- one event
-//! select outbox_relay.store_response($1, $2);                                        -- the response
-//! commit;
+//! insert into outbox_relay.idempotency (key, fingerprint, response) .. ;             -- the receipt, and
+//! commit;                                                                             -- (one round trip)
 //! ```
 //!
 //! The shapes without a receipt use a plain transaction and the low-level [`pg_outbox_relay::audit`].
