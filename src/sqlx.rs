@@ -25,15 +25,21 @@ use crate::sql;
 
 /// A sqlx error while `doing`, its SQLSTATE kept for [`Error::code`].
 fn failed(doing: &str) -> impl FnOnce(::sqlx::Error) -> Error + '_ {
-    move |e| {
-        let code = e.as_database_error().and_then(|db| db.code()).map(|code| code.into_owned());
-        let error = Error::new(ErrorKind::Database, format!("{doing}: {e}"));
-        let error = match code {
-            Some(code) => error.with_sqlstate(&code),
-            None => error,
-        };
-        error.with_source(e)
-    }
+    move |e| caused_by(Error::new(ErrorKind::Database, format!("{doing}: {e}")), e)
+}
+
+/// The SQLSTATE of a sqlx error, when the database answered.
+fn sqlstate(e: &::sqlx::Error) -> Option<String> {
+    e.as_database_error().and_then(|db| db.code()).map(|code| code.into_owned())
+}
+
+/// `error`, caused by the sqlx error `e`: its SQLSTATE kept for [`Error::code`].
+fn caused_by(error: Error, e: ::sqlx::Error) -> Error {
+    let error = match sqlstate(&e) {
+        Some(code) => error.with_sqlstate(&code),
+        None => error,
+    };
+    error.with_source(e)
 }
 
 /// Adds one event inside the caller's transaction (`&mut *tx`) and returns its id. A keyed
@@ -201,7 +207,7 @@ pub async fn begin<'t, Req: serde::Serialize + ?Sized>(
         .fetch_one(&mut *tx)
         .await
         .map_err(failed("taking the idempotency key's lock"))?;
-    sql::check_isolation(key, &sql::KeyLock { began, isolation })?;
+    sql::check_isolation(key, &isolation)?;
     let stored = ::sqlx::query_as::<_, (Vec<u8>, Option<Json<serde_json::Value>>)>(sql::RECEIPT_GET)
         .bind(key)
         .fetch_optional(&mut *tx)
@@ -287,17 +293,8 @@ impl Work<'_> {
             .execute(&mut *self.tx)
             .await;
         match inserted {
-            Ok(done) if done.rows_affected() == 1 => {}
-            Ok(_) => return Err(Error::new(ErrorKind::Database, sql::receipt_outside_its_transaction(&self.key))),
-            Err(e) if e.as_database_error().is_some_and(|d| d.is_unique_violation()) => {
-                return Err(failed(&sql::receipt_taken_meanwhile(&self.key))(e));
-            }
-            Err(e) if e.as_database_error().and_then(|d| d.code()).is_some_and(|code| code == "42501") => {
-                return Err(Error::new(ErrorKind::Permission, sql::RECEIPT_NOT_GRANTED)
-                    .with_sqlstate("42501")
-                    .with_source(e));
-            }
-            Err(e) => return Err(failed("storing the response")(e)),
+            Ok(done) => sql::receipt_written(&self.key, done.rows_affected())?,
+            Err(e) => return Err(caused_by(sql::receipt_refused(&self.key, sqlstate(&e).as_deref()), e)),
         }
         self.tx.commit().await.map_err(failed("committing"))
     }

@@ -113,7 +113,7 @@ impl Connection {
         // receipt, when it committed one, is what the read (a statement of its own, after the
         // wait) finds.
         let (lock, receipt) = sql::lock_and_get_receipt(&tx, key).await?;
-        sql::check_isolation(key, &lock)?;
+        sql::check_isolation(key, &lock.isolation)?;
         if let Some(receipt) = receipt {
             drop(tx.rollback().await);
             return replay(key, &fingerprint, receipt).map(Begun::Replayed);

@@ -5,7 +5,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use super::{Db, all, count, micros, one};
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 
 /// The class of the advisory locks that serialize requests of one idempotency key (migration
 /// 0022): `pg_advisory_xact_lock(RECEIPT_LOCK_CLASS, hashtext(key))`. Apart from the events'
@@ -50,8 +50,8 @@ pub(crate) struct Receipt {
 /// connection that keeps statements: one of [`super::Unprepared`] would prepare each at its
 /// first poll, and could send the read ahead of the lock.)
 pub(crate) async fn lock_and_get_receipt(db: &impl Db, key: &str) -> Result<(KeyLock, Option<Receipt>)> {
-    db.prepare(RECEIPT_LOCK).await.map_err(|e| crate::Error::database("taking the idempotency key's lock", e))?;
-    db.prepare(RECEIPT_GET).await.map_err(|e| crate::Error::database("reading the idempotency receipt", e))?;
+    db.prepare(RECEIPT_LOCK).await.map_err(|e| Error::database("taking the idempotency key's lock", e))?;
+    db.prepare(RECEIPT_GET).await.map_err(|e| Error::database("reading the idempotency receipt", e))?;
     let lock_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&RECEIPT_LOCK_CLASS, &key];
     let get_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&key];
     let (locked, rows) = futures::join!(
@@ -74,48 +74,55 @@ pub(crate) async fn insert_receipt(
     began: i64,
 ) -> Result<()> {
     match db.run(RECEIPT_INSERT, &[&key, &fingerprint, response, &began]).await {
-        Ok(1) => Ok(()),
-        Ok(_) => Err(crate::Error::new(crate::ErrorKind::Database, receipt_outside_its_transaction(key))),
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) => {
-            Err(crate::Error::database(&receipt_taken_meanwhile(key), e))
-        }
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
-            Err(crate::Error::new(crate::ErrorKind::Permission, RECEIPT_NOT_GRANTED).with_source(e))
-        }
-        Err(e) => Err(crate::Error::database("storing the response", e)),
+        Ok(rows) => receipt_written(key, rows),
+        Err(e) => Err(receipt_refused(key, e.code().map(|code| code.code())).with_source(e)),
     }
 }
 
-/// What a receipt's insert refused for its privileges means.
-pub(crate) const RECEIPT_NOT_GRANTED: &str = "storing the response: this role may not insert a receipt with its response (since migration 0022 the unit of work writes the receipt once, at its commit): grant it insert (key, fingerprint, response) on outbox_relay.idempotency, or re-run migrations/optional/least_privilege_roles.sql for outbox_writer; nothing was written";
-
-/// What a receipt's insert that found itself in another transaction than the key's lock means.
-pub(crate) fn receipt_outside_its_transaction(key: &str) -> String {
-    format!(
-        "the transaction of idempotency key {key:?} ended before the work's commit (a COMMIT or ROLLBACK run inside the work?): its receipt was not written, and the work's writes were committed or rolled back by that statement, not by this commit"
-    )
-}
-
-/// The transaction's isolation, when it is not the READ COMMITTED a key's lock relies on.
-pub(crate) fn check_isolation(key: &str, lock: &KeyLock) -> Result<()> {
-    if lock.isolation == "read committed" {
+/// What [`RECEIPT_INSERT`] writing `rows` rows means (both Rust doors): one is the receipt; none
+/// means that it did not run in the transaction that took the key.
+pub(crate) fn receipt_written(key: &str, rows: u64) -> Result<()> {
+    if rows == 1 {
         return Ok(());
     }
-    Err(crate::Error::new(
-        crate::ErrorKind::InvalidInput,
+    Err(Error::new(
+        ErrorKind::Database,
         format!(
-            "the unit of work of idempotency key {key:?} needs READ COMMITTED, and its transaction is {}: a request of the key that committed while this one waited would not be seen (begin the transaction with `isolation level read committed`); nothing was written",
-            lock.isolation
+            "the transaction of idempotency key {key:?} ended before the work's commit (a COMMIT or ROLLBACK run inside the work?): its receipt was not written, and the work's writes were committed or rolled back by that statement, not by this commit"
         ),
     ))
 }
 
-/// What a receipt's insert that met another one means: the key was taken, while this request
-/// ran, by one that does not take the key's lock.
-pub(crate) fn receipt_taken_meanwhile(key: &str) -> String {
-    format!(
-        "idempotency key {key:?} was taken while this request ran, by a request that does not take the key's lock (a version of this library before migration 0022, or a receipt written by hand): nothing was written; a retry replays that request's answer (or is refused, if it was another request)"
-    )
+/// What [`RECEIPT_INSERT`] failing with `sqlstate` means (both Rust doors; each adds the
+/// database's error as the source).
+pub(crate) fn receipt_refused(key: &str, sqlstate: Option<&str>) -> Error {
+    match sqlstate {
+        // The key was taken, while this request ran, by one that does not take the key's lock.
+        Some("23505") => Error::new(
+            ErrorKind::Database,
+            format!(
+                "idempotency key {key:?} was taken while this request ran, by a request that does not take the key's lock (a version of this library before migration 0022, or a receipt written by hand): nothing was written; a retry replays that request's answer (or is refused, if it was another request)"
+            ),
+        ),
+        Some("42501") => Error::new(
+            ErrorKind::Permission,
+            "storing the response: this role may not insert a receipt with its response (since migration 0022 the unit of work writes the receipt once, at its commit): grant it insert (key, fingerprint, response) on outbox_relay.idempotency, or re-run migrations/optional/least_privilege_roles.sql for outbox_writer; nothing was written",
+        ),
+        _ => Error::new(ErrorKind::Database, "storing the response"),
+    }
+}
+
+/// The transaction's isolation, when it is not the READ COMMITTED a key's lock relies on.
+pub(crate) fn check_isolation(key: &str, isolation: &str) -> Result<()> {
+    if isolation == "read committed" {
+        return Ok(());
+    }
+    Err(Error::new(
+        ErrorKind::InvalidInput,
+        format!(
+            "the unit of work of idempotency key {key:?} needs READ COMMITTED, and its transaction is {isolation}: a request of the key that committed while this one waited would not be seen (begin the transaction with `isolation level read committed`); nothing was written"
+        ),
+    ))
 }
 
 const IDEMPOTENCY_DELETE_EXPIRED: &str = "\
