@@ -10,8 +10,8 @@
 -- fails with unique_violation, and everything rolls back: the retry replays.
 --
 -- Measured with pgbench (one writer, the Rust door's statements, backend CPU per transaction,
--- synchronous_commit off): 576 / 570 µs claim-and-update, 506 / 510 µs lock, read and one
--- insert.
+-- synchronous_commit off, alternately): 630 / 670 / 635 µs claim and update, 595 / 622 / 640 µs
+-- lock, read and one insert as the doors send them (docs/performance.md).
 --
 -- Writers therefore insert the response column too. That gives them nothing new: a writer
 -- could already write any response into a receipt of a fresh key (claim it, then
