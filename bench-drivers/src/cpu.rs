@@ -78,6 +78,17 @@ impl CpuProfile {
         self.by_command.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     }
 
+    /// What the processes named `command` spent (zero when none ran).
+    pub fn of(&self, command: &str) -> Duration {
+        self.by_command.iter().filter(|(c, _)| c == command).map(|(_, cpu)| *cpu).sum()
+    }
+
+    /// What this process spent (its command name's share: other processes of the same name
+    /// count too).
+    pub fn this_process(&self) -> Duration {
+        std::fs::read_to_string("/proc/self/comm").map_or(Duration::ZERO, |comm| self.of(comm.trim_end()))
+    }
+
     /// The `n` commands that spent the most, each as cores used (e.g. `postgres 0.92`).
     pub fn top(&self, n: usize) -> Vec<(String, f64)> {
         self.by_command.iter().take(n).map(|(c, cpu)| (c.clone(), self.cores(*cpu))).collect()

@@ -122,7 +122,7 @@ pub use self::receivers::{
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};
 pub use self::sinks::{DevNullLines, nats_sink};
 pub use self::trickle::{Trickle, TrickleReport, trickle};
-pub use self::write::{Way, WriteTx, Writers, article_tps, reset_write_tables, write_tps};
+pub use self::write::{ArticleRun, Way, WriteTx, Writers, article_run, reset_write_tables, write_tps};
 
 /// The error type of this module: any error, with a message that says what failed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

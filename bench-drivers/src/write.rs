@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use pg_outbox_relay::{AuditEntry, NewEvent, Outbox};
 use serde_json::json;
 
+use super::cpu::{CpuProfile, CpuSample};
 use super::notify::{NotifyMode, reset_notify, set_notify_mode};
 use super::{BoxError, db};
 
@@ -424,11 +425,29 @@ impl Writer {
     }
 }
 
-/// Commits per second of the article's transaction through `way`, `writers` concurrent writers
-/// for `duration` (the tables emptied first, no relay running, the trigger as shipped).
-pub async fn article_tps(outbox: &Outbox, way: Way, writers: usize, duration: Duration) -> Result<f64, BoxError> {
+/// One run of the article's transaction: how many committed, and the machine's CPU meanwhile.
+#[derive(Debug, Clone)]
+pub struct ArticleRun {
+    /// Commits per second.
+    pub tps: f64,
+    /// Transactions committed.
+    pub commits: u64,
+    /// Where the machine's CPU went while the writers ran (PostgreSQL's backends, this process).
+    pub cpu: CpuProfile,
+}
+
+/// The article's transaction through `way`, `writers` concurrent writers for `duration` (the
+/// tables emptied first, no relay running, the trigger as shipped).
+pub async fn article_run(
+    outbox: &Outbox,
+    way: Way,
+    writers: usize,
+    duration: Duration,
+) -> Result<ArticleRun, BoxError> {
     reset_write_tables(outbox).await?;
     let mut writers = Writers::connect(outbox, writers, WriteTx::article(way)).await?;
+    let sample = CpuSample::now();
     let (commits, elapsed) = writers.run_for(duration).await?;
-    Ok(commits as f64 / elapsed.as_secs_f64())
+    let cpu = sample.profile();
+    Ok(ArticleRun { tps: commits as f64 / elapsed.as_secs_f64(), commits, cpu })
 }

@@ -376,10 +376,49 @@ fn print_drains(args: &BenchArgs, d: &Drains) {
 const ARTICLE_CLIENTS: [usize; 3] = [1, 4, 16];
 
 /// The article's transaction three ways: commits a second by writers and way, medians of
-/// [`ROUNDS`] alternating rounds.
+/// [`ROUNDS`] alternating rounds, and the CPU each way spent per commit over its rounds.
 struct ArticleReport {
-    /// `(writers, [plain tables, SQL functions, Rust unit of work])`.
-    rows: Vec<(usize, [f64; 3])>,
+    rows: Vec<ArticleRow>,
+}
+
+/// One number of writers: `[plain tables, SQL functions, Rust unit of work]`.
+struct ArticleRow {
+    writers: usize,
+    tps: [f64; 3],
+    cpu: [CommitCpu; 3],
+}
+
+/// CPU time per committed transaction, in microseconds: PostgreSQL's processes, this process
+/// (the writers' client side), and the whole machine (both, and whatever else ran).
+#[derive(Clone, Copy, Default)]
+struct CommitCpu {
+    postgres: f64,
+    client: f64,
+    machine: Option<f64>,
+}
+
+impl CommitCpu {
+    fn of(runs: &[bench::ArticleRun]) -> CommitCpu {
+        let mut profile = bench::CpuProfile::default();
+        for run in runs {
+            profile.add(&run.cpu);
+        }
+        let commits = runs.iter().map(|run| run.commits).sum::<u64>().max(1) as f64;
+        let per_commit = |cpu: Duration| cpu.as_secs_f64() * 1e6 / commits;
+        CommitCpu {
+            postgres: per_commit(profile.of("postgres")),
+            client: per_commit(profile.this_process()),
+            machine: profile.machine.map(per_commit),
+        }
+    }
+
+    fn json(self) -> serde_json::Value {
+        json!({
+            "postgres_us": rounded(self.postgres, 1),
+            "client_us": rounded(self.client, 1),
+            "machine_us": self.machine.map(|m| rounded(m, 1)),
+        })
+    }
 }
 
 fn article_step(args: &BenchArgs) -> String {
@@ -392,14 +431,15 @@ fn article_step(args: &BenchArgs) -> String {
 async fn article_rounds(args: &BenchArgs, outbox: &pg_outbox_relay::Outbox) -> Result<ArticleReport, BenchError> {
     let mut rows = Vec::new();
     for writers in ARTICLE_CLIENTS {
-        let mut rates: [Vec<f64>; 3] = Default::default();
+        let mut runs: [Vec<bench::ArticleRun>; 3] = Default::default();
         for _ in 0..ROUNDS {
             for (i, way) in bench::Way::ALL.into_iter().enumerate() {
-                rates[i].push(bench::article_tps(outbox, way, writers, args.write_duration).await?);
+                runs[i].push(bench::article_run(outbox, way, writers, args.write_duration).await?);
             }
         }
-        let [plain, sql, rust] = &mut rates;
-        rows.push((writers, [median(plain), median(sql), median(rust)]));
+        let tps = runs.each_ref().map(|runs| median(&mut runs.iter().map(|run| run.tps).collect::<Vec<_>>()));
+        let cpu = runs.each_ref().map(|runs| CommitCpu::of(runs));
+        rows.push(ArticleRow { writers, tps, cpu });
     }
     Ok(ArticleReport { rows })
 }
@@ -408,7 +448,7 @@ fn article_json(r: &ArticleReport) -> serde_json::Value {
     let rows: Vec<serde_json::Value> = r
         .rows
         .iter()
-        .map(|(writers, [plain, sql, rust])| {
+        .map(|ArticleRow { writers, tps: [plain, sql, rust], cpu: [plain_cpu, sql_cpu, rust_cpu] }| {
             json!({
                 "writers": writers,
                 "plain_tables_tps": rounded(*plain, 1),
@@ -416,6 +456,11 @@ fn article_json(r: &ArticleReport) -> serde_json::Value {
                 "rust_unit_of_work_tps": rounded(*rust, 1),
                 "sql_functions_share_of_plain": rounded(sql / plain, 3),
                 "rust_unit_of_work_share_of_plain": rounded(rust / plain, 3),
+                "cpu_per_commit": {
+                    "plain_tables": plain_cpu.json(),
+                    "sql_functions": sql_cpu.json(),
+                    "rust_unit_of_work": rust_cpu.json(),
+                },
             })
         })
         .collect();
@@ -425,7 +470,7 @@ fn article_json(r: &ArticleReport) -> serde_json::Value {
 fn print_article(r: &ArticleReport) {
     out!("the article's transaction, commits a second (medians of {ROUNDS}):");
     out!("  {:>8}{:>14}{:>22}{:>22}", "writers", "plain tables", "SQL functions", "Rust unit of work");
-    for (writers, [plain, sql, rust]) in &r.rows {
+    for ArticleRow { writers, tps: [plain, sql, rust], .. } in &r.rows {
         out!(
             "  {writers:>8}{:>14}{:>14} ({:>3.0} %){:>14} ({:>3.0} %)",
             grouped(*plain),
@@ -434,6 +479,15 @@ fn print_article(r: &ArticleReport) {
             grouped(*rust),
             rust / plain * 100.0
         );
+    }
+    out!("CPU per commit, microseconds: PostgreSQL + this process (the whole machine):");
+    out!("  {:>8}{:>22}{:>22}{:>22}", "writers", "plain tables", "SQL functions", "Rust unit of work");
+    let cell = |c: &CommitCpu| {
+        let machine = c.machine.map_or_else(|| "?".to_string(), |m| format!("{m:.0}"));
+        format!("{:.0} + {:.0} ({machine})", c.postgres, c.client)
+    };
+    for ArticleRow { writers, cpu, .. } in &r.rows {
+        out!("  {writers:>8}{:>22}{:>22}{:>22}", cell(&cpu[0]), cell(&cpu[1]), cell(&cpu[2]));
     }
 }
 
