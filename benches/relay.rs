@@ -18,6 +18,11 @@
 //!   the drain is compared with (`benches/claim_delete.pgbench`), on the same pre-fill.
 //! - `write_path/*`: one business transaction on one connection, growing from the bare business
 //!   insert to the full transaction with ten events (trigger in place, no relay running).
+//! - `article/{plain_tables,sql_functions,rust_unit_of_work}/{1,4,16}`: the article's transaction
+//!   (an order, its audit entry, its receipt and one keyed event) from 1, 4 and 16 concurrent
+//!   writers, in transactions per second: on the article's own plain tables (the reference),
+//!   through the SQL functions of the unit of work, and through `Outbox::execute` (what
+//!   `outbox-relay bench --write-path-only` compares, there in alternating rounds).
 //! - `notify_cost/{no_trigger,trigger,notify_every_commit}/{1,4,16}`: the full transaction from
 //!   1, 4 and 16 concurrent writers, in transactions per second: without the trigger; with the
 //!   trigger as shipped and no relay waiting (what writers pay under load); and with every commit
@@ -72,6 +77,7 @@ fn main() {
     throughput(&mut criterion, &env);
     delivery(&mut criterion, &env);
     write_path(&mut criterion, &env);
+    article(&mut criterion, &env);
     notify_cost(&mut criterion, &env);
     trace_context(&mut criterion, &env);
 
@@ -336,6 +342,34 @@ fn write_path(c: &mut Criterion, env: &Env) {
             });
             b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
         });
+    }
+    group.finish();
+}
+
+fn article(c: &mut Criterion, env: &Env) {
+    let mut group = c.benchmark_group("article");
+    group
+        .sample_size(20)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .throughput(Throughput::Elements(1));
+    for writer_count in [1, 4, 16] {
+        for way in bench::Way::ALL {
+            let mut writers: Option<Writers> = None;
+            group.bench_function(BenchmarkId::new(way.name(), writer_count), |b| {
+                let writers = writers.get_or_insert_with(|| {
+                    let outbox = env.database("article");
+                    env.block_on(async {
+                        ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
+                        ok(
+                            Writers::connect(&outbox, writer_count, WriteTx::article(way)).await,
+                            "connecting the writers",
+                        )
+                    })
+                });
+                b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+            });
+        }
     }
     group.finish();
 }
