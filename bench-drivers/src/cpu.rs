@@ -23,6 +23,8 @@ pub struct CpuProfile {
     /// CPU time by command name, most first (a process started in between counts whole; one
     /// that ended in between is missing).
     pub by_command: Vec<(String, Duration)>,
+    /// What this process spent.
+    pub this_process: Duration,
 }
 
 impl CpuSample {
@@ -44,7 +46,9 @@ impl CpuSample {
         let mut by_command: Vec<(String, Duration)> =
             by_command.into_iter().filter(|(_, t)| *t > 0).map(|(c, t)| (c, time(t))).collect();
         by_command.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let own = |sample: &CpuSample| sample.processes.get(&std::process::id()).map_or(0, |(_, t)| *t);
         CpuProfile {
+            this_process: time(own(&now).saturating_sub(own(self))),
             elapsed: now.at.duration_since(self.at),
             machine: now.machine.zip(self.machine).map(|(after, before)| after.saturating_sub(before)),
             by_command,
@@ -69,6 +73,7 @@ impl CpuProfile {
         self.machine =
             if self.elapsed.is_zero() { other.machine } else { self.machine.zip(other.machine).map(|(a, b)| a + b) };
         self.elapsed += other.elapsed;
+        self.this_process += other.this_process;
         for (command, cpu) in &other.by_command {
             match self.by_command.iter_mut().find(|(c, _)| c == command) {
                 Some((_, total)) => *total += *cpu,
@@ -81,12 +86,6 @@ impl CpuProfile {
     /// What the processes named `command` spent (zero when none ran).
     pub fn of(&self, command: &str) -> Duration {
         self.by_command.iter().filter(|(c, _)| c == command).map(|(_, cpu)| *cpu).sum()
-    }
-
-    /// What this process spent (its command name's share: other processes of the same name
-    /// count too).
-    pub fn this_process(&self) -> Duration {
-        std::fs::read_to_string("/proc/self/comm").map_or(Duration::ZERO, |comm| self.of(comm.trim_end()))
     }
 
     /// The `n` commands that spent the most, each as cores used (e.g. `postgres 0.92`).

@@ -407,7 +407,7 @@ impl CommitCpu {
         let per_commit = |cpu: Duration| cpu.as_secs_f64() * 1e6 / commits;
         CommitCpu {
             postgres: per_commit(profile.of("postgres")),
-            client: per_commit(profile.this_process()),
+            client: per_commit(profile.this_process),
             machine: profile.machine.map(per_commit),
         }
     }

@@ -542,6 +542,31 @@ async fn bench_latency_only_measures_each_path_against_the_floor() {
     }
 }
 
+/// `--write-path-only` runs the article's transaction three ways at 1, 4 and 16 writers, with the
+/// CPU each way spent per commit.
+#[tokio::test]
+async fn bench_write_path_only_compares_the_three_ways_with_their_cpu() {
+    let server = crate::harness::server().url_for("postgres").to_connection_string();
+    let args = ["bench", "--json", "--write-path-only", "--write-duration", "200ms"];
+    let output = cli_within(&server, &args, BENCH_PATIENCE).await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{out}\n{}", stderr(&output));
+    let report: Value = serde_json::from_str(out.trim()).unwrap();
+    let rows = report["article_transaction"].as_array().unwrap();
+    let writers: Vec<u64> = rows.iter().map(|r| r["writers"].as_u64().unwrap()).collect();
+    assert_eq!(writers, [1, 4, 16], "{report}");
+    for row in rows {
+        for way in ["plain_tables", "sql_functions", "rust_unit_of_work"] {
+            assert!(row[format!("{way}_tps")].as_f64().unwrap() > 0.0, "{row}");
+            let cpu = &row["cpu_per_commit"][way];
+            // Linux's /proc: PostgreSQL's backends and this process both worked for each commit.
+            assert!(cpu["postgres_us"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(cpu["client_us"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(cpu["machine_us"].as_f64().unwrap() >= cpu["client_us"].as_f64().unwrap(), "{row}");
+        }
+    }
+}
+
 /// `--held-only` runs that stage alone and prints its figures, with a `--relay-arg` passed to its
 /// relay; a rate out of range is refused before anything runs.
 #[tokio::test]
