@@ -330,20 +330,37 @@ fn write_path(c: &mut Criterion, env: &Env) {
         ("full_10_events", WriteTx::full_with_events(10)),
     ];
     for (name, shape) in shapes {
-        let mut writers: Option<Writers> = None;
-        group.bench_function(name, |b| {
-            let writers = writers.get_or_insert_with(|| {
-                let outbox = env.database("write_path");
-                env.block_on(async {
-                    ok(bench::reset_notify(&outbox).await, "restoring the trigger");
-                    ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
-                    ok(Writers::connect(&outbox, 1, shape).await, "connecting the writer")
-                })
-            });
-            b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+        writers_function(&mut group, env, BenchmarkId::from_parameter(name), "write_path", 1, shape, |outbox| {
+            ok(env.block_on(bench::reset_notify(outbox)), "restoring the trigger");
         });
     }
     group.finish();
+}
+
+/// A function of `group` timing `count` writers of `shape` over `iters` transactions in all.
+/// They are connected at its first run, to the database of `database`, after `set_up` and with
+/// the write-path tables emptied, and kept for its later iterations.
+fn writers_function(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    env: &Env,
+    id: BenchmarkId,
+    database: &'static str,
+    count: usize,
+    shape: WriteTx,
+    mut set_up: impl FnMut(&Outbox),
+) {
+    let mut writers: Option<Writers> = None;
+    group.bench_function(id, |b| {
+        let writers = writers.get_or_insert_with(|| {
+            let outbox = env.database(database);
+            set_up(&outbox);
+            env.block_on(async {
+                ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
+                ok(Writers::connect(&outbox, count, shape).await, "connecting the writers")
+            })
+        });
+        b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+    });
 }
 
 fn article(c: &mut Criterion, env: &Env) {
@@ -355,20 +372,8 @@ fn article(c: &mut Criterion, env: &Env) {
         .throughput(Throughput::Elements(1));
     for writer_count in [1, 4, 16] {
         for way in bench::Way::ALL {
-            let mut writers: Option<Writers> = None;
-            group.bench_function(BenchmarkId::new(way.name(), writer_count), |b| {
-                let writers = writers.get_or_insert_with(|| {
-                    let outbox = env.database("article");
-                    env.block_on(async {
-                        ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
-                        ok(
-                            Writers::connect(&outbox, writer_count, WriteTx::article(way)).await,
-                            "connecting the writers",
-                        )
-                    })
-                });
-                b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
-            });
+            let id = BenchmarkId::new(way.name(), writer_count);
+            writers_function(&mut group, env, id, "article", writer_count, WriteTx::article(way), |_| {});
         }
     }
     group.finish();
@@ -384,19 +389,10 @@ fn notify_cost(c: &mut Criterion, env: &Env) {
     let mut touched = false;
     for writer_count in [1, 4, 16] {
         for mode in [NotifyMode::NoTrigger, NotifyMode::Trigger, NotifyMode::NotifyEveryCommit] {
-            let name = mode.name();
-            let mut writers: Option<Writers> = None;
-            group.bench_function(BenchmarkId::new(name, writer_count), |b| {
-                let writers = writers.get_or_insert_with(|| {
-                    touched = true;
-                    let outbox = env.database("notify_cost");
-                    env.block_on(async {
-                        ok(bench::set_notify_mode(&outbox, mode).await, "setting the trigger");
-                        ok(bench::reset_write_tables(&outbox).await, "emptying the write-path tables");
-                        ok(Writers::connect(&outbox, writer_count, WriteTx::FULL).await, "connecting the writers")
-                    })
-                });
-                b.iter_custom(|iters| env.block_on(async { ok(writers.run_count(iters).await, "writing") }));
+            let id = BenchmarkId::new(mode.name(), writer_count);
+            writers_function(&mut group, env, id, "notify_cost", writer_count, WriteTx::FULL, |outbox| {
+                touched = true;
+                ok(env.block_on(bench::set_notify_mode(outbox, mode)), "setting the trigger");
             });
         }
     }

@@ -13,41 +13,11 @@ use super::{BoxError, db};
 
 const CUSTOMER: &str = "bench-customer";
 const TOTAL: f64 = 12.5;
-const ORDERS_CREATE: &str = "\
-create table if not exists public.bench_orders (
-    id         bigserial primary key,
-    customer   text not null,
-    total      float8 not null,
-    created_at timestamptz not null default now()
-)";
+/// `bench_orders` and the article's own tables (see the file), created if missing.
+const WRITE_TABLES_CREATE: &str = include_str!("write_tables.sql");
 const ORDERS_INSERT: &str = "insert into public.bench_orders (customer, total) values ($1, $2) returning id";
 const WRITE_TABLES_TRUNCATE: &str = "truncate public.bench_orders, outbox_relay.audit, outbox_relay.idempotency,
     outbox_relay.outbox, public.bench_article_outbox, public.bench_article_audit, public.bench_article_idempotency";
-/// The article's own tables, as it creates them (its outbox, audit and receipts: no trigger, no
-/// check, no function), for [`Way::PlainTables`].
-const ARTICLE_TABLES_CREATE: &str = "\
-create table if not exists public.bench_article_outbox (
-    id           bigserial primary key,
-    topic        text not null,
-    payload      jsonb not null,
-    available_at timestamptz not null default now(),
-    processed_at timestamptz,
-    attempts     int not null default 0,
-    last_error   text
-);
-create table if not exists public.bench_article_audit (
-    id        bigserial primary key,
-    entity    text not null,
-    entity_id text not null,
-    action    text not null,
-    data      jsonb not null,
-    at        timestamptz not null default now()
-);
-create table if not exists public.bench_article_idempotency (
-    key        text primary key,
-    response   jsonb not null,
-    created_at timestamptz not null default now()
-)";
 /// The article's transaction on its own tables (after the order's insert): audit, outbox,
 /// receipt with the response.
 const ARTICLE_PLAIN: [&str; 3] = [
@@ -138,8 +108,7 @@ impl WriteTx {
 /// measurement (skipped when the user may not: it needs superuser or `pg_checkpoint`).
 pub async fn reset_write_tables(outbox: &Outbox) -> Result<(), BoxError> {
     let client = outbox.connection().await?;
-    client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
-    client.batch_execute(ARTICLE_TABLES_CREATE).await.map_err(db("creating the article's tables"))?;
+    client.batch_execute(WRITE_TABLES_CREATE).await.map_err(db("creating the write path's tables"))?;
     client.batch_execute(WRITE_TABLES_TRUNCATE).await.map_err(db("truncating the write-path tables"))?;
     if let Err(e) = client.batch_execute("checkpoint").await {
         tracing::debug!(error = %e, "no checkpoint before the write measurement");
@@ -193,8 +162,7 @@ impl Writers {
         }
         {
             let client = outbox.connection().await?;
-            client.batch_execute(ORDERS_CREATE).await.map_err(db("creating the bench_orders table"))?;
-            client.batch_execute(ARTICLE_TABLES_CREATE).await.map_err(db("creating the article's tables"))?;
+            client.batch_execute(WRITE_TABLES_CREATE).await.map_err(db("creating the write path's tables"))?;
         }
         let run = rand::random::<u64>();
         let connecting = (0..count).map(|n| Writer::connect(outbox, format!("bench-{run:016x}-{n}")));

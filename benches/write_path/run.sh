@@ -30,7 +30,7 @@ binary=$(cd "$here/../.." && pwd)/target/release/outbox-relay
 db=${admin%/*}/outbox_write_path
 psql -XAtq -v ON_ERROR_STOP=1 "$admin" -c "drop database if exists outbox_write_path" -c "create database outbox_write_path" 2>/dev/null
 DATABASE_URL=$db RUST_LOG=error "$binary" migrate >/dev/null
-psql -XAtq -v ON_ERROR_STOP=1 "$db" -f "$here/tables.sql"
+psql -XAtq -v ON_ERROR_STOP=1 "$db" -f "$here/../../bench-drivers/src/write_tables.sql"
 
 for writers in 1 4 16; do
     for round in $(seq "$rounds"); do
