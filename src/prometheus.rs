@@ -329,6 +329,13 @@ fn register_relay(registry: &mut Registry, relay: &[(String, MetricsSnapshot)]) 
         relay,
         |r| r.fast_delivered,
     );
+    counters(
+        registry,
+        "outbox_relay_batches_read_ahead",
+        "Batches of new events claimed in the transaction of the batch before them, while it was delivered",
+        relay,
+        |r| r.read_ahead,
+    );
     counters(registry, "outbox_relay_wakeups", "Wake-ups from NOTIFY or from commits in this process", relay, |r| {
         r.wakeups
     });

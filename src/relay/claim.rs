@@ -20,8 +20,8 @@ use tokio::time::Instant;
 use super::breaker::Breaker;
 use super::busy::Rate;
 use super::config::RelayConfig;
-use super::fast::{Busy, FastPath, Snapshot};
-use super::held::{Held, NewLock, SharedNewLock};
+use super::fast::{Busy, FastPath, Snapshot, Ticket};
+use super::held::{Held, NewLock, READ_AHEAD, SharedNewLock};
 use super::lease::Leases;
 use super::metrics::RelayMetrics;
 use super::outcome::{Outcome, Outcomes};
@@ -125,6 +125,32 @@ impl Batch {
     }
 }
 
+impl Batch {
+    /// Takes out the events of `keys` (keys that wait now: an event of theirs in the batch
+    /// delivered before this one failed or was given back, after this one was read ahead):
+    /// their ids and attempts, to be parked behind them.
+    pub(crate) fn behind(&mut self, keys: &[String]) -> Vec<(i64, i32)> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let keys: HashSet<&str> = keys.iter().map(String::as_str).collect();
+        let mut behind = Vec::new();
+        let mut ages = std::mem::take(&mut self.ages).into_iter();
+        let (mut events, mut kept_ages) = (Vec::with_capacity(self.events.len()), Vec::with_capacity(ages.len()));
+        for event in std::mem::take(&mut self.events) {
+            let age = ages.next().unwrap_or_default();
+            if event.key.as_deref().is_some_and(|key| keys.contains(key)) {
+                behind.push((event.id, event.attempts));
+            } else {
+                events.push(event);
+                kept_ages.push(age);
+            }
+        }
+        (self.events, self.ages) = (events, kept_ages);
+        behind
+    }
+}
+
 /// What a claim is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Claim {
@@ -213,12 +239,7 @@ impl Claims {
             };
             let (mut held, mut claimed) = Held::begin(client, claim).await?;
             let claimed_at = Instant::now();
-            // The new events it took are this claim's, not the fast path's.
-            let busy = claimed.held_new.then(|| {
-                let snapshot = claimed.snapshot.as_deref().and_then(Snapshot::parse);
-                let handed = std::mem::take(&mut claimed.handed_keys);
-                self.fast.claimed(ticket, snapshot, !claimed.more, handed, &claimed.parked_keys)
-            });
+            let busy = self.handed(ticket, &mut claimed);
             if claimed.foreign_position {
                 // Taken in another cluster (a restored dump): nothing was claimed on its word.
                 held.rollback().await?;
@@ -232,14 +253,7 @@ impl Claims {
                 self.register_again().await?;
                 return Ok(None);
             }
-            self.metrics.claimed(claimed.rows.len(), claimed_at - started);
-            if claimed.early > 0 {
-                tracing::info!(
-                    events = claimed.early,
-                    "events delivered by a claim that never committed (its relay stopped in the middle of the delivery) \
-                     are recorded as delivered, not sent again"
-                );
-            }
+            self.counted(&claimed, claimed_at - started);
             if claimed.parked_all {
                 self.timer.parked_taken(news);
             }
@@ -267,6 +281,66 @@ impl Claims {
             }
             return Ok(Some((Some(held), claimed, claimed_at, busy)));
         }
+    }
+
+    /// The new events a claim took are its own, not the fast path's: tells the fast path, and
+    /// returns their keys, which it holds back until the batch is done.
+    fn handed(&self, ticket: Option<Ticket>, claimed: &mut sql::Claimed) -> Option<Busy> {
+        claimed.held_new.then(|| {
+            let snapshot = claimed.snapshot.as_deref().and_then(Snapshot::parse);
+            let handed = std::mem::take(&mut claimed.handed_keys);
+            self.fast.claimed(ticket, snapshot, !claimed.more, handed, &claimed.parked_keys)
+        })
+    }
+
+    /// Counts what a claim took, in `took`.
+    fn counted(&self, claimed: &sql::Claimed, took: Duration) {
+        self.metrics.claimed(claimed.rows.len(), took);
+        if claimed.early > 0 {
+            tracing::info!(
+                events = claimed.early,
+                "events delivered by a claim that never committed (its relay stopped in the middle of the delivery) \
+                 are recorded as delivered, not sent again"
+            );
+        }
+    }
+
+    /// Claims the next batch of new events in `held`'s transaction, which holds their lock and
+    /// whose batch is being delivered meanwhile (the claim's work on the server overlaps the
+    /// delivery's). The claim runs inside the savepoint [`READ_AHEAD`]: until the batch is
+    /// adopted (its predecessor done and recorded in the transaction), a commit of the
+    /// transaction undoes it, so a lease of the batch in delivery never commits a position past
+    /// events nobody delivered. `None`: nothing was taken (the position may have moved past
+    /// events parked or not the destination's: the transaction commits that); the caller marks
+    /// the transaction (`Held::set_read_ahead`) when it took a batch or failed. Only new events
+    /// are read ahead; the parked ones are other claims' (they take turns on their own).
+    pub(crate) async fn read_ahead(&self, held: &Held, leases: &Leases) -> Result<Option<Batch>> {
+        let config = &self.config;
+        let size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
+        let turn = self.turns.next(config, self.pauses.topics(), true, false, self.fast.owner());
+        let started = Instant::now();
+        let decided = |id| self.fast.decided(id);
+        let db = held.db();
+        let (savepoint, claimed) = futures::join!(
+            db.batch_execute(READ_AHEAD),
+            sql::claim_events(db, &self.to, size, config.dead_letter_holds_key, &turn, &decided)
+        );
+        savepoint.map_err(|e| crate::error::Error::database("reading a claim ahead", e))?;
+        let mut claimed = claimed?;
+        let claimed_at = Instant::now();
+        if !claimed.held_new || claimed.foreign_position || claimed.unregistered {
+            // Cannot be (the transaction holds the lock, and read the position before): such a
+            // claim moves nothing; the next claim of a transaction of its own sees to it.
+            return Ok(None);
+        }
+        let busy = self.handed(None, &mut claimed);
+        self.counted(&claimed, claimed_at - started);
+        let batch =
+            self.batch(Claim::Batch { schedule_next: false }, (None, claimed, claimed_at, busy), leases).await?;
+        if batch.is_some() {
+            self.metrics.read_ahead();
+        }
+        Ok(batch)
     }
 
     /// The destination was dropped while this relay served it (its position is gone, so no claim

@@ -31,9 +31,11 @@ pub struct RelayConfig {
     pub lease: Duration,
     /// How long a claim's transaction may stay open while its batch is delivered, its row locks
     /// holding the events: then the claim writes nothing and the outcome commits with it, the
-    /// fastest way through the database. A delivery that takes longer has its claim turned into
-    /// a lease (the rows written, the transaction committed), so that no transaction stays open
-    /// long; zero leases every claim at once. A delivery from a notification (the fast path)
+    /// fastest way through the database. While a backlog of new events waits, the transaction
+    /// goes on from batch to batch (each claimed while the one before is delivered, all
+    /// committed together) for up to half the hold. A transaction held longer has its claim
+    /// turned into a lease (the rows written, the transaction committed), so that no
+    /// transaction stays open long; zero leases every claim at once. A delivery from a notification (the fast path)
     /// holds no transaction, but holds back the relay's claims of new events while it goes on:
     /// one that outlives the hold is leased the same way (with a zero hold, after
     /// `record_every`), so that the other keys' events go on. At most 60 s, and shorter than the
@@ -68,7 +70,8 @@ pub struct RelayConfig {
     pub destination_expiry: Duration,
     /// How often the events of a claim that are delivered already are recorded, while the rest
     /// of it is still in delivery, so that a relay killed then sends again only what was in
-    /// flight or finished in the last moments, not its whole claim: a held claim's, from another
+    /// flight or finished in the last moments, not its whole claim (nor the earlier batches of
+    /// its transaction, counted from its first claim): a held claim's, from another
     /// connection, beside its open transaction (migration 0017; its commit, or after a crash the
     /// next claim, records them delivered); a leased one's by its token. Zero: a claim is
     /// recorded once it is all delivered. Defaults to 20 ms. See docs/guarantees.md.

@@ -117,7 +117,7 @@ impl<H: Handler> Engine<H> {
         let mut services = self.services(&shared, &stop);
         let (config, metrics) = (self.config.clone(), self.metrics.clone());
         let (pool, name) = (self.pool.clone(), self.to.name.clone());
-        let batches = Arc::new(self.batches(&shared));
+        let batches = Arc::new(self.batches(&shared, &stop));
         let mut workers = JoinSet::new();
         let fast_task = fast_task::FastTask {
             batches: batches.clone(),
@@ -205,7 +205,7 @@ impl<H: Handler> Engine<H> {
     }
 
     /// The parts that claim, deliver, judge and record the destination's batches.
-    fn batches(self, shared: &Shared) -> batch::Batches<H> {
+    fn batches(self, shared: &Shared, stop: &CancellationToken) -> batch::Batches<H> {
         let Engine { to, config, handler, metrics, pool, .. } = self;
         let breaker = Arc::new(breaker::Breaker::new(
             config.breaker_threshold,
@@ -238,6 +238,7 @@ impl<H: Handler> Engine<H> {
             recorder: record::Recorder { pool: pool.clone(), to: name, metrics: metrics.clone() },
             timer: shared.timer.clone(),
             row: shared.row.clone(),
+            stop: stop.clone(),
             claims: claim::Claims {
                 pool,
                 to,

@@ -227,9 +227,20 @@ impl<H: Handler> FastTask<H> {
         fast.lease_flight(events);
         let claimed: Vec<(i64, i32)> = events.iter().map(|event| (event.id, event.attempts)).collect();
         let parked: HashSet<i64> = claimed.iter().map(|(id, _)| *id).collect();
-        let (mut no_claim, mut early) = (None, Vec::new());
+        let (mut no_claim, mut early, now) = (None, Vec::new(), Instant::now());
+        let mut record_at = now + leases.record_every;
         let done = leases
-            .keep_while(&mut *delivery, &mut no_claim, &claimed, &parked, token, Instant::now(), progress, &mut early)
+            .keep_while(
+                &mut *delivery,
+                &mut no_claim,
+                &claimed,
+                &parked,
+                token,
+                (now, now),
+                &mut record_at,
+                progress,
+                &mut early,
+            )
             .await;
         (done, true)
     }

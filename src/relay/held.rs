@@ -18,11 +18,24 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+/// The savepoint a batch is read ahead in, while the transaction's last batch is delivered.
+pub(crate) const READ_AHEAD: &str = "savepoint read_ahead";
+/// Undoes the claim of a batch read ahead (its events are new again).
+const UNDO_READ_AHEAD: &str = "rollback to savepoint read_ahead";
+/// Keeps what the claim read ahead took: the savepoint's work is the transaction's.
+pub(crate) const ADOPT_READ_AHEAD: &str = "release savepoint read_ahead";
+
 /// An open transaction holding claimed rows, on a pooled connection.
 pub(crate) struct Held {
     client: Option<deadpool_postgres::Object>,
     /// Set while the transaction holds the new events' lock.
     new_lock: Option<NewLock>,
+    /// A batch read ahead in this transaction (`Claims::read_ahead`) is not delivered yet: its
+    /// claim is undone (rolled back to its savepoint) before anything else commits.
+    read_ahead: bool,
+    /// Deliveries of an earlier batch of this transaction were recorded early under its token:
+    /// whatever commits it forgets those records.
+    recorded_early: bool,
 }
 
 /// The new events' lock as this relay sees it: since when one of its transactions holds it, and
@@ -89,7 +102,7 @@ impl Held {
     where
         F: AsyncFnOnce(&deadpool_postgres::ClientWrapper) -> Result<T>,
     {
-        let held = Held { client: Some(client), new_lock: None };
+        let held = Held { client: Some(client), new_lock: None, read_ahead: false, recorded_early: false };
         // BEGIN is sent on the first poll, before the claim's first message. READ COMMITTED
         // whatever the session's default: each claim statement reads the position and the new
         // events with a snapshot of its own, and must see what the last claim committed.
@@ -110,6 +123,22 @@ impl Held {
         self.new_lock.is_some()
     }
 
+    /// Notes whether a batch read ahead in this transaction, inside the savepoint
+    /// [`READ_AHEAD`], waits for its delivery: until it is adopted, a commit undoes its claim.
+    pub(crate) fn set_read_ahead(&mut self, pending: bool) {
+        self.read_ahead = pending;
+    }
+
+    /// Notes that deliveries of this transaction's batch were recorded early (under its token).
+    pub(crate) fn set_recorded_early(&mut self) {
+        self.recorded_early = true;
+    }
+
+    /// Whether deliveries of this transaction were recorded early by an earlier batch of it.
+    pub(crate) fn recorded_early(&self) -> bool {
+        self.recorded_early
+    }
+
     /// The connection, inside the transaction.
     pub(crate) fn db(&self) -> &deadpool_postgres::ClientWrapper {
         self.client.as_ref().expect("a Held has its connection until it is finished")
@@ -123,7 +152,18 @@ impl Held {
         F: AsyncFnOnce(&deadpool_postgres::ClientWrapper) -> Result<T>,
     {
         let db = self.db();
-        let (written, committed) = futures::join!(writes(db), db.batch_execute("commit"));
+        // A batch read ahead and not delivered goes back first: its events are new again once
+        // this commits (the statements are sent in the order they are polled).
+        let undo = async {
+            if self.read_ahead {
+                db.batch_execute(UNDO_READ_AHEAD)
+                    .await
+                    .map_err(|e| Error::database("undoing a claim read ahead", e))?;
+            }
+            Ok::<_, Error>(())
+        };
+        let (undone, written, committed) = futures::join!(undo, writes(db), db.batch_execute("commit"));
+        undone?;
         let written = written?;
         committed.map_err(|e| Error::database("committing a claim's transaction", e))?;
         drop(self.client.take()); // back to the pool

@@ -18,15 +18,16 @@ use crate::error::Result;
 use crate::sql;
 
 /// Runs `work` while `delivery` goes on (its requests are not held up by the database's round
-/// trip): `work`'s output, and the delivery's, when it ended meanwhile.
+/// trip): `work`'s output, and the delivery's, when it ended meanwhile. `work` is polled first,
+/// so that its statements are on their way before the delivery's own work begins.
 pub(crate) async fn beside<F: std::future::Future + Unpin, T>(
     delivery: &mut F,
     work: impl std::future::Future<Output = T>,
 ) -> (T, Option<F::Output>) {
     let work = std::pin::pin!(work);
-    match futures::future::select(delivery, work).await {
-        futures::future::Either::Left((done, work)) => (work.await, Some(done)),
-        futures::future::Either::Right((output, _)) => (output, None),
+    match futures::future::select(work, delivery).await {
+        futures::future::Either::Left((output, _)) => (output, None),
+        futures::future::Either::Right((done, work)) => (work.await, Some(done)),
     }
 }
 
@@ -66,7 +67,9 @@ impl Leases {
     /// claim is held, from another connection into `early_deliveries` (their ids then added to
     /// `early`, for the claim's commit to record); once it is leased, by the lease's token.
     /// `claimed`: the ids and attempts of every event of the claim, `parked`: those claimed from
-    /// the parked events.
+    /// the parked events; `held_since`: when the held claim's transaction began (its first batch
+    /// was claimed: later ones are read ahead in it); `record_at`: when what was delivered is
+    /// recorded next (the transaction's timer, which goes on from batch to batch).
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn keep_while<F: std::future::Future + Unpin>(
         &self,
@@ -75,17 +78,17 @@ impl Leases {
         claimed: &[(i64, i32)],
         parked: &HashSet<i64>,
         token: i64,
-        claimed_at: Instant,
+        (claimed_at, held_since): (Instant, Instant),
+        record_at: &mut Instant,
         progress: &Progress,
         early: &mut Vec<i64>,
     ) -> F::Output {
         let renew_every = self.lease / 2;
         // With `hold` zero the claim was leased when it was claimed.
-        let mut next = claimed_at + if held.is_some() { self.hold } else { renew_every };
+        let mut next = if held.is_some() { held_since + self.hold } else { claimed_at + renew_every };
         let mut leased = held.is_none();
         let mut ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
         let recording = !self.record_every.is_zero();
-        let mut next_record = claimed_at + self.record_every;
         loop {
             tokio::select! {
                 done = &mut delivery => return done,
@@ -107,8 +110,8 @@ impl Leases {
                 // leasing it to record them would cost the lease's writes, and a key's later
                 // events their parking, for every delivery that outlives `record_every`. A claim
                 // whose lease failed has no transaction left to record them in.
-                () = tokio::time::sleep_until(next_record), if recording && (held.is_some() || leased) => {
-                    next_record = Instant::now() + self.record_every;
+                () = tokio::time::sleep_until(*record_at), if recording && (held.is_some() || leased) => {
+                    *record_at = Instant::now() + self.record_every;
                     let delivered = progress.take();
                     if delivered.is_empty() {
                         continue;
@@ -191,6 +194,7 @@ impl Leases {
     ) -> bool {
         let (lease, to) = (self.lease, self.to.as_str());
         let had_new_lock = held.has_new_lock();
+        let forget_early = !early.is_empty() || held.recorded_early();
         let done: HashSet<i64> = early.iter().copied().collect();
         let ids: Vec<i64> = claimed.iter().map(|(id, _)| *id).collect();
         let was_parked: Vec<i64> = ids.iter().copied().filter(|id| parked.contains(id)).collect();
@@ -211,7 +215,7 @@ impl Leases {
             if !parked_done.is_empty() {
                 writes.push(Box::pin(sql::complete_parked(db, to, &parked_done, None)));
             }
-            if !early.is_empty() {
+            if forget_early {
                 writes.push(Box::pin(sql::forget_early_deliveries(db, to, token)));
             }
             futures::future::try_join_all(writes).await.map(drop)

@@ -109,6 +109,7 @@ pub struct RelayMetrics {
     failed_claims: AtomicU64,
     wakeups: AtomicU64,
     fast_delivered: AtomicU64,
+    read_ahead: AtomicU64,
     fast_path_armed: AtomicBool,
     reconnects: AtomicU64,
     positions_rebased: AtomicU64,
@@ -136,6 +137,7 @@ impl Default for RelayMetrics {
             failed_claims: AtomicU64::default(),
             wakeups: AtomicU64::default(),
             fast_delivered: AtomicU64::default(),
+            read_ahead: AtomicU64::default(),
             fast_path_armed: AtomicBool::default(),
             reconnects: AtomicU64::default(),
             positions_rebased: AtomicU64::default(),
@@ -168,6 +170,9 @@ pub struct MetricsSnapshot {
     /// Events delivered from their notification, before any claim (the fast path); counted
     /// when the claim after them takes them to record.
     pub fast_delivered: u64,
+    /// Batches of new events claimed ahead: in the transaction of the batch before them, while
+    /// it was delivered (a backlog is drained so, one commit for several batches).
+    pub read_ahead: u64,
     /// True while this relay delivers new events from their notifications (it owns the
     /// destination's fast path, hears of every commit, and its last claim armed it).
     pub fast_path_armed: bool,
@@ -255,6 +260,10 @@ impl RelayMetrics {
         self.fast_delivered.fetch_add(n as u64, Ordering::Relaxed);
     }
 
+    pub(crate) fn read_ahead(&self) {
+        self.read_ahead.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn set_fast_path_armed(&self, armed: bool) {
         self.fast_path_armed.store(armed, Ordering::Relaxed);
     }
@@ -308,6 +317,7 @@ impl RelayMetrics {
             failed_claims: self.failed_claims.load(Ordering::Relaxed),
             wakeups: self.wakeups.load(Ordering::Relaxed),
             fast_delivered: self.fast_delivered.load(Ordering::Relaxed),
+            read_ahead: self.read_ahead.load(Ordering::Relaxed),
             fast_path_armed: self.fast_path_armed.load(Ordering::Relaxed),
             reconnects: self.reconnects.load(Ordering::Relaxed),
             positions_rebased: self.positions_rebased.load(Ordering::Relaxed),

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 
-use super::held::Held;
+use super::held::{ADOPT_READ_AHEAD, Held};
 use super::metrics::RelayMetrics;
 use super::outcome::{Outcome, Outcomes};
 use super::pool::RelayPool;
@@ -54,17 +54,44 @@ impl Recorder {
             Some(held) => self.commit(held, &writes, outcomes.events.len()).await,
             None => self.by_token(token, &writes, outcomes.events.len()).await,
         };
-        if !recorded {
-            return false;
+        if recorded {
+            self.report(Report::of(outcomes, &writes));
         }
-        self.metrics.retried(outcomes.count(|o| matches!(o, Outcome::Retry { .. })));
-        self.metrics.delivered(outcomes.latencies.into_iter());
-        let (ids, errors): (Vec<i64>, Vec<String>) = writes.buried().map(|(id, e)| (*id, e.clone())).unzip();
-        self.metrics.dead_lettered(ids.len());
-        if !ids.is_empty() {
-            log_buried(&ids, &errors);
+        recorded
+    }
+
+    /// Writes the outcomes of one batch in the held claim's transaction without committing it:
+    /// the batch read ahead in it is delivered next (and `adopted` by the transaction, its
+    /// savepoint released). `behind`: events of that batch, with their attempts, whose keys wait
+    /// now (an event of theirs in this batch failed or was given back): they wait too, parked
+    /// behind them, written before anything else is claimed. The report is for once the
+    /// transaction commits.
+    pub(crate) async fn write_held(
+        &self,
+        held: &Held,
+        outcomes: Outcomes,
+        parked: &HashSet<i64>,
+        behind: &[(i64, i32)],
+    ) -> Result<Report> {
+        let mut writes = Writes::of(&outcomes, |id| parked.contains(&id));
+        for (id, attempt) in behind {
+            writes.new_waiting.push(*id, Duration::ZERO, None, attempt - 1);
         }
-        true
+        let db = held.db();
+        let (written, adopted) = futures::join!(write(db, &self.to, None, &writes), db.batch_execute(ADOPT_READ_AHEAD));
+        written?;
+        adopted.map_err(|e| crate::error::Error::database("keeping a claim read ahead", e))?;
+        Ok(Report::of(outcomes, &writes))
+    }
+
+    /// Counts and logs outcomes whose transaction committed.
+    pub(crate) fn report(&self, report: Report) {
+        self.metrics.retried(report.retried);
+        self.metrics.delivered(report.latencies.into_iter());
+        self.metrics.dead_lettered(report.buried.0.len());
+        if !report.buried.0.is_empty() {
+            log_buried(&report.buried.0, &report.buried.1);
+        }
     }
 
     /// In the held claim's transaction, committing it.
@@ -97,6 +124,24 @@ impl Recorder {
                     return false;
                 }
             }
+        }
+    }
+}
+
+/// What recorded outcomes tell the metrics and the log once their transaction commits.
+pub(crate) struct Report {
+    retried: usize,
+    latencies: Vec<Duration>,
+    /// The dead letters' ids and errors.
+    buried: (Vec<i64>, Vec<String>),
+}
+
+impl Report {
+    fn of(outcomes: Outcomes, writes: &Writes) -> Report {
+        Report {
+            retried: outcomes.count(|o| matches!(o, Outcome::Retry { .. })),
+            latencies: outcomes.latencies,
+            buried: writes.buried().map(|(id, e)| (*id, e.clone())).unzip(),
         }
     }
 }

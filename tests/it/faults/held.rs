@@ -164,11 +164,18 @@ async fn killed_mid_held_claim(fail_first: bool) {
     .await;
     dying.crash().await;
 
-    let (handler, mut deliveries) = support::recorder();
     // (claims of 4 events: the first relay's records are taken out a few ids at a time)
-    let rescuing = RelayConfig { batch_size: 4, poll_interval: Duration::from_millis(100), ..config() };
+    rescue_sends_only(&db, 4, &ids[EVENTS as usize / 2..]).await;
+}
+
+/// A second relay (claims of `batch_size`) after the first died: it sends exactly `rest`, in
+/// order per key (keys `k0` to `k4`), records everything, and the first relay's early records go.
+async fn rescue_sends_only(db: &TestDb, batch_size: usize, rest: &[i64]) {
+    let client = db.client().await;
+    let (handler, mut deliveries) = support::recorder();
+    let rescuing = RelayConfig { batch_size, poll_interval: Duration::from_millis(100), ..config() };
     let second = support::start(&db.outbox, rescuing, handler);
-    let got: Vec<Event> = deliveries.take(EVENTS as usize / 2).await.into_iter().map(|d| d.event).collect();
+    let got: Vec<Event> = deliveries.take(rest.len()).await.into_iter().map(|d| d.event).collect();
     eventually("nothing waits any more", || async {
         count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await
             == 0
@@ -179,13 +186,67 @@ async fn killed_mid_held_claim(fail_first: bool) {
     second.stop().await;
     let mut sent: Vec<i64> = got.iter().map(|e| e.id).collect();
     sent.sort_unstable();
-    assert_eq!(sent, ids[EVENTS as usize / 2..], "only the events not delivered before are sent again");
+    assert_eq!(sent, rest, "only the events not delivered before are sent again");
     for key in 0..5 {
         let of_key: Vec<i64> =
             got.iter().filter(|e| e.key.as_deref() == Some(&format!("k{key}"))).map(|e| e.id).collect();
         assert!(of_key.is_sorted(), "key k{key} in order: {of_key:?}");
     }
-    assert_eq!(snapshot.delivered, EVENTS as u64 / 2, "{snapshot:?}");
+    assert_eq!(snapshot.delivered, rest.len() as u64, "{snapshot:?}");
     assert_eq!(count(&client, "select count(*) from outbox_relay.early_deliveries").await, 0, "their records went");
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
+}
+
+/// A relay dies in the middle of a backlog that its held transaction drains batch after batch
+/// (each read ahead while the one before is delivered, all committed together): the
+/// transaction rolls back, and a second relay sends again only what the first had not
+/// delivered. What the transaction's earlier batches delivered was carried into the records
+/// made beside it (`record_every`) while its fifth batch hung, so none of it is sent again, and
+/// per key the order holds. Of 100 events over 5 keys in batches of 10, the first 45 are
+/// delivered and the rest never end when the relay dies.
+#[tokio::test]
+async fn a_relay_dead_in_a_backlog_read_ahead_sends_again_only_what_it_had_not_delivered() {
+    const EVENTS: i64 = 100;
+    const DELIVERED: i64 = 45;
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let handler = handler_fn(move |event: Event| async move {
+        let n = event.payload.to_value().unwrap()["n"].as_i64().unwrap();
+        if n >= DELIVERED {
+            futures::future::pending::<()>().await;
+        }
+        Ok(())
+    });
+    let events: Vec<NewEvent> =
+        (0..EVENTS).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
+    let ids = db.outbox.publish_all(&events).await.unwrap();
+    let dying = support::start(
+        &db.outbox,
+        RelayConfig {
+            workers: 1,
+            batch_size: 10,
+            lease: Duration::from_secs(3600),
+            hold: Duration::from_secs(60),
+            poll_interval: Duration::from_millis(100),
+            fast_path: false,
+            ..config()
+        },
+        handler,
+    );
+    eventually("the first 45 recorded as delivered beside the held transaction", || async {
+        count(&client, "select coalesce(sum(cardinality(ids)), 0) from outbox_relay.early_deliveries").await
+            == DELIVERED
+    })
+    .await;
+    let snapshot = dying.snapshot();
+    dying.crash().await;
+    assert!(snapshot.read_ahead >= 4, "the batches were read ahead in one transaction: {snapshot:?}");
+    assert_eq!(snapshot.delivered, 0, "nothing committed: {snapshot:?}");
+    assert_eq!(
+        count(&client, "select count(*) from outbox_relay.outbox where outbox_relay.passed_by_all(xid, id)").await,
+        0,
+        "the position did not move"
+    );
+
+    rescue_sends_only(&db, 7, &ids[DELIVERED as usize..]).await;
 }
