@@ -99,9 +99,12 @@ impl<H: Handler> Batches<H> {
         // The outcomes of the batch delivered last, written in the transaction beside the next
         // one's delivery (with the next batch's claim read ahead after them: one round trip).
         let mut adopt: Option<Adoption> = None;
+        // Batches of the transaction delivered before this one.
+        let mut delivered = 0;
         let mut batch = first;
         loop {
-            let ahead = self.may_read_ahead(&batch, recorded_in.len(), held_since);
+            let ahead = self.may_read_ahead(&batch, delivered, held_since);
+            delivered += 1;
             let claimed = batch.claimed();
             let Batch {
                 mut held,
@@ -139,7 +142,14 @@ impl<H: Handler> Batches<H> {
                         claim.set_read_ahead(!matches!(read, Ok(None)));
                         match adopted {
                             Ok(adopted) => recorded_in.extend(adopted),
-                            Err(e) => broken = Some(e),
+                            Err(e) => {
+                                // The transaction is aborted, with the savepoint of the batch in
+                                // delivery still there: nothing of it may commit (a lease's undo
+                                // would roll back to that savepoint and commit the rest). Closed
+                                // now, it rolls back; the delivery goes on, unrecorded.
+                                broken = Some(e);
+                                held = None;
+                            }
                         }
                         match read {
                             Ok(read) => next = read,
@@ -151,6 +161,8 @@ impl<H: Handler> Batches<H> {
                     }
                     let results = match ended {
                         Some(results) => results,
+                        // No transaction to keep: the delivery's results are not recorded.
+                        None if broken.is_some() => delivery.await,
                         None => {
                             let since = (claimed_at, held_since);
                             let kept = self.leases.keep_while(
@@ -198,7 +210,7 @@ impl<H: Handler> Batches<H> {
                     claim.set_recorded_early();
                 }
             }
-            let aftermath = Aftermath::of(&events, &outcomes, held.is_none());
+            let aftermath = Aftermath::of(&events, &outcomes, held.is_none() && broken.is_none());
             if let Some(e) = broken {
                 tracing::error!(error = %e, events = events.len(), "recording delivery outcomes failed; the claim's transaction ended, so its events are claimable again and will be delivered again");
                 drop(held); // closes the connection: the transaction rolls back
@@ -256,8 +268,9 @@ impl<H: Handler> Batches<H> {
         ahead: bool,
     ) -> (Result<Option<(Report, Aftermath)>>, Result<Option<Batch>>) {
         let adopted = async {
-            let Some(Adoption { outcomes, parked, behind, aftermath }) = adopt else { return Ok(None) };
+            let Some(Adoption { outcomes, parked, behind, mut aftermath }) = adopt else { return Ok(None) };
             let report = self.recorder.write_held(claim, outcomes, &parked, &behind).await?;
+            aftermath.written = Some(tokio::time::Instant::now());
             Ok(Some((report, aftermath)))
         };
         let read = async { if ahead { self.claims.read_ahead(claim, &self.leases).await } else { Ok(None) } };
@@ -267,15 +280,15 @@ impl<H: Handler> Batches<H> {
     /// Whether the next batch is read ahead in `batch`'s transaction while `batch` is delivered:
     /// it holds the new events' lock, more wait, nothing of it is decided already (an event the
     /// fast path tried, or one no handler can be given, whose key the claim read ahead would not
-    /// know to hold back), and the transaction is young: it has delivered fewer than
-    /// [`READ_AHEAD_MAX`] batches, for less than half of `hold`; and the relay is not stopping.
-    fn may_read_ahead(&self, batch: &Batch, recorded: usize, held_since: tokio::time::Instant) -> bool {
+    /// know to hold back), and the transaction is young: the next batch would be among its
+    /// first [`READ_AHEAD_MAX`], and it has been open for less than half of `hold`; and the relay is not stopping.
+    fn may_read_ahead(&self, batch: &Batch, before: usize, held_since: tokio::time::Instant) -> bool {
         batch.held.is_some()
             && batch.held_new
             && batch.more
             && !batch.probe
             && batch.outcomes.events.is_empty()
-            && recorded + 1 < READ_AHEAD_MAX
+            && before + 1 < READ_AHEAD_MAX
             && held_since.elapsed() < self.leases.hold / 2
             && !self.breaker().is_open()
             && !self.stop.is_cancelled()
@@ -316,9 +329,9 @@ impl<H: Handler> Batches<H> {
     /// Tells the fast path which keys wait now, asks for the retries' wake-ups and, when events
     /// were given back, wakes a worker. Returns whether parked events may be due now.
     fn after(&self, aftermath: Aftermath, recorded: bool) -> bool {
-        let Aftermath { retries, waiting, wake } = aftermath;
+        let Aftermath { retries, written, waiting, wake } = aftermath;
         self.claims.fast.batch_done(waiting, recorded);
-        let written = tokio::time::Instant::now();
+        let written = written.unwrap_or_else(tokio::time::Instant::now);
         for delay in retries {
             self.timer.schedule(written + delay);
         }
@@ -333,7 +346,7 @@ impl<H: Handler> Batches<H> {
 }
 
 /// How many batches one held transaction delivers at most (the first claimed, the others read
-/// ahead). Each batch read ahead is claimed in a subtransaction; PostgreSQL keeps 64
+/// ahead: one fewer). Each batch read ahead is claimed in a subtransaction; PostgreSQL keeps 64
 /// subtransaction ids per session in shared memory, and past them every snapshot taken on the
 /// server reads `pg_subtrans`: a transaction stays well within them.
 const READ_AHEAD_MAX: usize = 32;
@@ -356,6 +369,9 @@ struct Aftermath {
     /// on a loaded machine) found nothing due and looked no further. (A probe's retry wakes a
     /// worker that, the breaker open, claims nothing: the breaker times the next probe.)
     retries: Vec<Duration>,
+    /// When the retries were written, if before the commit (a batch of a transaction that
+    /// went on): their wake-ups count from then.
+    written: Option<tokio::time::Instant>,
     /// The keys that wait now (a retry, a dead letter, an event given back): held back from
     /// the fast path.
     waiting: Vec<String>,
@@ -383,6 +399,6 @@ impl Aftermath {
             .filter(|(_, _, outcome)| !matches!(outcome, Outcome::Delivered))
             .filter_map(|(id, _, _)| events.iter().find(|event| event.id == *id)?.key.clone())
             .collect();
-        Aftermath { retries, waiting, wake: released || leased_keyed }
+        Aftermath { retries, written: None, waiting, wake: released || leased_keyed }
     }
 }

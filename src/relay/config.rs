@@ -32,11 +32,12 @@ pub struct RelayConfig {
     /// How long a claim's transaction may stay open while its batch is delivered, its row locks
     /// holding the events: then the claim writes nothing and the outcome commits with it, the
     /// fastest way through the database. While a backlog of new events waits, the transaction
-    /// goes on from batch to batch (each claimed while the one before is delivered, all
-    /// committed together) for up to half the hold. A transaction held longer has its claim
-    /// turned into a lease (the rows written, the transaction committed), so that no
-    /// transaction stays open long; zero leases every claim at once. A delivery from a notification (the fast path)
-    /// holds no transaction, but holds back the relay's claims of new events while it goes on:
+    /// goes on from batch to batch (each claimed while the one before is delivered, up to 32,
+    /// all committed together), claiming no next batch once it is half the hold old. A
+    /// transaction held longer than the hold has its claim turned into a lease (the rows
+    /// written, the transaction committed), so that no transaction stays open long; zero
+    /// leases every claim at once. A delivery from a notification (the fast path) holds no
+    /// transaction, but holds back the relay's claims of new events while it goes on:
     /// one that outlives the hold is leased the same way (with a zero hold, after
     /// `record_every`), so that the other keys' events go on. At most 60 s, and shorter than the
     /// lease; a hold longer than half the lease is cut to half the lease. Defaults to 1 s.
