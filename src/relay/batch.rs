@@ -137,7 +137,22 @@ impl<H: Handler> Batches<H> {
                     if let Some(claim) = held.as_mut()
                         && (ahead || adopting.is_some())
                     {
-                        let work = self.in_transaction(claim, adopting.take(), ahead);
+                        // What the transaction's earlier batches delivered is recorded early,
+                        // beside it, once `record_every` has passed (batches delivered while their
+                        // successor was claimed wait for no timer that would record them).
+                        let delivered = self.due_for_record(&mut record_at, &progress);
+                        let work = async {
+                            let record =
+                                async { delivered.is_empty() || self.leases.record_early(&delivered, token).await };
+                            let (transaction, recorded) =
+                                futures::join!(self.in_transaction(claim, adopting.take(), ahead), record);
+                            if recorded {
+                                early.extend(&delivered);
+                            } else {
+                                progress.put_back(delivered.clone());
+                            }
+                            transaction
+                        };
                         let ((adopted, read), done) = super::lease::beside(&mut delivery, work).await;
                         claim.set_read_ahead(!matches!(read, Ok(None)));
                         match adopted {
@@ -222,6 +237,7 @@ impl<H: Handler> Batches<H> {
             // the delivery was cut off) this batch is the transaction's last.
             match (next, held) {
                 (Some(mut next), Some(claim)) if !cut_off => {
+                    self.carry(&progress, &outcomes, &early);
                     let behind = next.behind(&aftermath.waiting);
                     adopt = Some(Adoption { outcomes, parked, behind, aftermath });
                     next.held = Some(claim);
@@ -254,6 +270,35 @@ impl<H: Handler> Batches<H> {
                 }
             }
         }
+    }
+
+    /// Carries what a batch delivered, and was not recorded early (`early`), into `progress`,
+    /// for the transaction's next record: a handler that writes a batch in one piece reports
+    /// nothing as it goes, and the batch is not committed when it ends (its transaction goes on).
+    fn carry(&self, progress: &Progress, outcomes: &Outcomes, early: &[i64]) {
+        let early: HashSet<i64> = early.iter().copied().collect();
+        let mut pending = progress.take();
+        pending.extend(
+            outcomes
+                .events
+                .iter()
+                .filter(|(id, _, outcome)| matches!(outcome, Outcome::Delivered) && !early.contains(id))
+                .map(|(id, _, _)| *id),
+        );
+        pending.sort_unstable();
+        pending.dedup();
+        progress.put_back(pending);
+    }
+
+    /// What the transaction has delivered and not recorded, when `record_at` has passed (then
+    /// set again `record_every` on); nothing otherwise, or when recording is off.
+    fn due_for_record(&self, record_at: &mut tokio::time::Instant, progress: &Progress) -> Vec<i64> {
+        let now = tokio::time::Instant::now();
+        if self.leases.record_every.is_zero() || now < *record_at {
+            return Vec::new();
+        }
+        *record_at = now + self.leases.record_every;
+        progress.take()
     }
 
     /// In the held claim's transaction, beside a delivery: writes the outcomes of the batch

@@ -148,7 +148,7 @@ impl Leases {
 
     /// Records `delivered`, events of a held claim still in delivery, in `early_deliveries`;
     /// returns whether it did.
-    async fn record_early(&self, delivered: &[i64], token: i64) -> bool {
+    pub(crate) async fn record_early(&self, delivered: &[i64], token: i64) -> bool {
         let recorded =
             async { sql::record_early_deliveries(&*self.pool.client().await?, &self.to, token, delivered).await };
         written_so_far(recorded.await, delivered.len(), "a held claim")

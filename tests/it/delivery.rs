@@ -537,8 +537,9 @@ async fn a_delayed_event_met_by_a_claim_read_ahead_is_delivered_when_due() {
             if n == 600 { event.delay(delay) } else { event }
         })
         .collect();
+    // (before the publishing transaction begins: its clock starts the delay)
+    let publishing = std::time::Instant::now();
     let ids = db.outbox.publish_all(&events).await.unwrap();
-    let published = std::time::Instant::now();
     let log = Log::default();
     let cfg = RelayConfig { batch_size: 25, ..config() };
     let relay = support::start(&db.outbox, cfg, Flaky { log: log.clone(), failure_rate: 0.0 });
@@ -546,7 +547,7 @@ async fn a_delayed_event_met_by_a_claim_read_ahead_is_delivered_when_due() {
         .await;
     eventually_within("the delayed event delivered once due", Duration::from_secs(20), || async { log.len() >= 1000 })
         .await;
-    let elapsed = published.elapsed();
+    let elapsed = publishing.elapsed();
     let snapshot = relay.snapshot();
     relay.stop().await;
     assert!(snapshot.read_ahead > 0, "batches were read ahead: {snapshot:?}");

@@ -203,20 +203,61 @@ async fn rescue_sends_only(db: &TestDb, batch_size: usize, rest: &[i64]) {
 /// delivered. What the transaction's earlier batches delivered was carried into the records
 /// made beside it (`record_every`) while its fifth batch hung, so none of it is sent again, and
 /// per key the order holds. Of 100 events over 5 keys in batches of 10, the first 45 are
-/// delivered and the rest never end when the relay dies.
+/// delivered (one at a time, each reported as it ends) and the rest never end when the relay
+/// dies.
 #[tokio::test]
 async fn a_relay_dead_in_a_backlog_read_ahead_sends_again_only_what_it_had_not_delivered() {
-    const EVENTS: i64 = 100;
-    const DELIVERED: i64 = 45;
-    let db = TestDb::new().await;
-    let client = db.client().await;
     let handler = handler_fn(move |event: Event| async move {
-        let n = event.payload.to_value().unwrap()["n"].as_i64().unwrap();
-        if n >= DELIVERED {
+        if number(&event) >= 45 {
             futures::future::pending::<()>().await;
         }
         Ok(())
     });
+    killed_mid_read_ahead(handler, 45).await;
+}
+
+/// As above, with a handler that writes each batch in one piece and reports nothing as it
+/// goes (as the stdout sink does): the batches it finished are carried into the records all
+/// the same. The first 40 are delivered; the fifth batch hangs whole.
+#[tokio::test]
+async fn a_relay_dead_in_a_backlog_read_ahead_of_whole_batches_sends_again_only_what_it_had_not_delivered() {
+    killed_mid_read_ahead(WholeBatches { hang_from: 45 }, 40).await;
+}
+
+fn number(event: &Event) -> i64 {
+    event.payload.to_value().unwrap()["n"].as_i64().unwrap()
+}
+
+/// Takes each batch in one piece; a batch with an event numbered `hang_from` or more never ends.
+struct WholeBatches {
+    hang_from: i64,
+}
+
+impl pg_outbox_relay::Handler for WholeBatches {
+    async fn handle(&self, event: &Event) -> Result<(), pg_outbox_relay::DeliveryError> {
+        let mut results = self.handle_batch(std::slice::from_ref(event), &pg_outbox_relay::Slots::new(1)).await;
+        results.pop().expect("a result per event")
+    }
+
+    async fn handle_batch(
+        &self,
+        events: &[Event],
+        _slots: &pg_outbox_relay::Slots,
+    ) -> Vec<Result<(), pg_outbox_relay::DeliveryError>> {
+        if events.iter().any(|event| number(event) >= self.hang_from) {
+            futures::future::pending::<()>().await;
+        }
+        events.iter().map(|_| Ok(())).collect()
+    }
+}
+
+/// 100 events over 5 keys drained in batches of 10 by a relay that `handler` lets deliver the
+/// first `delivered`, killed once those are recorded beside its held transaction; a second
+/// relay sends exactly the rest.
+async fn killed_mid_read_ahead(handler: impl pg_outbox_relay::Handler, delivered: i64) {
+    const EVENTS: i64 = 100;
+    let db = TestDb::new().await;
+    let client = db.client().await;
     let events: Vec<NewEvent> =
         (0..EVENTS).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
     let ids = db.outbox.publish_all(&events).await.unwrap();
@@ -233,9 +274,9 @@ async fn a_relay_dead_in_a_backlog_read_ahead_sends_again_only_what_it_had_not_d
         },
         handler,
     );
-    eventually("the first 45 recorded as delivered beside the held transaction", || async {
+    eventually("the first ones recorded as delivered beside the held transaction", || async {
         count(&client, "select coalesce(sum(cardinality(ids)), 0) from outbox_relay.early_deliveries").await
-            == DELIVERED
+            == delivered
     })
     .await;
     let snapshot = dying.snapshot();
@@ -248,7 +289,7 @@ async fn a_relay_dead_in_a_backlog_read_ahead_sends_again_only_what_it_had_not_d
         "the position did not move"
     );
 
-    rescue_sends_only(&db, 7, &ids[DELIVERED as usize..]).await;
+    rescue_sends_only(&db, 7, &ids[delivered as usize..]).await;
 }
 
 /// A write of a held transaction fails while it reads a backlog ahead (here a trigger refuses
