@@ -11,8 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::breaker::Breaker;
 use super::claim::{Batch, Claim, Claims};
 use super::deliver::Delivery;
-use super::handler::Handler;
-use super::handler::Progress;
+use super::handler::{Handler, Progress};
 use super::held::{Held, NewLock};
 use super::lease::Leases;
 use super::outcome::{Judge, Outcome, Outcomes};
@@ -140,18 +139,10 @@ impl<H: Handler> Batches<H> {
                         // What the transaction's earlier batches delivered is recorded early,
                         // beside it, once `record_every` has passed (batches delivered while their
                         // successor was claimed wait for no timer that would record them).
-                        let delivered = self.due_for_record(&mut record_at, &progress);
+                        let delivered = self.leases.due(&mut record_at, &progress);
                         let work = async {
-                            let record =
-                                async { delivered.is_empty() || self.leases.record_early(&delivered, token).await };
-                            let (transaction, recorded) =
-                                futures::join!(self.in_transaction(claim, adopting.take(), ahead), record);
-                            if recorded {
-                                early.extend(&delivered);
-                            } else {
-                                progress.put_back(delivered.clone());
-                            }
-                            transaction
+                            let record = self.leases.record_beside(delivered, token, &progress, &mut early);
+                            futures::join!(self.in_transaction(claim, adopting.take(), ahead), record).0
                         };
                         let ((adopted, read), done) = super::lease::beside(&mut delivery, work).await;
                         claim.set_read_ahead(!matches!(read, Ok(None)));
@@ -288,17 +279,6 @@ impl<H: Handler> Batches<H> {
         pending.sort_unstable();
         pending.dedup();
         progress.put_back(pending);
-    }
-
-    /// What the transaction has delivered and not recorded, when `record_at` has passed (then
-    /// set again `record_every` on); nothing otherwise, or when recording is off.
-    fn due_for_record(&self, record_at: &mut tokio::time::Instant, progress: &Progress) -> Vec<i64> {
-        let now = tokio::time::Instant::now();
-        if self.leases.record_every.is_zero() || now < *record_at {
-            return Vec::new();
-        }
-        *record_at = now + self.leases.record_every;
-        progress.take()
     }
 
     /// In the held claim's transaction, beside a delivery: writes the outcomes of the batch

@@ -123,9 +123,7 @@ impl Batch {
         let readable = self.events.iter().map(|e| (e.id, e.attempts));
         readable.chain(self.outcomes.events.iter().map(|(id, attempt, _)| (*id, *attempt))).collect()
     }
-}
 
-impl Batch {
     /// Takes out the events of `keys` (keys that wait now: an event of theirs in the batch
     /// delivered before this one failed or was given back, after this one was read ahead):
     /// their ids and attempts, to be parked behind them.

@@ -111,25 +111,23 @@ impl Leases {
                 // events their parking, for every delivery that outlives `record_every`. A claim
                 // whose lease failed has no transaction left to record them in.
                 () = tokio::time::sleep_until(*record_at), if recording && (held.is_some() || leased) => {
-                    *record_at = Instant::now() + self.record_every;
-                    let delivered = progress.take();
+                    let delivered = self.due(record_at, progress);
                     if delivered.is_empty() {
                         continue;
                     }
-                    let (recorded, done) = if held.is_some() {
-                        beside(&mut delivery, self.record_early(&delivered, token)).await
+                    let done = if held.is_some() {
+                        beside(&mut delivery, self.record_beside(delivered, token, progress, early)).await.1
                     } else {
-                        beside(&mut delivery, self.record_delivered(&delivered, token)).await
-                    };
-                    match (recorded, held.is_some()) {
-                        (true, true) => early.extend(delivered),
-                        (true, false) => {
+                        let (recorded, done) = beside(&mut delivery, self.record_delivered(&delivered, token)).await;
+                        if recorded {
                             let delivered: HashSet<i64> = delivered.into_iter().collect();
                             ids.retain(|id| !delivered.contains(id));
+                        } else {
+                            // Still leased (renewed with the rest), tried again at the next turn.
+                            progress.put_back(delivered);
                         }
-                        // Still held or leased (renewed with the rest), tried again at the next turn.
-                        (false, _) => progress.put_back(delivered),
-                    }
+                        done
+                    };
                     if let Some(done) = done {
                         return done;
                     }
@@ -146,12 +144,38 @@ impl Leases {
         written_so_far(recorded.await, delivered.len(), "a claim in delivery")
     }
 
-    /// Records `delivered`, events of a held claim still in delivery, in `early_deliveries`;
-    /// returns whether it did.
-    pub(crate) async fn record_early(&self, delivered: &[i64], token: i64) -> bool {
+    /// What `progress` says was delivered and is not recorded yet, once `record_at` has passed
+    /// (which is then set `record_every` on); nothing before, or when recording is off.
+    pub(crate) fn due(&self, record_at: &mut Instant, progress: &Progress) -> Vec<i64> {
+        let now = Instant::now();
+        if self.record_every.is_zero() || now < *record_at {
+            return Vec::new();
+        }
+        *record_at = now + self.record_every;
+        progress.take()
+    }
+
+    /// Records `delivered`, events of a held transaction (`token`) delivered while it is still
+    /// open, in `early_deliveries` from another connection: added to `early` (for the
+    /// transaction's commit to forget) once recorded, given back to `progress` otherwise (the
+    /// transaction goes on: tried again at the next turn).
+    pub(crate) async fn record_beside(
+        &self,
+        delivered: Vec<i64>,
+        token: i64,
+        progress: &Progress,
+        early: &mut Vec<i64>,
+    ) {
+        if delivered.is_empty() {
+            return;
+        }
         let recorded =
-            async { sql::record_early_deliveries(&*self.pool.client().await?, &self.to, token, delivered).await };
-        written_so_far(recorded.await, delivered.len(), "a held claim")
+            async { sql::record_early_deliveries(&*self.pool.client().await?, &self.to, token, &delivered).await };
+        if written_so_far(recorded.await, delivered.len(), "a held claim") {
+            early.extend(delivered);
+        } else {
+            progress.put_back(delivered);
+        }
     }
 
     /// Extends the lease of a delivery still running; returns whether the lease is still this

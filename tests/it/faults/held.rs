@@ -147,9 +147,7 @@ async fn killed_mid_held_claim(fail_first: bool) {
         },
         handler,
     );
-    let events: Vec<NewEvent> =
-        (0..EVENTS).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
-    let ids = db.outbox.publish_all(&events).await.unwrap();
+    let ids = publish_keyed(&db, EVENTS).await;
     if fail_first {
         // (each key's head failed; the rest of its events wait behind it)
         eventually("every event waits in the parked events", || async {
@@ -176,12 +174,7 @@ async fn rescue_sends_only(db: &TestDb, batch_size: usize, rest: &[i64]) {
     let rescuing = RelayConfig { batch_size, poll_interval: Duration::from_millis(100), ..config() };
     let second = support::start(&db.outbox, rescuing, handler);
     let got: Vec<Event> = deliveries.take(rest.len()).await.into_iter().map(|d| d.event).collect();
-    eventually("nothing waits any more", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await
-            == 0
-            && count(&client, "select count(*) from outbox_relay.parked").await == 0
-    })
-    .await;
+    eventually("nothing waits any more", || nothing_waits(&client)).await;
     let snapshot = second.snapshot();
     second.stop().await;
     let mut sent: Vec<i64> = got.iter().map(|e| e.id).collect();
@@ -255,25 +248,10 @@ impl pg_outbox_relay::Handler for WholeBatches {
 /// first `delivered`, killed once those are recorded beside its held transaction; a second
 /// relay sends exactly the rest.
 async fn killed_mid_read_ahead(handler: impl pg_outbox_relay::Handler, delivered: i64) {
-    const EVENTS: i64 = 100;
     let db = TestDb::new().await;
     let client = db.client().await;
-    let events: Vec<NewEvent> =
-        (0..EVENTS).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
-    let ids = db.outbox.publish_all(&events).await.unwrap();
-    let dying = support::start(
-        &db.outbox,
-        RelayConfig {
-            workers: 1,
-            batch_size: 10,
-            lease: Duration::from_secs(3600),
-            hold: Duration::from_secs(60),
-            poll_interval: Duration::from_millis(100),
-            fast_path: false,
-            ..config()
-        },
-        handler,
-    );
+    let ids = publish_keyed(&db, 100).await;
+    let dying = draining_backlog(&db, Duration::from_secs(60), handler);
     eventually("the first ones recorded as delivered beside the held transaction", || async {
         count(&client, "select coalesce(sum(cardinality(ids)), 0) from outbox_relay.early_deliveries").await
             == delivered
@@ -338,27 +316,9 @@ async fn a_write_that_fails_while_a_backlog_is_read_ahead_loses_nothing() {
             }
         })
     };
-    let events: Vec<NewEvent> =
-        (0..EVENTS).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
-    db.outbox.publish_all(&events).await.unwrap();
-    let relay = support::start(
-        &db.outbox,
-        RelayConfig {
-            workers: 1,
-            batch_size: 10,
-            hold: Duration::from_millis(300),
-            poll_interval: Duration::from_millis(100),
-            fast_path: false,
-            ..config()
-        },
-        handler,
-    );
-    eventually("every event delivered and recorded", || async {
-        count(&client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await
-            == 0
-            && count(&client, "select count(*) from outbox_relay.parked").await == 0
-    })
-    .await;
+    publish_keyed(&db, EVENTS).await;
+    let relay = draining_backlog(&db, Duration::from_millis(300), handler);
+    eventually("every event delivered and recorded", || nothing_waits(&client)).await;
     let snapshot = relay.snapshot();
     relay.stop().await;
     let seen = seen.lock().unwrap().clone();
@@ -367,4 +327,32 @@ async fn a_write_that_fails_while_a_backlog_is_read_ahead_loses_nothing() {
     assert!(seen[&7] >= 2, "event 7 was tried again after its failure: {seen:?}");
     assert!(snapshot.read_ahead > 0, "{snapshot:?}");
     assert_eq!(count(&client, "select count(*) from outbox_relay.dead_letters").await, 0);
+}
+
+/// Publishes `events` events numbered from 0 (`{"n": n}`) over the keys `k0` to `k4`; their ids.
+async fn publish_keyed(db: &TestDb, events: i64) -> Vec<i64> {
+    let events: Vec<NewEvent> =
+        (0..events).map(|n| NewEvent::new("t", json!({ "n": n })).key(format!("k{}", n % 5))).collect();
+    db.outbox.publish_all(&events).await.unwrap()
+}
+
+/// A relay that drains a backlog in one held transaction at a time, batches of 10 read ahead
+/// for half of `hold` (one worker, no fast path, a lease of an hour: only `hold` leases).
+fn draining_backlog(db: &TestDb, hold: Duration, handler: impl pg_outbox_relay::Handler) -> support::Running {
+    let config = RelayConfig {
+        workers: 1,
+        batch_size: 10,
+        lease: Duration::from_secs(3600),
+        hold,
+        poll_interval: Duration::from_millis(100),
+        fast_path: false,
+        ..config()
+    };
+    support::start(&db.outbox, config, handler)
+}
+
+/// Whether every event is passed by every destination and nothing waits in the parked ones.
+async fn nothing_waits(client: &tokio_postgres::Client) -> bool {
+    count(client, "select count(*) from outbox_relay.outbox where not outbox_relay.passed_by_all(xid, id)").await == 0
+        && count(client, "select count(*) from outbox_relay.parked").await == 0
 }
