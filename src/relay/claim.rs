@@ -76,7 +76,17 @@ impl Turns {
         let walk_after = self.walk_after.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
         let walk_keys = i32::try_from(config.batch_size.saturating_mul(2).clamp(64, 20_000)).unwrap_or(20_000);
         let bytes = i64::try_from(config.batch_bytes).unwrap_or(i64::MAX);
-        sql::Turn { new, parked, parked_first: n % 2 == 1, walk_after, walk_keys, paused, bytes, fast_owner }
+        sql::Turn {
+            new,
+            parked,
+            parked_first: n % 2 == 1,
+            walk_after,
+            walk_keys,
+            paused,
+            bytes,
+            fast_owner,
+            own_records: 0,
+        }
     }
 
     /// Where the last walk over the parked keys ended: the next one goes on from there.
@@ -312,10 +322,15 @@ impl Claims {
     /// events parked or not the destination's: the transaction commits that); the caller marks
     /// the transaction (`Held::set_read_ahead`) when it took a batch or failed. Only new events
     /// are read ahead; the parked ones are other claims' (they take turns on their own).
-    pub(crate) async fn read_ahead(&self, held: &Held, leases: &Leases) -> Result<Option<Batch>> {
+    /// `token` is the transaction's: its own records early (of the batches it delivered) are
+    /// not read by the claim.
+    pub(crate) async fn read_ahead(&self, held: &Held, token: i64, leases: &Leases) -> Result<Option<Batch>> {
         let config = &self.config;
         let size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
-        let turn = self.turns.next(config, self.pauses.topics(), true, false, self.fast.owner());
+        let turn = sql::Turn {
+            own_records: token,
+            ..self.turns.next(config, self.pauses.topics(), true, false, self.fast.owner())
+        };
         let started = Instant::now();
         let decided = |id| self.fast.decided(id);
         let db = held.db();

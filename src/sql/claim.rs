@@ -93,6 +93,10 @@ pub(crate) struct Turn {
     /// claims check that it lives), else 0 (the claim takes the fast-path lock, and is turned
     /// away while another relay owns it).
     pub(crate) fast_owner: i32,
+    /// The token of this transaction's own records in `early_deliveries` (a held transaction
+    /// reading ahead: `Claims::read_ahead`), which its claim need not read (they name events
+    /// below the position it moved); 0 for a transaction that has none.
+    pub(crate) own_records: i64,
 }
 
 /// What a claim found.
@@ -201,7 +205,7 @@ async fn claim_new(
     decided: &(dyn Fn(i64) -> Option<Settled> + Sync),
     claimed: &mut Claimed,
 ) -> Result<()> {
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
         &batch,
         &dead_letters_hold,
         &&*turn.paused,
@@ -210,6 +214,7 @@ async fn claim_new(
         &to.topic_regex,
         &turn.bytes,
         &turn.fast_owner,
+        &turn.own_records,
     ];
     for _ in 0..OVERTAKEN_MAX {
         let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
@@ -426,9 +431,9 @@ mod tests {
         client.batch_execute(&format!("prepare claim_parked as {CLAIM_PARKED}")).await.unwrap();
         for paused in ["{}", "{mail.send}"] {
             for (name, args) in [
-                // (the last: the fast path's owner, none and one)
-                ("claim_new", format!("500, false, '{paused}', 'default', 1, null, 8388608, 0")),
-                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$', 8388608, 1")),
+                // (the last two: the fast path's owner, none and one, and the transaction's own records)
+                ("claim_new", format!("500, false, '{paused}', 'default', 1, null, 8388608, 0, 0")),
+                ("claim_new", format!("500, false, '{paused}', 'mailer', 2, '^\\.mail(\\.[^.]+)*$', 8388608, 1, 7")),
                 ("claim_parked", format!("500, false, '', 1000, '{paused}', 'default', 8388608")),
             ] {
                 client.batch_execute("begin").await.unwrap();

@@ -446,8 +446,8 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
         let paused: Vec<String> = Vec::new();
         let every_topic: Option<String> = None;
         let batch_bytes = RelayConfig::DEFAULT_BATCH_BYTES as i64;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
-            [&500i64, &false, &paused, &"default", &lock_id, &every_topic, &batch_bytes, &0i32];
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+            [&500i64, &false, &paused, &"default", &lock_id, &every_topic, &batch_bytes, &0i32, &0i64];
         let rows = client.query(CLAIM, &params).await.unwrap();
         let rows: Vec<_> = rows.into_iter().filter(|r| r.get::<_, Option<i64>>(0).is_some()).collect();
         let read: i64 = client.query_one(OUTBOX_TUPLES_READ, &[]).await.unwrap().get::<_, i64>(0) - before;
@@ -652,8 +652,8 @@ async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_on
             }
             let paused: Vec<String> = Vec::new();
             let every_topic: Option<String> = None;
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
-                [&500i64, &false, &paused, &name, &lock_id, &every_topic, &bound, &0i32];
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+                [&500i64, &false, &paused, &name, &lock_id, &every_topic, &bound, &0i32, &0i64];
             let rows = client.query(CLAIM, &params).await.unwrap();
             let ids: Vec<i64> = rows.iter().filter_map(|r| r.get::<_, Option<i64>>(0)).collect();
             assert_eq!(ids, expected, "{name}: claim {claims}");

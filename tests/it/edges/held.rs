@@ -193,8 +193,8 @@ async fn statements_by_id_read_a_few_entries_after_the_outbox_was_analyzed_empty
     let paused: Vec<String> = Vec::new();
     let every_topic: Option<String> = None;
     let batch_bytes = RelayConfig::DEFAULT_BATCH_BYTES as i64;
-    let claim: [&(dyn tokio_postgres::types::ToSql + Sync); 8] =
-        [&500i64, &false, &paused, &"default", &lock_id, &every_topic, &batch_bytes, &0i32];
+    let claim: [&(dyn tokio_postgres::types::ToSql + Sync); 9] =
+        [&500i64, &false, &paused, &"default", &lock_id, &every_topic, &batch_bytes, &0i32, &0i64];
     // The claims and the sweeper caught up: the position and the cursor past the dead rows (each
     // read once, as they pass them).
     let id = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 0}))).await.unwrap();
