@@ -357,7 +357,8 @@ async fn notifications_lost_with_the_listeners_connection_are_caught_by_a_claim(
             == 0
     })
     .await;
-    assert!(relay.snapshot().reconnects >= 1);
+    // (The claims may deliver them all before the listener's end is noticed, on a busy machine.)
+    eventually("the listener reconnected", || async { relay.snapshot().reconnects >= 1 }).await;
     // And the fast path comes back with the listener.
     armed(&relay).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
