@@ -132,8 +132,8 @@ moved as (
 -- The events in id order, each with whether it can be handed over now: not delayed (by the
 -- clock after the snapshot: a writer that began after this transaction and committed before its
 -- snapshot has an `available_at` past now()), not paused, not behind an event of its key parked
--- for this destination (looked up one event at a time only for the keys in `waiting`), not held by an earlier dead letter of its key at this destination (with
--- $2), and whether a claim that did not commit delivered it already (`early_deliveries`,
+-- for this destination (looked up one event at a time only for the keys in `waiting`), not held
+-- by an earlier dead letter of its key at this destination (with $2), and whether a claim that did not commit delivered it already (`early_deliveries`,
 -- migration 0017: a relay killed in the middle of a delivery; read only when the destination has
 -- such rows at all, one probe a claim otherwise; never the claiming transaction's own, $9: they
 -- name events below the position it moved, and reading them for every row made a claim read
