@@ -83,6 +83,12 @@ impl<H: Handler> Batches<H> {
         let held_since = first.claimed_at;
         // One token for the transaction: what it records early goes with its commit.
         let token = first.token;
+        // Its claims read ahead need not read those records (`Turn::own_records`): they name
+        // new events below the position it moved, unless its first batch took parked events,
+        // whose outbox rows may lie ahead of the position still (a copy the fast path made when
+        // a delivery outlived the hold): a claim read ahead may meet one of those, and only
+        // its record says that it was delivered.
+        let own_records = if first.parked.is_empty() { token } else { 0 };
         // What the transaction's deliveries achieved and it has not recorded early, carried from
         // batch to batch so that a record early never names a key's later event without its
         // earlier ones.
@@ -142,7 +148,7 @@ impl<H: Handler> Batches<H> {
                         let delivered = self.leases.due(&mut record_at, &progress);
                         let work = async {
                             let record = self.leases.record_beside(delivered, token, &progress, &mut early);
-                            futures::join!(self.in_transaction(claim, token, adopting.take(), ahead), record).0
+                            futures::join!(self.in_transaction(claim, own_records, adopting.take(), ahead), record).0
                         };
                         let ((adopted, read), done) = super::lease::beside(&mut delivery, work).await;
                         claim.set_read_ahead(!matches!(read, Ok(None)));
@@ -202,7 +208,7 @@ impl<H: Handler> Batches<H> {
             }
             if let (Some(adoption), Some(claim)) = (adopting, held.as_mut()) {
                 // This batch had no delivery to write them beside.
-                match self.in_transaction(claim, token, Some(adoption), false).await.0 {
+                match self.in_transaction(claim, own_records, Some(adoption), false).await.0 {
                     Ok(adopted) => {
                         claim.set_read_ahead(false);
                         recorded_in.extend(adopted);
@@ -284,13 +290,13 @@ impl<H: Handler> Batches<H> {
     /// In the held claim's transaction, beside a delivery: writes the outcomes of the batch
     /// delivered before (`adopt`), which makes the batch in delivery, read ahead in its savepoint,
     /// the transaction's; then, with `ahead`, reads the next batch ahead. Both are sent at once,
-    /// the writes first (the claim then sees what they parked): one round trip. `token` is the
-    /// transaction's, which its records early carry. Returns what was written, for once the
-    /// transaction commits, and the batch read ahead.
+    /// the writes first (the claim then sees what they parked): one round trip. `own_records` is
+    /// the token of the transaction's records early that the claim need not read (0: none).
+    /// Returns what was written, for once the transaction commits, and the batch read ahead.
     async fn in_transaction(
         &self,
         claim: &Held,
-        token: i64,
+        own_records: i64,
         adopt: Option<Adoption>,
         ahead: bool,
     ) -> (Result<Option<(Report, Aftermath)>>, Result<Option<Batch>>) {
@@ -300,7 +306,8 @@ impl<H: Handler> Batches<H> {
             aftermath.written = Some(tokio::time::Instant::now());
             Ok(Some((report, aftermath)))
         };
-        let read = async { if ahead { self.claims.read_ahead(claim, token, &self.leases).await } else { Ok(None) } };
+        let read =
+            async { if ahead { self.claims.read_ahead(claim, own_records, &self.leases).await } else { Ok(None) } };
         futures::join!(adopted, read)
     }
 

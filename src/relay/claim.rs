@@ -322,15 +322,13 @@ impl Claims {
     /// events parked or not the destination's: the transaction commits that); the caller marks
     /// the transaction (`Held::set_read_ahead`) when it took a batch or failed. Only new events
     /// are read ahead; the parked ones are other claims' (they take turns on their own).
-    /// `token` is the transaction's: its own records early (of the batches it delivered) are
-    /// not read by the claim.
-    pub(crate) async fn read_ahead(&self, held: &Held, token: i64, leases: &Leases) -> Result<Option<Batch>> {
+    /// `own_records`: the token of the transaction's records early that the claim need not read
+    /// (see `Turn::own_records`), or 0.
+    pub(crate) async fn read_ahead(&self, held: &Held, own_records: i64, leases: &Leases) -> Result<Option<Batch>> {
         let config = &self.config;
         let size = i64::try_from(config.batch_size).unwrap_or(i64::MAX);
-        let turn = sql::Turn {
-            own_records: token,
-            ..self.turns.next(config, self.pauses.topics(), true, false, self.fast.owner())
-        };
+        let turn =
+            sql::Turn { own_records, ..self.turns.next(config, self.pauses.topics(), true, false, self.fast.owner()) };
         let started = Instant::now();
         let decided = |id| self.fast.decided(id);
         let db = held.db();

@@ -94,8 +94,10 @@ pub(crate) struct Turn {
     /// away while another relay owns it).
     pub(crate) fast_owner: i32,
     /// The token of this transaction's own records in `early_deliveries` (a held transaction
-    /// reading ahead: `Claims::read_ahead`), which its claim need not read (they name events
-    /// below the position it moved); 0 for a transaction that has none.
+    /// reading ahead: `Claims::read_ahead`), which its claim need not read: they name events
+    /// below the position it moved, when the transaction took only new events (a parked
+    /// event's outbox row may lie ahead of the position: then 0). 0 for a transaction that has
+    /// none.
     pub(crate) own_records: i64,
 }
 

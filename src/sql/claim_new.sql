@@ -4,7 +4,8 @@
 -- '.' || topic (null: every topic; see src/relay/route.rs), $7 the most bytes of payload a batch
 -- takes (past its first event), $8 the backend pid of this relay's listener when it owns the
 -- destination's fast path (else 0), $9 the token of the claiming transaction's own records in
--- `early_deliveries` (a held transaction reading ahead, src/relay/batch.rs; else 0).
+-- `early_deliveries` when none of them can name an event this claim meets (a held transaction
+-- reading ahead that took only new events, src/relay/batch.rs; else 0).
 --
 -- One transaction at a time claims a destination's new events: the advisory lock is held until
 -- it ends (one that another transaction holds turns this claim away). While a relay owns the
@@ -107,13 +108,15 @@ taken as materialized (
         select s.id, s.ctid from sized s where s.n = 1 or s.upto <= $7::int8
     ) t order by t.id
 ),
--- The candidates' keys that have an event parked for this destination, one probe a key: only
--- their events are looked up one at a time below (a claim of 500 keyed events spent a quarter
--- of its time on a lookup for each; and under a held snapshot a key's dead parked entries are
--- walked once a claim, not once an event).
+-- The batch's keys (`taken` is the first of the candidates in id order) that have an event
+-- parked for this destination, one probe a key: only their events are looked up one at a time
+-- below (a claim of 500 keyed events spent a quarter of its time on a lookup for each; a key
+-- without a parked event, the common case, is now probed once a claim, and under a held
+-- snapshot its dead parked entries are walked once, not once an event).
 waiting as materialized (
     select coalesce(array_agg(k.key), '{}') as keys
-      from (select distinct c.key from cand c where c.key is not null) k
+      from (select distinct c.key from cand c
+             where c.key is not null and c.id <= (select max(t.id) from taken t)) k
      where (select b.id from outbox_relay.parked b
              where b.destination = $4::text and b.key = k.key
              order by b.destination, b.key, b.id limit 1) is not null
@@ -133,11 +136,12 @@ moved as (
 -- clock after the snapshot: a writer that began after this transaction and committed before its
 -- snapshot has an `available_at` past now()), not paused, not behind an event of its key parked
 -- for this destination (looked up one event at a time only for the keys in `waiting`), not held
--- by an earlier dead letter of its key at this destination (with $2), and whether a claim that did not commit delivered it already (`early_deliveries`,
--- migration 0017: a relay killed in the middle of a delivery; read only when the destination has
--- such rows at all, one probe a claim otherwise; never the claiming transaction's own, $9: they
--- name events below the position it moved, and reading them for every row made a claim read
--- ahead of a long chain three times slower), and whether it has a copy in the destination's
+-- by an earlier dead letter of its key at this destination (with $2), and whether a claim that
+-- did not commit delivered it already (`early_deliveries`, migration 0017: a relay killed in the
+-- middle of a delivery; read only when the destination has such rows at all, one probe a claim
+-- otherwise; not the records $9 names, the claiming transaction's own, which can only name
+-- events below the position it moved: reading them for every row made a claim read ahead of a
+-- long chain three times slower), and whether it has a copy in the destination's
 -- parked events already (the same event, by its uuid: a delivery from its notification that
 -- outlived the hold was leased so, src/relay/fast_task.rs, and the copy stands for it; read only
 -- when the destination has a parked event from the batch's first id on, one probe a claim
