@@ -556,3 +556,57 @@ async fn a_delayed_event_met_by_a_claim_read_ahead_is_delivered_when_due() {
     assert_eq!(order.last(), Some(&ids[600]), "the delayed event came last");
     assert_eq!(log.len(), 1000, "no event delivered twice");
 }
+
+/// A parked event whose outbox row lies ahead of the destination's position (the copy a
+/// delivery from its notification leaves when it outlives the hold, written here by hand, its
+/// lease run out) is taken by the first claim of a backlog's transaction, delivered, and recorded
+/// early beside it; the transaction's outcomes then remove the copy, and a claim read ahead
+/// later meets the outbox row: only the transaction's own record says that the event was
+/// delivered, and it is not sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_parked_copy_ahead_of_the_position_delivered_while_reading_ahead_is_not_sent_again() {
+    let db = TestDb::new().await;
+    // Payloads of about 200 bytes: with `batch_bytes` 1 KiB a claim of new events takes five,
+    // which leaves room in the batch for the parked copy, whichever kind of event claims first.
+    let pad = "x".repeat(200);
+    let events: Vec<NewEvent> = (0..100).map(|n| NewEvent::new("order.step", json!({ "n": n, "pad": pad }))).collect();
+    let ids = db.outbox.publish_all(&events).await.unwrap();
+    let copied = ids[40];
+    let client = db.client().await;
+    let written = client
+        .execute(
+            "insert into outbox_relay.parked
+                    (destination, id, uuid, topic, key, payload, headers, created_at, available_at, attempts, lease_token)
+             select 'default', o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at,
+                    now() - interval '1 second', 1, 7
+               from outbox_relay.outbox o where o.id = $1",
+            &[&copied],
+        )
+        .await
+        .unwrap();
+    assert_eq!(written, 1);
+    let log = Log::default();
+    let cfg = RelayConfig {
+        // One worker: the copy is claimed with the backlog's first batch, in its transaction.
+        workers: 1,
+        fast_path: false,
+        batch_size: 50,
+        batch_bytes: 1024,
+        record_every: Duration::from_millis(1),
+        hold: Duration::from_secs(10),
+        ..config()
+    };
+    let relay = support::start(&db.outbox, cfg, Flaky { log: log.clone(), failure_rate: 0.0 });
+    eventually_within("the 100 events delivered", Duration::from_secs(60), || async { log.len() >= 100 }).await;
+    // (time for a second delivery of the copied event to show)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let snapshot = relay.snapshot();
+    relay.stop().await;
+    let order: Vec<i64> = log.0.lock().unwrap().iter().map(|(id, _)| *id).collect();
+    let first = order.iter().position(|id| *id == copied).unwrap();
+    assert!(first < 10, "the copy went with the first batch: {order:?}");
+    assert!(snapshot.read_ahead > 0, "batches were read ahead: {snapshot:?}");
+    assert_eq!(order.iter().filter(|id| **id == copied).count(), 1, "the copied event delivered once: {order:?}");
+    assert_eq!(order.len(), 100, "no event delivered twice");
+    assert_eq!(support::count(&client, "select count(*) from outbox_relay.parked").await, 0, "nothing waits");
+}
