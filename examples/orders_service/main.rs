@@ -88,11 +88,13 @@ async fn run(args: Args, url: &str) -> Result<(), BoxError> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    // (the signals' handlers installed before the line that says it listens)
+    let stop = shutdown::shutdown_signal();
     tracing::info!(address = %listener.local_addr()?, database = %outbox.url(), "orders service listening");
 
     let stop_relay = CancellationToken::new();
     let relay = app::spawn_relay(&outbox, handler, stop_relay.clone().cancelled_owned())?;
-    axum::serve(listener, app::router(outbox)).with_graceful_shutdown(shutdown_signal()).await?;
+    axum::serve(listener, app::router(outbox)).with_graceful_shutdown(stopping(stop)).await?;
     // The last request has been answered: let the relay deliver what is in flight, then stop.
     stop_relay.cancel();
     relay.await??;
@@ -100,8 +102,8 @@ async fn run(args: Args, url: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    shutdown::shutdown_signal().await;
+/// Resolves on Ctrl-C or SIGTERM (`stop`, from `shutdown::shutdown_signal`).
+async fn stopping(stop: impl std::future::Future<Output = ()>) {
+    stop.await;
     tracing::info!("shutting down: finishing requests in flight, then stopping the relay");
 }

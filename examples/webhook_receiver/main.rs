@@ -78,10 +78,12 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
+    // (the signals' handlers installed before the line that says it listens)
+    let stop = shutdown::shutdown_signal();
     tracing::info!(address = %listener.local_addr()?, database = %database.url(), "webhook receiver listening");
     axum::serve(listener, app::router(receiver))
         .with_graceful_shutdown(async {
-            shutdown::shutdown_signal().await;
+            stop.await;
             tracing::info!("shutting down: finishing requests in flight");
         })
         .await?;
