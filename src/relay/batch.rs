@@ -145,9 +145,9 @@ impl<H: Handler> Batches<H> {
                         // What the transaction's earlier batches delivered is recorded early,
                         // beside it, once `record_every` has passed (batches delivered while their
                         // successor was claimed wait for no timer that would record them).
-                        let delivered = self.leases.due(&mut record_at, &progress);
+                        let due = self.leases.due(&mut record_at, &progress);
                         let work = async {
-                            let record = self.leases.record_beside(delivered, token, &progress, &mut early);
+                            let record = self.leases.record_beside(due, token, &progress, &mut early);
                             futures::join!(self.in_transaction(claim, own_records, adopting.take(), ahead), record).0
                         };
                         let ((adopted, read), done) = super::lease::beside(&mut delivery, work).await;
@@ -315,7 +315,8 @@ impl<H: Handler> Batches<H> {
     /// it holds the new events' lock, more wait, nothing of it is decided already (an event the
     /// fast path tried, or one no handler can be given, whose key the claim read ahead would not
     /// know to hold back), and the transaction is young: the next batch would be among its
-    /// first [`READ_AHEAD_MAX`], and it has been open for less than half of `hold`; and the relay is not stopping.
+    /// first [`READ_AHEAD_MAX`], and it has been open for less than half of `hold`; and the relay
+    /// is not stopping.
     fn may_read_ahead(&self, batch: &Batch, before: usize, held_since: tokio::time::Instant) -> bool {
         batch.held.is_some()
             && batch.held_new
