@@ -1,9 +1,14 @@
-//! Draining to real destinations: NATS JetStream, and the stdout sink's work aimed at
-//! `/dev/null` (HTTP receivers are in `receivers`).
+//! Draining to real destinations: NATS JetStream (and a plain JetStream publisher on the same
+//! stream, the drain's reference), and the stdout sink's work aimed at `/dev/null` (HTTP
+//! receivers are in `receivers`).
 
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::HeaderMap;
 use pg_outbox_relay::sink::NatsSink;
 use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
-use std::io::Write;
 
 use super::BoxError;
 
@@ -15,6 +20,44 @@ pub async fn nats_sink(url: &str, stream: &str) -> Result<Result<NatsSink, Strin
         Err(e) if e.kind() == pg_outbox_relay::ErrorKind::Connect => Ok(Err(e.to_string())),
         Err(e) => Err(e.into()),
     }
+}
+
+/// The rate of a plain JetStream publisher, in messages per second: no database, no relay, the
+/// broker and its client alone. It publishes `messages` to `subject` (on the stream `nats_sink`
+/// made, whose subjects start with the stream's name in lower case) the way the NATS sink
+/// publishes a batch: `window` publishes sent, then their acknowledgements awaited together,
+/// then the next window; each message as the sink makes it (the event's JSON, about the bench
+/// event's size; the headers `Nats-Msg-Id`, a new one each, `Outbox-Event-Id` and
+/// `Outbox-Topic`). What the NATS drain reaches of it is what the relay's claims and records
+/// leave of the broker's own pace.
+pub async fn nats_publisher_rate(url: &str, subject: &str, messages: usize, window: usize) -> Result<f64, BoxError> {
+    let client = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(10)).connect(url).await?;
+    let jetstream = async_nats::jetstream::new(client);
+    // A new `Nats-Msg-Id` for every message of the process: none is taken for a duplicate.
+    static SENT: AtomicU64 = AtomicU64::new(0);
+    let run = std::process::id();
+    let started = Instant::now();
+    let mut n = 0;
+    while n < messages {
+        let end = (n + window.max(1)).min(messages);
+        let mut acks = Vec::with_capacity(end - n);
+        for id in n..end {
+            let uuid = format!("{run:08x}-0000-4000-8000-{:012x}", SENT.fetch_add(1, Ordering::Relaxed));
+            let payload = format!(
+                r#"{{"id":{id},"uuid":"{uuid}","topic":"bench.drain","key":null,"payload":{{"n":{id}}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#
+            );
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", uuid.as_str());
+            headers.insert("Outbox-Event-Id", id.to_string().as_str());
+            headers.insert("Outbox-Topic", "bench.drain");
+            acks.push(jetstream.publish_with_headers(subject.to_owned(), headers, payload.into()).await?);
+        }
+        for ack in futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await {
+            ack?;
+        }
+        n = end;
+    }
+    Ok(messages as f64 / started.elapsed().as_secs_f64())
 }
 
 /// The stdout sink's work (each event serialized to a JSON line, a batch written and flushed

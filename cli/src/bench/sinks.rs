@@ -1,11 +1,12 @@
 //! The delivery stage: the relay's drain, with default settings, to the stdout sink's work, to
 //! two such destinations, and to the brokers that answer (NATS JetStream, RabbitMQ, Kafka), with
-//! a plain Kafka producer's rate on the same broker as the Kafka drain's reference.
+//! a plain JetStream publisher's and a plain Kafka producer's rates on the same brokers as the
+//! NATS and Kafka drains' references.
 
 use std::sync::Arc;
 
 use pg_outbox_relay::Outbox;
-use pg_outbox_relay_bench::{self as bench, AmqpDrain, CpuProfile, DrainSetup, Drained, KafkaBench};
+use pg_outbox_relay_bench::{self as bench, AmqpDrain, CpuProfile, CpuSample, DrainSetup, Drained, KafkaBench};
 use serde_json::json;
 
 use super::common::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
@@ -17,16 +18,20 @@ pub(super) struct SinksReport {
     /// Every event to each of two stdout destinations (each delivered twice).
     pub(super) stdout_two: f64,
     /// Each broker's drain, or why it was skipped.
-    pub(super) nats: Result<f64, String>,
+    pub(super) nats: Result<NatsFigures, String>,
     pub(super) amqp: Result<f64, String>,
     pub(super) kafka: Result<KafkaFigures, String>,
     /// Where the machine's CPU went during each drain (stdout, two destinations, NATS,
-    /// RabbitMQ, Kafka), over every round.
-    pub(super) cpu: [CpuProfile; 5],
+    /// RabbitMQ, Kafka) and the plain JetStream publisher and Kafka producer, over every round.
+    pub(super) cpu: [CpuProfile; 7],
 }
 
-/// The drains of [`SinksReport::cpu`], in its order.
-const DRAINS: [&str; 5] = ["stdout", "stdout_two_destinations", "nats", "amqp", "kafka"];
+/// The drains and plain clients of [`SinksReport::cpu`], in its order.
+const DRAINS: [&str; 7] =
+    ["stdout", "stdout_two_destinations", "nats", "amqp", "kafka", "nats_publisher", "kafka_producer"];
+
+/// The JetStream stream of the NATS drain and of the plain publisher.
+const NATS_STREAM: &str = "OUTBOX_BENCH";
 
 /// How many commands a CPU profile names, those that spent the most (the rest are not shown).
 const PROFILED: usize = 3;
@@ -45,6 +50,13 @@ fn cpu_line(profile: &CpuProfile) -> String {
     format!("CPU: machine {busy} % busy; {} cores", top.join(", "))
 }
 
+/// The NATS drain beside a plain JetStream publisher on the same stream, publishing as the NATS
+/// sink does (a batch's publishes, then their acknowledgements), in windows of the drain's batch.
+pub(super) struct NatsFigures {
+    pub(super) drain: f64,
+    pub(super) publisher: f64,
+}
+
 /// The Kafka drain beside a plain producer on the same broker.
 pub(super) struct KafkaFigures {
     pub(super) drain: f64,
@@ -53,7 +65,7 @@ pub(super) struct KafkaFigures {
 
 pub(super) fn step(args: &BenchArgs) -> String {
     format!(
-        "{} events to the stdout sink's work (to /dev/null), to two such destinations (every event to each), to NATS JetStream at {}, RabbitMQ (--amqp-url) and Kafka at {} (and a plain producer there), alternately, {ROUNDS} rounds",
+        "{} events to the stdout sink's work (to /dev/null), to two such destinations (every event to each), to NATS JetStream at {} (and a plain publisher there), RabbitMQ (--amqp-url) and Kafka at {} (and a plain producer there), alternately, {ROUNDS} rounds",
         args.events, args.nats_url, args.kafka_url
     )
 }
@@ -61,7 +73,7 @@ pub(super) fn step(args: &BenchArgs) -> String {
 /// Drains `args.events` events to each destination in turn, [`ROUNDS`] times.
 pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksReport, BenchError> {
     let setup = DrainSetup::defaults(args.events);
-    let nats = bench::nats_sink(&args.nats_url, "OUTBOX_BENCH").await?;
+    let nats = bench::nats_sink(&args.nats_url, NATS_STREAM).await?;
     let amqp = AmqpDrain::connect(&args.amqp_url, "outbox_bench").await?;
     let kafka = KafkaBench::connect(&args.kafka_url).await?;
     for (name, skipped) in
@@ -71,40 +83,50 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             eprintln!("  {name} skipped: {why}");
         }
     }
-    let mut rates: [Vec<f64>; 6] = Default::default();
-    let mut cpu: [CpuProfile; 5] = Default::default();
+    let mut rates: [Vec<f64>; 7] = Default::default();
+    let mut cpu: [CpuProfile; 7] = Default::default();
     let config = setup.config();
     for round in 0..ROUNDS {
-        let mut record = |i: usize, drained: Drained| {
-            rates[i].push(rate(setup.events, drained.elapsed));
-            cpu[i].add(&drained.cpu);
+        let mut record = |i: usize, (per_s, profile): (f64, CpuProfile)| {
+            rates[i].push(per_s);
+            cpu[i].add(&profile);
         };
-        record(0, bench::drain_measured(outbox, setup, config.clone(), bench::DevNullLines).await?);
-        record(1, bench::drain_each_measured(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?);
+        let drained = |drained: Drained| (rate(setup.events, drained.elapsed), drained.cpu);
+        record(0, drained(bench::drain_measured(outbox, setup, config.clone(), bench::DevNullLines).await?));
+        record(
+            1,
+            drained(bench::drain_each_measured(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?),
+        );
         if let Ok(sink) = &nats {
-            record(2, bench::drain_measured(outbox, setup, config.clone(), sink.clone()).await?);
+            record(2, drained(bench::drain_measured(outbox, setup, config.clone(), sink.clone()).await?));
+            let sample = CpuSample::now();
+            let subject = format!("{}.bench.drain", NATS_STREAM.to_lowercase());
+            let per_s = bench::nats_publisher_rate(&args.nats_url, &subject, setup.events, setup.batch_size).await?;
+            record(5, (per_s, sample.profile()));
         }
         if let Ok(amqp) = &amqp {
-            record(3, bench::drain_measured(outbox, setup, config.clone(), Arc::clone(&amqp.sink)).await?);
+            record(3, drained(bench::drain_measured(outbox, setup, config.clone(), Arc::clone(&amqp.sink)).await?));
             amqp.purge().await?;
         }
         if let Ok(kafka) = &kafka {
             let topic = format!("outbox-bench-drain-{}-{round}", std::process::id());
             kafka.create_topic(&topic).await?;
-            record(4, bench::drain_measured(outbox, setup, config.clone(), kafka.sink(&topic).await?).await?);
+            record(4, drained(bench::drain_measured(outbox, setup, config.clone(), kafka.sink(&topic).await?).await?));
             kafka.delete_topic(&topic).await?;
             let topic = format!("outbox-bench-producer-{}-{round}", std::process::id());
             kafka.create_topic(&topic).await?;
-            rates[5].push(kafka.producer_rate(&topic, setup.events).await?);
+            let sample = CpuSample::now();
+            let per_s = kafka.producer_rate(&topic, setup.events).await?;
+            record(6, (per_s, sample.profile()));
             kafka.delete_topic(&topic).await?;
         }
     }
-    let [stdout, two, nats_rates, amqp_rates, kafka_rates, producer_rates] = &mut rates;
+    let [stdout, two, nats_rates, amqp_rates, kafka_rates, publisher_rates, producer_rates] = &mut rates;
     let report = SinksReport {
         events: setup.events,
         stdout: median(stdout),
         stdout_two: median(two),
-        nats: nats.map(|_| median(nats_rates)),
+        nats: nats.map(|_| NatsFigures { drain: median(nats_rates), publisher: median(publisher_rates) }),
         amqp: match amqp {
             Ok(amqp) => {
                 amqp.remove().await?;
@@ -123,13 +145,16 @@ impl SinksReport {
         let share = |rate: &Result<f64, String>| rate.as_ref().ok().map(|v| rounded(v / self.stdout, 3));
         let figure = |rate: &Result<f64, String>| rate.as_ref().ok().map(|v| rounded(*v, 1));
         let kafka = self.kafka.as_ref();
+        let nats = self.nats.as_ref();
         json!({
             "sinks_events": self.events,
             "stdout_events_per_s": rounded(self.stdout, 1),
             "stdout_two_destinations_events_per_s": rounded(self.stdout_two, 1),
             "stdout_two_destinations_share_of_one": rounded(self.stdout_two / self.stdout, 3),
-            "nats_events_per_s": figure(&self.nats),
-            "nats_share_of_stdout": share(&self.nats),
+            "nats_events_per_s": nats.ok().map(|n| rounded(n.drain, 1)),
+            "nats_share_of_stdout": nats.ok().map(|n| rounded(n.drain / self.stdout, 3)),
+            "nats_publisher_messages_per_s": nats.ok().map(|n| rounded(n.publisher, 1)),
+            "nats_share_of_publisher": nats.ok().map(|n| rounded(n.drain / n.publisher, 3)),
             "amqp_events_per_s": figure(&self.amqp),
             "amqp_share_of_stdout": share(&self.amqp),
             "kafka_events_per_s": kafka.ok().map(|k| rounded(k.drain, 1)),
@@ -153,7 +178,7 @@ impl SinksReport {
                 out!("    {}", cpu_line(cpu));
             }
         };
-        let [stdout_cpu, two_cpu, nats_cpu, amqp_cpu, kafka_cpu] = &self.cpu;
+        let [stdout_cpu, two_cpu, nats_cpu, amqp_cpu, kafka_cpu, publisher_cpu, producer_cpu] = &self.cpu;
         line("to the stdout sink's work (/dev/null)", self.stdout, String::new(), Some(stdout_cpu));
         let share = self.stdout_two / self.stdout * 100.0;
         line(
@@ -162,17 +187,29 @@ impl SinksReport {
             format!("; {share:.0} % of one; each event delivered twice"),
             Some(two_cpu),
         );
-        for (what, rate, cpu) in [("to NATS JetStream", &self.nats, nats_cpu), ("to RabbitMQ", &self.amqp, amqp_cpu)] {
-            match rate {
-                Ok(rate) => line(what, *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0), Some(cpu)),
-                Err(why) => out!("  {what:<44}{:>12} ({why})", "skipped"),
+        match &self.nats {
+            Ok(n) => {
+                let shares = format!(
+                    "; {:.0} % of stdout, {:.0} % of the plain publisher",
+                    n.drain / self.stdout * 100.0,
+                    n.drain / n.publisher * 100.0
+                );
+                line("to NATS JetStream", n.drain, shares, Some(nats_cpu));
+                line("a plain JetStream publisher, same stream", n.publisher, String::new(), Some(publisher_cpu));
             }
+            Err(why) => out!("  {:<44}{:>12} ({why})", "to NATS JetStream", "skipped"),
+        }
+        match &self.amqp {
+            Ok(rate) => {
+                line("to RabbitMQ", *rate, format!("; {:.0} % of stdout", rate / self.stdout * 100.0), Some(amqp_cpu))
+            }
+            Err(why) => out!("  {:<44}{:>12} ({why})", "to RabbitMQ", "skipped"),
         }
         match &self.kafka {
             Ok(k) => {
                 let share = format!("; {:.0} % of the plain producer", k.drain / k.producer * 100.0);
                 line("to Kafka", k.drain, share, Some(kafka_cpu));
-                line("a plain producer on the same broker", k.producer, String::new(), None);
+                line("a plain producer on the same broker", k.producer, String::new(), Some(producer_cpu));
             }
             Err(why) => out!("  {:<44}{:>12} ({why})", "to Kafka", "skipped"),
         }

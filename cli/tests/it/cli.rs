@@ -762,6 +762,8 @@ mod needs_nats {
             "stdout_events_per_s",
             "nats_events_per_s",
             "nats_share_of_stdout",
+            "nats_publisher_messages_per_s",
+            "nats_share_of_publisher",
             "trickle_cpu_share",
             "write_tps_trigger",
             "write_tps_no_trigger",

@@ -145,6 +145,8 @@ mod needs_kafka {
             assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
         }
         assert!(report["nats_events_per_s"].is_null() && report["skipped"]["nats"].is_string(), "{report}");
+        assert!(report["nats_publisher_messages_per_s"].is_null(), "{report}");
+        assert!(report["sinks_cpu"]["kafka_producer"]["cores_by_command"].is_object(), "{report}");
         assert!(report["amqp_events_per_s"].is_null() && report["skipped"]["amqp"].is_string(), "{report}");
         assert!(!out.contains("guest:guest"), "no password in the report: {out}");
         assert_eq!(report["sinks_events"], json!(2000));
