@@ -1,6 +1,6 @@
 //! The body of each command.
 
-use pg_outbox_relay::sink::{EventFormat, Secret, Sink};
+use pg_outbox_relay::sink::{EventFormat, Secret, Sink, StdoutSink};
 use pg_outbox_relay::{DatabaseUrl, Outbox, Relay, RelayConfig, Route, TopicPattern};
 
 use crate::args::{
@@ -475,7 +475,8 @@ impl Reload<'_> {
                 console.set_destinations(running.relay.destination_metrics());
             }
             let mut next = None;
-            let until = async {
+            let mut stdout_closed = false;
+            let asked = async {
                 loop {
                     if let Asked::Stop = signals.next().await {
                         return;
@@ -507,8 +508,17 @@ impl Reload<'_> {
                     }
                 }
             };
+            // A stdout sink whose reader went away can deliver nothing more: the relay stops, and
+            // the command fails, so that whatever started the pipeline sees it.
+            let until = async {
+                tokio::select! {
+                    () = asked => {}
+                    () = StdoutSink::closed() => stdout_closed = true,
+                }
+            };
             let ran = running.relay.run(until).await;
             running = match (ran, next, running.previous) {
+                (Ok(()), None, _) if stdout_closed => return Err(STDOUT_CLOSED.into()),
                 (Ok(()), None, _) => return Ok(()),
                 (Ok(()), Some((relay, shown, destinations)), _) => {
                     tracing::info!("SIGHUP: --config reloaded; the relay with the new routes takes over");
@@ -538,6 +548,11 @@ impl Reload<'_> {
         Ok((Relay::with_routes(self.outbox, config, routes)?, shown, destinations))
     }
 }
+
+/// Why `run` stopped when standard output, a destination's sink, was closed.
+const STDOUT_CLOSED: &str = "standard output was closed (its reader went away), so the stdout sink can deliver \
+     nothing more: the relay stopped. Nothing is lost: the events it could not write wait in the outbox for the \
+     next run";
 
 /// The longest pause between two tries of a database that cannot be reached at start.
 const DATABASE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);

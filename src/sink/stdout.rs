@@ -1,6 +1,9 @@
 //! Standard output: one JSON object per line, each batch written and flushed as one piece.
 
 use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::Notify;
 
 use super::event_json;
 use crate::event::Event;
@@ -20,7 +23,34 @@ impl StdoutSink {
     pub fn new() -> Self {
         StdoutSink
     }
+
+    /// Completes once a write found this process's standard output closed: a broken pipe, its
+    /// reader gone (`outbox-relay run --sink stdout | consumer`, and the consumer died). A closed
+    /// pipe never opens again, so every later batch would fail the same way, however long the
+    /// relay went on: a program whose events go only there may stop on this (the command does,
+    /// with exit status 1) and be started again with a new reader. Nothing is lost either way:
+    /// the events of the failed writes were not delivered, and wait in the outbox.
+    pub async fn closed() {
+        loop {
+            // (made before the flag is read: a notification in between is not missed)
+            let notified = CLOSING.notified();
+            if Self::is_closed() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Whether a write found standard output closed (see [`StdoutSink::closed`]).
+    pub fn is_closed() -> bool {
+        CLOSED.load(Ordering::Acquire)
+    }
 }
+
+/// Set once a write found standard output closed (its reader gone): see [`StdoutSink::closed`].
+static CLOSED: AtomicBool = AtomicBool::new(false);
+/// Wakes [`StdoutSink::closed`] when [`CLOSED`] is set.
+static CLOSING: Notify = Notify::const_new();
 
 impl Handler for StdoutSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
@@ -54,6 +84,11 @@ impl StdoutSink {
         .await;
         let failure = match written {
             Ok(Ok(())) => return results,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                CLOSED.store(true, Ordering::Release);
+                CLOSING.notify_waiters();
+                format!("writing to stdout failed: it was closed, its reader is gone ({e})")
+            }
             Ok(Err(e)) => format!("writing to stdout failed: {e}"),
             Err(e) => format!("writing to stdout failed: the writing task ended: {e}"),
         };

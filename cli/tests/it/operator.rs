@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout};
+use crate::binary::{BIN, cli, publish, spawn_run, stderr, stdout, terminate};
 use crate::harness::TestDb;
 use crate::relay_support::{PATIENCE, count, eventually};
 
@@ -60,6 +60,58 @@ async fn stdout_on_a_full_disk_marks_nothing_delivered() {
     let error: String =
         db.client().await.query_one("select last_error from outbox_relay.parked limit 1", &[]).await.unwrap().get(0);
     assert!(error.contains("writing to stdout failed"), "{error}");
+}
+
+/// `outbox-relay run --sink stdout | consumer`, and the consumer goes away: a closed pipe never
+/// opens again, so the relay stops, exit status 1, saying why, instead of retrying forever; the
+/// events it could not write wait, and the next run delivers every one.
+#[tokio::test]
+async fn run_stops_with_an_error_when_its_stdout_reader_goes_away_and_loses_nothing() {
+    const EVENTS: i64 = 3000;
+    let db = TestDb::new().await;
+    db.client()
+        .await
+        .batch_execute(&format!(
+            "insert into outbox_relay.outbox (topic, payload) select 'order.placed', jsonb_build_object('n', g) from generate_series(1, {EVENTS}) g"
+        ))
+        .await
+        .unwrap();
+    let mut first = spawn_run(&db.url, &["--sink", "stdout"]);
+    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("no output").unwrap().expect("eof");
+    assert!(line.starts_with('{'), "{line}");
+    drop(lines); // the reader goes away
+    let output = tokio::time::timeout(PATIENCE, first.wait_with_output()).await.expect("went on after its reader left");
+    let output = output.unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: standard output was closed (its reader went away)"), "{err}");
+    assert!(err.contains("it was closed, its reader is gone"), "the failed deliveries say why: {err}");
+    assert_eq!(count(&db.client().await, "select count(*) from outbox_relay.dead_letters").await, 0);
+    // (a batch that went into the pipe whole before its reader left was written, so delivered;
+    // the rest failed)
+    let db = &db;
+    let ids = |sql: &'static str| async move {
+        let rows = db.client().await.query(sql, &[]).await.unwrap();
+        rows.iter().map(|row| row.get::<_, i64>(0)).collect::<std::collections::BTreeSet<i64>>()
+    };
+    let rest = ids("select id from outbox_relay.event_state where state <> 'delivered'").await;
+    assert!(!rest.is_empty(), "the reader left before the end");
+
+    // The next run delivers exactly the rest, each once.
+    let mut second = spawn_run(&db.url, &["--sink", "stdout"]);
+    let mut lines = BufReader::new(second.stdout.take().unwrap()).lines();
+    let mut got = Vec::new();
+    while got.len() < rest.len() {
+        let line =
+            tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("events missing").unwrap().expect("eof");
+        let event: Value = serde_json::from_str(&line).unwrap();
+        got.push(event["id"].as_i64().unwrap());
+    }
+    assert_eq!(got.iter().copied().collect::<std::collections::BTreeSet<i64>>(), rest);
+    assert_eq!(terminate(second).await, Some(0));
+    let delivered = ids("select id from outbox_relay.event_state where state = 'delivered'").await;
+    assert_eq!(delivered.len(), EVENTS as usize, "every event delivered");
 }
 
 /// Every duration has a range, checked before anything starts, and the error names the flag;
