@@ -12,8 +12,8 @@ use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
 
 use super::BoxError;
 
-/// A NATS JetStream sink on a stream of its own (created, or purged when it exists), for a
-/// drain measurement; `None` with the reason when no NATS server answers at `url`.
+/// A NATS JetStream sink on a stream of its own (created when it does not exist), for a drain
+/// measurement; `None` with the reason when no NATS server answers at `url`.
 pub async fn nats_sink(url: &str, stream: &str) -> Result<Result<NatsSink, String>, BoxError> {
     match NatsSink::builder(url).subject_prefix(stream.to_lowercase()).create_stream(stream).connect().await {
         Ok(sink) => Ok(Ok(sink)),
@@ -22,43 +22,81 @@ pub async fn nats_sink(url: &str, stream: &str) -> Result<Result<NatsSink, Strin
     }
 }
 
-/// The rate of a plain JetStream publisher, in messages per second: no database, no relay, the
-/// broker and its client alone. It publishes `messages` to `subject` (on the stream `nats_sink`
-/// made, whose subjects start with the stream's name in lower case) the way the NATS sink
-/// publishes a batch: `window` publishes sent, then their acknowledgements awaited together,
-/// then the next window; each message as the sink makes it (the event's JSON, about the bench
-/// event's size; the headers `Nats-Msg-Id`, a new one each, `Outbox-Event-Id` and
-/// `Outbox-Topic`). What the NATS drain reaches of it is what the relay's claims and records
-/// leave of the broker's own pace.
-pub async fn nats_publisher_rate(url: &str, subject: &str, messages: usize, window: usize) -> Result<f64, BoxError> {
-    let client = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(10)).connect(url).await?;
-    let jetstream = async_nats::jetstream::new(client);
-    // A new `Nats-Msg-Id` for every message of the process: none is taken for a duplicate.
-    static SENT: AtomicU64 = AtomicU64::new(0);
-    let run = std::process::id();
-    let started = Instant::now();
-    let mut n = 0;
-    while n < messages {
-        let end = (n + window.max(1)).min(messages);
-        let mut acks = Vec::with_capacity(end - n);
-        for id in n..end {
-            let uuid = format!("{run:08x}-0000-4000-8000-{:012x}", SENT.fetch_add(1, Ordering::Relaxed));
-            let payload = format!(
-                r#"{{"id":{id},"uuid":"{uuid}","topic":"bench.drain","key":null,"payload":{{"n":{id}}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#
-            );
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", uuid.as_str());
-            headers.insert("Outbox-Event-Id", id.to_string().as_str());
-            headers.insert("Outbox-Topic", "bench.drain");
-            acks.push(jetstream.publish_with_headers(subject.to_owned(), headers, payload.into()).await?);
-        }
-        for ack in futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await {
-            ack?;
-        }
-        n = end;
-    }
-    Ok(messages as f64 / started.elapsed().as_secs_f64())
+/// The NATS drain's stream, its sink ([`nats_sink`]), and a plain JetStream publisher on the
+/// same stream as the drain's reference. The stream is emptied before each drain or publisher
+/// run ([`NatsBench::purge`]) and deleted at the end ([`NatsBench::remove`]).
+pub struct NatsBench {
+    /// The sink the drain delivers with.
+    pub sink: NatsSink,
+    jetstream: async_nats::jetstream::Context,
+    stream: String,
 }
+
+impl NatsBench {
+    /// Connects, making the stream; `Ok(Err(why))` when no NATS server answers at `url`.
+    pub async fn connect(url: &str, stream: &str) -> Result<Result<NatsBench, String>, BoxError> {
+        let sink = match nats_sink(url, stream).await? {
+            Ok(sink) => sink,
+            Err(why) => return Ok(Err(why)),
+        };
+        let client = async_nats::ConnectOptions::new().connection_timeout(TIMEOUT).connect(url).await?;
+        let mut jetstream = async_nats::jetstream::new(client);
+        // (the sink's acknowledgement timeout)
+        jetstream.set_timeout(TIMEOUT);
+        Ok(Ok(NatsBench { sink, jetstream, stream: stream.to_owned() }))
+    }
+
+    /// Empties the stream.
+    pub async fn purge(&self) -> Result<(), BoxError> {
+        self.jetstream.get_stream(&self.stream).await?.purge().await?;
+        Ok(())
+    }
+
+    /// Deletes the stream.
+    pub async fn remove(self) -> Result<(), BoxError> {
+        self.jetstream.delete_stream(&self.stream).await?;
+        Ok(())
+    }
+
+    /// The rate of a plain JetStream publisher, in messages per second: no database, no relay,
+    /// the broker and its client alone. It publishes `messages` to the subject the drain's
+    /// events go to, the way the NATS sink publishes a batch: `window` publishes sent, then their
+    /// acknowledgements awaited together, then the next window; each message as the sink makes
+    /// it (the event's JSON, about the bench event's size; the headers `Nats-Msg-Id`, a new one
+    /// each, `Outbox-Event-Id` and `Outbox-Topic`). What the NATS drain reaches of it is what the
+    /// relay's claims and records leave of the broker's own pace.
+    pub async fn publisher_rate(&self, messages: usize, window: usize) -> Result<f64, BoxError> {
+        // A new `Nats-Msg-Id` for every message of the process: none is taken for a duplicate.
+        static SENT: AtomicU64 = AtomicU64::new(0);
+        let subject = format!("{}.bench.drain", self.stream.to_lowercase());
+        let run = std::process::id();
+        let started = Instant::now();
+        let mut n = 0;
+        while n < messages {
+            let end = (n + window.max(1)).min(messages);
+            let mut acks = Vec::with_capacity(end - n);
+            for id in n..end {
+                let uuid = format!("{run:08x}-0000-4000-8000-{:012x}", SENT.fetch_add(1, Ordering::Relaxed));
+                let payload = format!(
+                    r#"{{"id":{id},"uuid":"{uuid}","topic":"bench.drain","key":null,"payload":{{"n":{id}}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#
+                );
+                let mut headers = HeaderMap::new();
+                headers.insert("Nats-Msg-Id", uuid.as_str());
+                headers.insert("Outbox-Event-Id", id.to_string().as_str());
+                headers.insert("Outbox-Topic", "bench.drain");
+                acks.push(self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await?);
+            }
+            for ack in futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await {
+                ack?;
+            }
+            n = end;
+        }
+        Ok(messages as f64 / started.elapsed().as_secs_f64())
+    }
+}
+
+/// How long connecting and each acknowledgement may take (the NATS sink's default).
+const TIMEOUT: Duration = pg_outbox_relay::sink::DEFAULT_HTTP_TIMEOUT;
 
 /// The stdout sink's work (each event serialized to a JSON line, a batch written and flushed
 /// as one piece on the blocking pool, one slot per batch), aimed at `/dev/null`: what draining

@@ -508,12 +508,14 @@ impl Reload<'_> {
                     }
                 }
             };
-            // A stdout sink whose reader went away can deliver nothing more: the relay stops, and
-            // the command fails, so that whatever started the pipeline sees it.
+            // A stdout sink whose reader went away can deliver nothing more: the relay stops (its
+            // other destinations too: the process ends), and the command fails, so that whatever
+            // started the pipeline sees it.
+            let to_stdout = running.destinations.iter().any(|d| crate::sinks::is_stdout(&d.sink));
             let until = async {
                 tokio::select! {
                     () = asked => {}
-                    () = StdoutSink::closed() => stdout_closed = true,
+                    () = StdoutSink::closed(), if to_stdout => stdout_closed = true,
                 }
             };
             let ran = running.relay.run(until).await;
@@ -551,8 +553,8 @@ impl Reload<'_> {
 
 /// Why `run` stopped when standard output, a destination's sink, was closed.
 const STDOUT_CLOSED: &str = "standard output was closed (its reader went away), so the stdout sink can deliver \
-     nothing more: the relay stopped. Nothing is lost: the events it could not write wait in the outbox for the \
-     next run";
+     nothing more: the relay stopped. The events it could not write wait in the outbox for the next run (those \
+     written into the pipe before its reader left count as delivered)";
 
 /// The longest pause between two tries of a database that cannot be reached at start.
 const DATABASE_WAIT_MAX: std::time::Duration = std::time::Duration::from_secs(5);

@@ -122,12 +122,18 @@ impl SinkOptions {
     }
 }
 
+/// Whether the sink `spec` names is standard output.
+pub(crate) fn is_stdout(spec: &str) -> bool {
+    let spec = pg_outbox_relay::sink::lower_scheme(spec);
+    spec == "stdout" || spec == "-"
+}
+
 /// Builds the sink `spec` names with `options`; connects where the sink needs a connection, so
 /// an unreachable destination is reported here, not at the first event.
 pub(crate) async fn connect(spec: &str, options: &SinkOptions) -> Result<Sink, CliError> {
     let spec = &*pg_outbox_relay::sink::lower_scheme(spec);
     options.check_for(spec)?;
-    if spec == "stdout" || spec == "-" {
+    if is_stdout(spec) {
         return Ok(Sink::Stdout(StdoutSink::new()));
     }
     if spec.starts_with("http://") || spec.starts_with("https://") {

@@ -27,9 +27,11 @@ impl StdoutSink {
     /// Completes once a write found this process's standard output closed: a broken pipe, its
     /// reader gone (`outbox-relay run --sink stdout | consumer`, and the consumer died). A closed
     /// pipe never opens again, so every later batch would fail the same way, however long the
-    /// relay went on: a program whose events go only there may stop on this (the command does,
-    /// with exit status 1) and be started again with a new reader. Nothing is lost either way:
-    /// the events of the failed writes were not delivered, and wait in the outbox.
+    /// relay went on: a program whose events go there may stop on this (the command does, with
+    /// exit status 1) and be started again with a new reader. The events of the failed writes
+    /// were not delivered and wait in the outbox; those written into the pipe before its reader
+    /// left count as delivered, as with any pipe. The state is the process's (its standard
+    /// output), and stays once set.
     pub async fn closed() {
         loop {
             // (made before the flag is read: a notification in between is not missed)

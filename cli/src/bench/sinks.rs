@@ -6,7 +6,9 @@
 use std::sync::Arc;
 
 use pg_outbox_relay::Outbox;
-use pg_outbox_relay_bench::{self as bench, AmqpDrain, CpuProfile, CpuSample, DrainSetup, Drained, KafkaBench};
+use pg_outbox_relay_bench::{
+    self as bench, AmqpDrain, CpuProfile, CpuSample, DrainSetup, Drained, KafkaBench, NatsBench,
+};
 use serde_json::json;
 
 use super::common::{BenchArgs, BenchError, ROUNDS, grouped, median, rate, rounded};
@@ -73,7 +75,7 @@ pub(super) fn step(args: &BenchArgs) -> String {
 /// Drains `args.events` events to each destination in turn, [`ROUNDS`] times.
 pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksReport, BenchError> {
     let setup = DrainSetup::defaults(args.events);
-    let nats = bench::nats_sink(&args.nats_url, NATS_STREAM).await?;
+    let nats = NatsBench::connect(&args.nats_url, NATS_STREAM).await?;
     let amqp = AmqpDrain::connect(&args.amqp_url, "outbox_bench").await?;
     let kafka = KafkaBench::connect(&args.kafka_url).await?;
     for (name, skipped) in
@@ -97,11 +99,12 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             1,
             drained(bench::drain_each_measured(outbox, setup, &["stdout-a", "stdout-b"], bench::DevNullLines).await?),
         );
-        if let Ok(sink) = &nats {
-            record(2, drained(bench::drain_measured(outbox, setup, config.clone(), sink.clone()).await?));
+        if let Ok(nats) = &nats {
+            nats.purge().await?;
+            record(2, drained(bench::drain_measured(outbox, setup, config.clone(), nats.sink.clone()).await?));
+            nats.purge().await?;
             let sample = CpuSample::now();
-            let subject = format!("{}.bench.drain", NATS_STREAM.to_lowercase());
-            let per_s = bench::nats_publisher_rate(&args.nats_url, &subject, setup.events, setup.batch_size).await?;
+            let per_s = nats.publisher_rate(setup.events, setup.batch_size).await?;
             record(5, (per_s, sample.profile()));
         }
         if let Ok(amqp) = &amqp {
@@ -126,7 +129,13 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
         events: setup.events,
         stdout: median(stdout),
         stdout_two: median(two),
-        nats: nats.map(|_| NatsFigures { drain: median(nats_rates), publisher: median(publisher_rates) }),
+        nats: match nats {
+            Ok(nats) => {
+                nats.remove().await?;
+                Ok(NatsFigures { drain: median(nats_rates), publisher: median(publisher_rates) })
+            }
+            Err(why) => Err(why),
+        },
         amqp: match amqp {
             Ok(amqp) => {
                 amqp.remove().await?;

@@ -64,9 +64,9 @@ async fn stdout_on_a_full_disk_marks_nothing_delivered() {
 
 /// `outbox-relay run --sink stdout | consumer`, and the consumer goes away: a closed pipe never
 /// opens again, so the relay stops, exit status 1, saying why, instead of retrying forever; the
-/// events it could not write wait, and the next run delivers every one.
+/// events it could not write wait, and the next run delivers each of them once.
 #[tokio::test]
-async fn run_stops_with_an_error_when_its_stdout_reader_goes_away_and_loses_nothing() {
+async fn run_stops_with_an_error_when_its_stdout_reader_goes_away_and_delivers_the_rest_next_time() {
     const EVENTS: i64 = 3000;
     let db = TestDb::new().await;
     db.client()
