@@ -19,8 +19,17 @@ use super::BoxError;
 
 /// Partitions of the bench's Kafka topics.
 const PARTITIONS: i32 = 4;
-/// How long connecting and each acknowledgement may take.
-const TIMEOUT: Duration = Duration::from_secs(10);
+/// How long connecting and each acknowledgement may take (the brokers' drains and plain
+/// clients, NATS's too).
+pub(super) const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A bench event (topic `bench.drain`, payload `{"n": id}`) as a sink sends it, for the plain
+/// clients that publish without the relay: the size and shape of the drains' messages.
+pub(super) fn event_json(id: usize, uuid: &str) -> String {
+    format!(
+        r#"{{"id":{id},"uuid":"{uuid}","topic":"bench.drain","key":null,"payload":{{"n":{id}}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#
+    )
+}
 
 /// A RabbitMQ sink publishing to `exchange`, with a queue of that name bound to take every
 /// message (so none comes back unroutable), purged after each drain and deleted at the end.
@@ -129,10 +138,7 @@ impl KafkaBench {
             .set("linger.ms", "1")
             .set("message.timeout.ms", "60000")
             .create()?;
-        let value = format!(
-            r#"{{"id":123456,"uuid":"{}","topic":"bench.drain","key":null,"payload":{{"n":123456}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#,
-            "0192b7c4-9a3e-7d21-8f00-4c6a1e2b3d4f"
-        );
+        let value = event_json(123456, "0192b7c4-9a3e-7d21-8f00-4c6a1e2b3d4f");
         let started = Instant::now();
         let sends = (0..messages).map(|n| {
             let id = n.to_string();

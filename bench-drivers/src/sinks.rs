@@ -4,13 +4,14 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use async_nats::HeaderMap;
 use pg_outbox_relay::sink::NatsSink;
 use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
 
 use super::BoxError;
+use super::brokers::{TIMEOUT, event_json};
 
 /// A NATS JetStream sink on a stream of its own (created when it does not exist), for a drain
 /// measurement; `None` with the reason when no NATS server answers at `url`.
@@ -41,7 +42,7 @@ impl NatsBench {
         };
         let client = async_nats::ConnectOptions::new().connection_timeout(TIMEOUT).connect(url).await?;
         let mut jetstream = async_nats::jetstream::new(client);
-        // (the sink's acknowledgement timeout)
+        // (as long as the NATS sink waits for one by default: 10 s)
         jetstream.set_timeout(TIMEOUT);
         Ok(Ok(NatsBench { sink, jetstream, stream: stream.to_owned() }))
     }
@@ -77,9 +78,7 @@ impl NatsBench {
             let mut acks = Vec::with_capacity(end - n);
             for id in n..end {
                 let uuid = format!("{run:08x}-0000-4000-8000-{:012x}", SENT.fetch_add(1, Ordering::Relaxed));
-                let payload = format!(
-                    r#"{{"id":{id},"uuid":"{uuid}","topic":"bench.drain","key":null,"payload":{{"n":{id}}},"created_at":"2026-12-03T12:00:00.000000Z","attempts":1}}"#
-                );
+                let payload = event_json(id, &uuid);
                 let mut headers = HeaderMap::new();
                 headers.insert("Nats-Msg-Id", uuid.as_str());
                 headers.insert("Outbox-Event-Id", id.to_string().as_str());
@@ -94,9 +93,6 @@ impl NatsBench {
         Ok(messages as f64 / started.elapsed().as_secs_f64())
     }
 }
-
-/// How long connecting and each acknowledgement may take (the NATS sink's default).
-const TIMEOUT: Duration = pg_outbox_relay::sink::DEFAULT_HTTP_TIMEOUT;
 
 /// The stdout sink's work (each event serialized to a JSON line, a batch written and flushed
 /// as one piece on the blocking pool, one slot per batch), aimed at `/dev/null`: what draining
