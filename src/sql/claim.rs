@@ -3,11 +3,12 @@
 use std::collections::HashSet;
 use std::time::{Duration, SystemTime};
 
+use futures::TryStreamExt;
 use tokio_postgres::Row;
 
 use super::outcomes::{Copies, complete_parked, early_deliveries_passed, park_new_events};
 use super::{Db, Replanned, all, one};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::payload::Payload;
 
 // The claims: of new events (`claim_new.sql`), read by transaction snapshots above the
@@ -273,14 +274,18 @@ async fn claim_new(
         &turn.own_records,
     ];
     for _ in 0..OVERTAKEN_MAX {
-        let rows = all(db, CLAIM_NEW, &params, "claiming new events").await?;
-        let mut fresh = Vec::with_capacity(rows.len());
+        // The rows come in no order (the statement does not sort them, so that the server sends
+        // each as it is read): each is read as it arrives, while the server sends the next
+        // ones, and the events are put in id order after the last.
+        let mut fresh = Vec::new();
         let (mut moved, mut overtaken) = (false, false);
         let mut columns = None;
-        for row in &rows {
+        let stream = db.stream(CLAIM_NEW, &params).await.map_err(|e| Error::database("claiming new events", e))?;
+        futures::pin_mut!(stream);
+        while let Some(row) = stream.try_next().await.map_err(|e| Error::database("claiming new events", e))? {
             let (columns, ready, copied) =
-                columns.get_or_insert_with(|| (Columns::of(row), column(row, "ready"), column(row, "copied")));
-            let Some(id) = columns.id(row) else {
+                columns.get_or_insert_with(|| (Columns::of(&row), column(&row, "ready"), column(&row, "copied")));
+            let Some(id) = columns.id(&row) else {
                 claimed.next_due = row
                     .get::<_, Option<i64>>("next_due_us")
                     .filter(|us| *us > 0)
@@ -295,9 +300,10 @@ async fn claim_new(
                 continue;
             };
             let (ready, done, copied) =
-                (Columns::flag(row, *ready), Columns::flag(row, columns.done), Columns::flag(row, *copied));
-            fresh.push((columns.claimed_row(row, id, false), ready, done, copied));
+                (Columns::flag(&row, *ready), Columns::flag(&row, columns.done), Columns::flag(&row, *copied));
+            fresh.push((columns.claimed_row(&row, id, false), ready, done, copied));
         }
+        fresh.sort_unstable_by_key(|(row, ..)| row.id);
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
             continue; // another claim moved the position after this one read it: read it again

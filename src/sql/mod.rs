@@ -60,6 +60,14 @@ pub(crate) trait Db: Sync {
         params: Params<'a>,
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a;
 
+    /// Runs `sql` and returns its rows as they arrive: the first can be read while the server
+    /// still sends the later ones (a statement whose rows come out unsorted streams them).
+    fn stream<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> impl Future<Output = Result<tokio_postgres::RowStream, tokio_postgres::Error>> + Send + 'a;
+
     /// Runs `sql` and returns how many rows it touched.
     fn run<'a>(
         &'a self,
@@ -78,7 +86,16 @@ pub(crate) trait Db: Sync {
         sql: &'static str,
         params: Params<'a>,
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a {
-        self.rows(sql, params)
+        async move { Ok(drain(self.stream_replanned(sql, params).await?).await?.0) }
+    }
+
+    /// Runs `sql` planned as [`Db::rows_replanned`] does, and returns its rows as they arrive.
+    fn stream_replanned<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> impl Future<Output = Result<tokio_postgres::RowStream, tokio_postgres::Error>> + Send + 'a {
+        self.stream(sql, params)
     }
 
     /// Runs `sql` planned as [`Db::rows_replanned`] does, and returns how many rows it touched.
@@ -87,7 +104,7 @@ pub(crate) trait Db: Sync {
         sql: &'static str,
         params: Params<'a>,
     ) -> impl Future<Output = Result<u64, tokio_postgres::Error>> + Send + 'a {
-        self.run(sql, params)
+        async move { Ok(drain(self.stream_replanned(sql, params).await?).await?.1) }
     }
 }
 
@@ -111,6 +128,14 @@ impl<D: Db> Db for Replanned<'_, D> {
         params: Params<'a>,
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a {
         self.0.rows_replanned(sql, params)
+    }
+
+    async fn stream<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+        self.0.stream_replanned(sql, params).await
     }
 
     fn run<'a>(
@@ -153,16 +178,20 @@ impl Db for deadpool_postgres::ClientWrapper {
         self.query(&self.prepare_cached(sql).await?, params).await
     }
 
-    async fn rows_replanned<'a>(
+    async fn stream<'a>(
         &'a self,
         sql: &'static str,
         params: Params<'a>,
-    ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        Ok(drain(replanned!(self, sql, params)).await?.0)
+    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+        self.query_raw(&self.prepare_cached(sql).await?, params.iter().copied()).await
     }
 
-    async fn run_replanned<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
-        Ok(drain(replanned!(self, sql, params)).await?.1)
+    async fn stream_replanned<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+        Ok(replanned!(self, sql, params))
     }
 
     async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
@@ -179,16 +208,20 @@ impl Db for deadpool_postgres::Transaction<'_> {
         self.query(&self.prepare_cached(sql).await?, params).await
     }
 
-    async fn rows_replanned<'a>(
+    async fn stream<'a>(
         &'a self,
         sql: &'static str,
         params: Params<'a>,
-    ) -> Result<Vec<Row>, tokio_postgres::Error> {
-        Ok(drain(replanned!(self, sql, params)).await?.0)
+    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+        self.query_raw(&self.prepare_cached(sql).await?, params.iter().copied()).await
     }
 
-    async fn run_replanned<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
-        Ok(drain(replanned!(self, sql, params)).await?.1)
+    async fn stream_replanned<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+        Ok(replanned!(self, sql, params))
     }
 
     async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
@@ -210,6 +243,14 @@ impl<C: GenericClient + Sync> Db for Unprepared<'_, C> {
         params: Params<'a>,
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a {
         self.0.query(sql, params)
+    }
+
+    fn stream<'a>(
+        &'a self,
+        sql: &'static str,
+        params: Params<'a>,
+    ) -> impl Future<Output = Result<tokio_postgres::RowStream, tokio_postgres::Error>> + Send + 'a {
+        self.0.query_raw(sql, params.iter().copied())
     }
 
     fn run<'a>(
