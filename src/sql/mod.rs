@@ -173,65 +173,48 @@ async fn drain(stream: tokio_postgres::RowStream) -> Result<(Vec<Row>, u64), tok
     Ok((rows, stream.rows_affected().unwrap_or(0)))
 }
 
-impl Db for deadpool_postgres::ClientWrapper {
-    async fn rows<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<Vec<Row>, tokio_postgres::Error> {
-        self.query(&self.prepare_cached(sql).await?, params).await
-    }
+/// The library's own connections and transactions: each statement prepared once per connection
+/// and kept (deadpool's statement cache).
+macro_rules! kept_statements {
+    ($client:ty) => {
+        impl Db for $client {
+            async fn rows<'a>(
+                &'a self,
+                sql: &'static str,
+                params: Params<'a>,
+            ) -> Result<Vec<Row>, tokio_postgres::Error> {
+                self.query(&self.prepare_cached(sql).await?, params).await
+            }
 
-    async fn stream<'a>(
-        &'a self,
-        sql: &'static str,
-        params: Params<'a>,
-    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
-        self.query_raw(&self.prepare_cached(sql).await?, params.iter().copied()).await
-    }
+            async fn stream<'a>(
+                &'a self,
+                sql: &'static str,
+                params: Params<'a>,
+            ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+                self.query_raw(&self.prepare_cached(sql).await?, params.iter().copied()).await
+            }
 
-    async fn stream_replanned<'a>(
-        &'a self,
-        sql: &'static str,
-        params: Params<'a>,
-    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
-        Ok(replanned!(self, sql, params))
-    }
+            async fn stream_replanned<'a>(
+                &'a self,
+                sql: &'static str,
+                params: Params<'a>,
+            ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
+                Ok(replanned!(self, sql, params))
+            }
 
-    async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
-        self.execute(&self.prepare_cached(sql).await?, params).await
-    }
+            async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
+                self.execute(&self.prepare_cached(sql).await?, params).await
+            }
 
-    async fn prepare(&self, sql: &'static str) -> Result<(), tokio_postgres::Error> {
-        self.prepare_cached(sql).await.map(drop)
-    }
+            async fn prepare(&self, sql: &'static str) -> Result<(), tokio_postgres::Error> {
+                self.prepare_cached(sql).await.map(drop)
+            }
+        }
+    };
 }
 
-impl Db for deadpool_postgres::Transaction<'_> {
-    async fn rows<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<Vec<Row>, tokio_postgres::Error> {
-        self.query(&self.prepare_cached(sql).await?, params).await
-    }
-
-    async fn stream<'a>(
-        &'a self,
-        sql: &'static str,
-        params: Params<'a>,
-    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
-        self.query_raw(&self.prepare_cached(sql).await?, params.iter().copied()).await
-    }
-
-    async fn stream_replanned<'a>(
-        &'a self,
-        sql: &'static str,
-        params: Params<'a>,
-    ) -> Result<tokio_postgres::RowStream, tokio_postgres::Error> {
-        Ok(replanned!(self, sql, params))
-    }
-
-    async fn run<'a>(&'a self, sql: &'static str, params: Params<'a>) -> Result<u64, tokio_postgres::Error> {
-        self.execute(&self.prepare_cached(sql).await?, params).await
-    }
-
-    async fn prepare(&self, sql: &'static str) -> Result<(), tokio_postgres::Error> {
-        self.prepare_cached(sql).await.map(drop)
-    }
-}
+kept_statements!(deadpool_postgres::ClientWrapper);
+kept_statements!(deadpool_postgres::Transaction<'_>);
 
 /// A caller's own client or transaction: statements run unprepared.
 pub(crate) struct Unprepared<'c, C>(pub(crate) &'c C);

@@ -114,6 +114,55 @@ async fn run_stops_with_an_error_when_its_stdout_reader_goes_away_and_delivers_t
     assert_eq!(delivered.len(), EVENTS as usize, "every event delivered");
 }
 
+/// The stop on a closed stdout holds for the relay a SIGHUP starts too: `run --config` reloads a
+/// changed file (the route's pattern), the new relay delivers what only the new pattern matches,
+/// and when the reader goes away it stops with the same error.
+#[tokio::test]
+async fn after_a_reload_run_still_stops_when_its_stdout_reader_goes_away() {
+    let db = TestDb::new().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("relay.toml");
+    let file =
+        |pattern: &str| format!("[[destination]]\nname = \"default\"\npattern = \"{pattern}\"\nsink = \"stdout\"\n");
+    std::fs::write(&config, file("before.#")).unwrap();
+    let mut relay = spawn_run(&db.url, &["--config", config.to_str().unwrap()]);
+    let log = Arc::new(Mutex::new(String::new()));
+    let mut errors = BufReader::new(relay.stderr.take().unwrap()).lines();
+    let kept = log.clone();
+    let logging = tokio::spawn(async move {
+        while let Ok(Some(line)) = errors.next_line().await {
+            kept.lock().unwrap().push_str(&(line + "\n"));
+        }
+    });
+    let mut lines = BufReader::new(relay.stdout.take().unwrap()).lines();
+    let mut topic_of_next_line = async || {
+        let line = tokio::time::timeout(PATIENCE, lines.next_line()).await.expect("no output").unwrap().expect("eof");
+        serde_json::from_str::<Value>(&line).unwrap()["topic"].as_str().unwrap().to_owned()
+    };
+    publish(&db, "before.x", json!({})).await;
+    assert_eq!(topic_of_next_line().await, "before.x");
+    std::fs::write(&config, file("after.#")).unwrap();
+    let pid = relay.id().expect("running").to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status().unwrap().success());
+    let reloaded = || async { log.lock().unwrap().contains("--config reloaded") };
+    eventually("the changed file applied", reloaded).await;
+    publish(&db, "after.x", json!({})).await;
+    assert_eq!(topic_of_next_line().await, "after.x", "the relay started from the new file delivers");
+    drop(lines); // the reader goes away
+    db.client()
+        .await
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload) select 'after.x', '{}' from generate_series(1, 100)",
+        )
+        .await
+        .unwrap();
+    let status = tokio::time::timeout(PATIENCE, relay.wait()).await.expect("went on after its reader left").unwrap();
+    logging.await.unwrap();
+    let log = log.lock().unwrap().clone();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("error: standard output was closed (its reader went away)"), "{log}");
+}
+
 /// Every duration has a range, checked before anything starts, and the error names the flag;
 /// bad arguments exit with 2.
 #[tokio::test]
