@@ -274,9 +274,9 @@ async fn claim_new(
         &turn.own_records,
     ];
     for _ in 0..OVERTAKEN_MAX {
-        // The rows come in no order (the statement does not sort them, so that the server sends
-        // each as it is read): each is read as it arrives, while the server sends the next
-        // ones, and the events are put in id order after the last.
+        // Each row is read as it arrives, while the server sends the next ones. (A statement
+        // with a data-modifying CTE runs to its end before its first row leaves the server;
+        // then each row is converted as it is sent, the payloads' JSON text most of that.)
         let mut fresh = Vec::new();
         let (mut moved, mut overtaken) = (false, false);
         let mut columns = None;
@@ -303,7 +303,6 @@ async fn claim_new(
                 (Columns::flag(&row, *ready), Columns::flag(&row, columns.done), Columns::flag(&row, *copied));
             fresh.push((columns.claimed_row(&row, id, false), ready, done, copied));
         }
-        fresh.sort_unstable_by_key(|(row, ..)| row.id);
         claimed.turned_away = !claimed.held_new;
         if claimed.held_new && overtaken {
             continue; // another claim moved the position after this one read it: read it again

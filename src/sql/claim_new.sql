@@ -132,9 +132,7 @@ moved as (
     on conflict do nothing
     returning n
 )
--- The events, in no order (unsorted, each row goes to the relay as it is read, and the relay
--- reads it while the next ones come; it puts them in id order), each with whether it can be
--- handed over now: not delayed (by the
+-- The events in id order, each with whether it can be handed over now: not delayed (by the
 -- clock after the snapshot: a writer that began after this transaction and committed before its
 -- snapshot has an `available_at` past now()), not paused, not behind an event of its key parked
 -- for this destination (looked up one event at a time only for the keys in `waiting`), not held
@@ -197,3 +195,4 @@ select null, null, null, null, null, null, null, null, null, null, null, null,
        exists (select 1 from head h where h.ahead),
        (select l.held from lock l) and not exists (select 1 from head),
        pg_current_snapshot()::text
+order by 1

@@ -61,7 +61,7 @@ pub(crate) trait Db: Sync {
     ) -> impl Future<Output = Result<Vec<Row>, tokio_postgres::Error>> + Send + 'a;
 
     /// Runs `sql` and returns its rows as they arrive: the first can be read while the server
-    /// still sends the later ones (a statement whose rows come out unsorted streams them).
+    /// still sends the later ones.
     fn stream<'a>(
         &'a self,
         sql: &'static str,
