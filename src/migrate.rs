@@ -85,6 +85,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         name: "receipt_written_once",
         sql: include_str!("../migrations/0022_receipt_written_once.sql"),
     },
+    Migration { version: 23, name: "early_records_lz4", sql: include_str!("../migrations/0023_early_records_lz4.sql") },
 ];
 
 /// What a migration run did.
