@@ -33,6 +33,9 @@ impl Copies {
 /// and another uuid is another event (the outbox's ids were reused: a truncate, a sequence set
 /// back, an id written by hand): nothing is merged, and the statement fails, naming them
 /// (`outbox_relay.refuse_reused_ids`, migration 0014), so that the new event stays in the outbox.
+/// The clock is read once for the statement (`(select clock_timestamp())`, not for each row): the
+/// events of a batch that fail with one delay come due together, and one claim takes them, not
+/// one claim each for rows written a moment apart by a server that stalled while it wrote them.
 const PARKED_COPY: &str = "\
 with f as (
     select * from unnest($2::int8[], $3::int8[], $4::text[], $5::int4[]) with ordinality as f(id, delay_us, error, attempts, n)
@@ -41,7 +44,7 @@ copied as (
     insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, headers, created_at, available_at, attempts,
                                      last_error, lease_token)
     select $1, o.id, o.uuid, o.topic, o.key, o.payload, o.headers, o.created_at,
-           greatest(o.available_at, clock_timestamp() + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
+           greatest(o.available_at, (select clock_timestamp()) + f.delay_us * interval '1 microsecond'), f.attempts, f.error, $6
       from f join outbox_relay.outbox o on o.id = f.id
      order by f.n
     on conflict (destination, id) do nothing
@@ -192,7 +195,7 @@ pub(crate) async fn early_deliveries_passed(db: &impl Db, destination: &str, ids
 
 const PARKED_RESCHEDULE: &str = "\
 update outbox_relay.parked o
-   set available_at = clock_timestamp() + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
+   set available_at = (select clock_timestamp()) + f.delay_us * interval '1 microsecond', last_error = coalesce(f.error, o.last_error),
        lease_token = null, attempts = f.attempts
   from unnest($2::int8[], $4::int8[], $5::text[], $6::int4[]) as f(id, delay_us, error, attempts)
  where o.destination = $1 and o.id = f.id and ($3::int8 is null or o.lease_token = $3)";

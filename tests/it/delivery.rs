@@ -448,6 +448,36 @@ async fn events_behind_a_head_in_backoff_are_held_by_their_key_not_ready() {
     relay.stop().await;
 }
 
+/// The events of a batch that fail together, with one delay (no jitter), come due together: the
+/// statement that parks them reads the clock once, not once a row (rows written a moment apart,
+/// by a server that stalled while it wrote them, came due apart and were claimed apart).
+#[tokio::test]
+async fn events_of_a_batch_that_fail_together_come_due_together() {
+    let db = TestDb::new().await;
+    let failing =
+        pg_outbox_relay::handler_fn(|_: Event| async { Err(DeliveryError::transient("503 from the receiver")) });
+    let cfg = RelayConfig {
+        backoff_base: Duration::from_secs(3600),
+        backoff_max: Duration::from_secs(3600),
+        backoff_jitter: 0.0,
+        // (one claim takes them all, and each one fails: no outage breaker gives them back)
+        fast_path: false,
+        breaker_threshold: 0,
+        ..config()
+    };
+    let events: Vec<NewEvent> = (0..200).map(|n| NewEvent::new("order.updated", json!({"n": n}))).collect();
+    db.outbox.publish_all(&events).await.unwrap();
+    let relay = support::start(&db.outbox, cfg, failing);
+    let client = db.client().await;
+    eventually("every event failed once", || async {
+        support::count(&client, "select count(*) from outbox_relay.parked where attempts = 1").await == 200
+    })
+    .await;
+    relay.stop().await;
+    let due = support::count(&client, "select count(distinct available_at) from outbox_relay.parked").await;
+    assert_eq!(due, 1, "the 200 events failed in one batch with one delay: one due time");
+}
+
 /// Fails a share of deliveries transiently and stalls on some events (past `hold`), logs the rest.
 struct SlowAndFlaky {
     log: Log,
