@@ -9,7 +9,14 @@
 -- building the array alone; docs/performance.md). Only rows written from now on use it.
 --
 -- lz4 is there when the server was built with it (the PGDG and Debian packages, the official
--- images are); a server without it keeps pglz, and this migration says so.
+-- images are); a server without it keeps pglz (the notice below goes to the migrating session
+-- only: the relay's log does not show it).
+--
+-- Like any ALTER TABLE, this takes the table's ACCESS EXCLUSIVE lock until the migration commits:
+-- claims read `early_deliveries`, so while relays run it waits for the claims in delivery to end
+-- (at most their `hold`) and new claims wait for it. A dump of the schema now sets the column's
+-- compression: restoring it into a server without lz4 fails that one statement
+-- (`pg_restore --no-toast-compression` leaves it out).
 do $$
 begin
     alter table outbox_relay.early_deliveries alter column ids set compression lz4;

@@ -226,4 +226,15 @@ async fn a_record_earlys_ids_are_compressed_with_lz4_where_the_server_has_it() {
         .get(0);
     let expected = if has_lz4 { "lz4" } else { "pglz" };
     assert_eq!(method.as_deref(), Some(expected), "the ids of a record early of 2,000 events");
+    // (the column's own setting, whatever the server's default_toast_compression)
+    let column: i8 = client
+        .query_one(
+            "select attcompression from pg_attribute
+              where attrelid = 'outbox_relay.early_deliveries'::regclass and attname = 'ids'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(column as u8, if has_lz4 { b'l' } else { 0 }, "early_deliveries.ids's compression");
 }
