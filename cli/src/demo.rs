@@ -110,10 +110,9 @@ impl Handler for FlakyErp {
 /// latency line is the running relay's: on a slow two-core machine its start (registration, the
 /// listener, the first claim) took the first orders' p50 to 6 to 27 ms. A relay that is not
 /// ready by then is waited for no longer: the orders go on, and their latency says so.
-async fn until_the_relay_listens(client: &tokio_postgres::Client) {
-    let ready = "select exists (select 1 from outbox_relay.relays where waiting)";
+async fn until_the_relay_listens(outbox: &Outbox) {
     let waited = tokio::time::timeout(Duration::from_secs(10), async {
-        while !matches!(client.query_one(ready, &[]).await, Ok(row) if row.get::<_, bool>(0)) {
+        while !matches!(outbox.connected_relays().await, Ok(relays) if relays.iter().any(|r| r.waiting)) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -214,7 +213,7 @@ async fn scenario(
     let relay_task = tokio::spawn(relay.run(async move {
         stop_rx.await.ok();
     }));
-    until_the_relay_listens(&client).await;
+    until_the_relay_listens(&outbox).await;
 
     let mut checks = Vec::new();
     let customers = ["Ana", "Bruno", "Carla", "Davi", "Elisa", "Fabio", "Gabi"];
