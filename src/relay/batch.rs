@@ -234,6 +234,7 @@ impl<H: Handler> Batches<H> {
             // the delivery was cut off) this batch is the transaction's last.
             match (next, held) {
                 (Some(mut next), Some(claim)) if !cut_off => {
+                    self.claims.adopted(&next);
                     self.carry(&progress, &outcomes, &early);
                     let behind = next.behind(&aftermath.waiting);
                     adopt = Some(Adoption { outcomes, parked, behind, aftermath });

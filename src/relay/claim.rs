@@ -124,6 +124,12 @@ pub(crate) struct Batch {
     pub(crate) parked: HashSet<i64>,
     /// The keys of its new events, which the fast path holds back until the batch is done.
     pub(crate) busy: Option<Busy>,
+    /// Read ahead: the events whose outcome the fast path had decided (among `outcomes`), and
+    /// whether each was delivered. The fast path keeps those outcomes until the batch is the
+    /// transaction's ([`Claims::adopted`]): were the batch undone (the batch delivered before it
+    /// leased, or cut off), the claim that meets the events again records them instead of
+    /// handing them over a second time.
+    pub(crate) fast_decided: Vec<(i64, bool)>,
 }
 
 impl Batch {
@@ -211,7 +217,7 @@ impl Claims {
             }
             return Ok(None);
         };
-        let batch = self.batch(claim, taken, leases).await;
+        let batch = self.batch(claim, taken, leases, false).await;
         drop(gate);
         if batch.is_err() {
             self.fast.disarm_for("a claim failed");
@@ -347,11 +353,18 @@ impl Claims {
         let busy = self.handed(None, &mut claimed);
         self.counted(&claimed, claimed_at - started);
         let batch =
-            self.batch(Claim::Batch { schedule_next: false }, (None, claimed, claimed_at, busy), leases).await?;
+            self.batch(Claim::Batch { schedule_next: false }, (None, claimed, claimed_at, busy), leases, true).await?;
         if batch.is_some() {
             self.metrics.read_ahead();
         }
         Ok(batch)
+    }
+
+    /// A batch read ahead is delivered next, in its transaction: the outcomes the fast path
+    /// decided for its events are its own now (recorded with it), no longer the fast path's.
+    pub(crate) fn adopted(&self, batch: &Batch) {
+        self.metrics.fast_delivered(batch.fast_decided.iter().filter(|(_, delivered)| *delivered).count());
+        self.fast.forget_decided(batch.fast_decided.iter().map(|(id, _)| *id));
     }
 
     /// The destination was dropped while this relay served it (its position is gone, so no claim
@@ -376,12 +389,14 @@ impl Claims {
     }
 
     /// The batch of what a claim took (`None` when it took nothing, its transaction then rolled
-    /// back), its unreadable rows set aside for the dead letters.
+    /// back), its unreadable rows set aside for the dead letters. `read_ahead`: the claim runs in
+    /// a savepoint that may be undone (`Batch::fast_decided`).
     async fn batch(
         &self,
         claim: Claim,
         (mut held, claimed, claimed_at, busy): Taken,
         leases: &Leases,
+        read_ahead: bool,
     ) -> Result<Option<Batch>> {
         let probe = claim == Claim::Probe;
         let sql::Claimed { rows: claimed, next_due, more, held_new, parked_new, parked_keyed, decided, .. } = claimed;
@@ -413,13 +428,18 @@ impl Claims {
         let count = claimed.len() + decided.len();
         self.rate.claimed(count);
         let mut outcomes = Outcomes::default();
+        let mut fast_decided = Vec::new();
         for (id, attempt) in decided {
             // Delivered from its notification: recorded with this batch, not handed over.
-            let (outcome, latency) = match self.fast.take_decided(id) {
-                Some(decided) => (decided.outcome, decided.latency),
-                None => (Outcome::Released, None),
+            let taken = if read_ahead {
+                self.fast.peek_decided(id).inspect(|(outcome, _)| {
+                    fast_decided.push((id, matches!(outcome, Outcome::Delivered)));
+                })
+            } else {
+                self.fast.take_decided(id).map(|decided| (decided.outcome, decided.latency))
             };
-            if matches!(outcome, Outcome::Delivered) {
+            let (outcome, latency) = taken.unwrap_or((Outcome::Released, None));
+            if !read_ahead && matches!(outcome, Outcome::Delivered) {
                 self.metrics.fast_delivered(1);
             }
             outcomes.events.push((id, attempt, outcome));
@@ -457,6 +477,7 @@ impl Claims {
             probe,
             parked,
             busy,
+            fast_decided,
         };
         if leases.hold.is_zero()
             && let Some(claim) = held.take()

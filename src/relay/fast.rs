@@ -5,9 +5,11 @@
 //! that was most of what it added to a plain LISTEN client's latency. The trigger now puts a
 //! statement's events in its notification (when a relay waits), so the relay can deliver at once
 //! and claim afterwards: the claim reads the same events in its delta and records the outcomes
-//! the fast path decided instead of handing them over again (`Decided`). At-least-once holds: an
-//! event is recorded only after its delivery, and a relay that dies in between leaves it to be
-//! claimed and delivered again.
+//! the fast path decided instead of handing them over again (`Decided`). A claim read ahead
+//! (`batch.rs`) leaves those outcomes here until its batch is delivered next: undone with its
+//! savepoint (the batch before it was leased), it takes none of them away, and the claim that
+//! meets the events again records them. At-least-once holds: an event is recorded only after its
+//! delivery, and a relay that dies in between leaves it to be claimed and delivered again.
 //!
 //! The fast path must keep every rule a claim keeps, from what it holds in memory:
 //!
@@ -599,6 +601,21 @@ impl FastPath {
     /// Takes event `id`'s decided outcome, for the claim that records it.
     pub(crate) fn take_decided(&self, id: i64) -> Option<Decided> {
         self.state().decided.remove(&id)
+    }
+
+    /// Event `id`'s decided outcome and latency, left in place: for a claim read ahead, which
+    /// may be undone before its batch is recorded (`Claims::adopted` forgets them once it is the
+    /// transaction's).
+    pub(crate) fn peek_decided(&self, id: i64) -> Option<(Outcome, Option<Duration>)> {
+        self.state().decided.get(&id).map(|d| (d.outcome.clone(), d.latency))
+    }
+
+    /// Forgets the decided outcomes of `ids`: a batch that holds them will record them.
+    pub(crate) fn forget_decided(&self, ids: impl IntoIterator<Item = i64>) {
+        let mut state = self.state();
+        for id in ids {
+            state.decided.remove(&id);
+        }
     }
 
     /// Whether events wait in the queue.

@@ -17,6 +17,7 @@ use super::row::RelayRow;
 use crate::event::Event;
 
 /// What became of one claimed event.
+#[derive(Clone)]
 pub(crate) enum Outcome {
     Delivered,
     /// A transient failure, tried again after `delay`; `counted: false` gives the attempt back

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pg_outbox_relay::{DeliveryError, Event, Handler, NewEvent, Route};
+use pg_outbox_relay::{DeliveryError, Event, Handler, NewEvent, RelayConfig, Route};
 use serde_json::json;
 
 use crate::harness::TestDb;
@@ -151,6 +151,84 @@ impl Handler for FailFirst {
         }
         self.inner.handle(event).await
     }
+}
+
+/// Delivers and records every event; the first attempt of one whose payload says "slow" takes
+/// `stall` first (a delivery that outlives the hold: its claim is leased).
+#[derive(Clone)]
+struct SlowFirst {
+    tried: Arc<Mutex<HashSet<i64>>>,
+    inner: support::Recorder,
+    stall: Duration,
+}
+
+impl Handler for SlowFirst {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        let first = self.tried.lock().unwrap().insert(event.id);
+        if first && event.payload.get().contains("slow") {
+            tokio::time::sleep(self.stall).await;
+        }
+        self.inner.handle(event).await
+    }
+}
+
+/// An event the fast path delivered, met by a batch read ahead behind an earlier event (of a
+/// transaction that committed after it, too large for a notification) whose delivery outlives
+/// the hold: the lease undoes the batch read ahead, and what the fast path decided goes back
+/// with it, so the claim that meets the event again records it instead of handing it over a
+/// second time. The test holds the destination's lock of new events meanwhile, so that no claim
+/// records the fast delivery before the slow event commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_event_the_fast_path_delivered_is_not_sent_again_when_the_batch_read_ahead_with_it_is_undone() {
+    let db = TestDb::new().await;
+    let (inner, mut deliveries) = recorder();
+    let handler = SlowFirst { tried: Arc::default(), inner, stall: Duration::from_millis(1500) };
+    let cfg = RelayConfig {
+        batch_size: 1,
+        hold: Duration::from_millis(300),
+        poll_interval: Duration::from_millis(200),
+        ..config()
+    };
+    let relay = support::start(&db.outbox, cfg, handler);
+    armed(&relay).await;
+
+    let blocker = db.client().await;
+    blocker
+        .query_one(
+            "select pg_advisory_lock(1869901932, lock_id) from outbox_relay.destinations where name = 'default'",
+            &[],
+        )
+        .await
+        .unwrap();
+    let writer = db.client().await;
+    let slow_writer = db.client().await;
+    slow_writer.batch_execute("begin").await.unwrap();
+    let slow_payload = format!(r#"{{"slow": "{}"}}"#, "x".repeat(9_000));
+    let slow = publish_sql(&slow_writer, "order.slow", &slow_payload, None).await;
+    let fast = publish_sql(&writer, "order.fast", "{}", None).await;
+    assert!(slow < fast, "the slow event has the lower id");
+    assert_eq!(deliveries.next().await.event.id, fast, "delivered from its notification");
+    slow_writer.batch_execute("commit").await.unwrap();
+    // The slow event's notification wakes a claim, which the test's lock turns away.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    blocker
+        .query_one(
+            "select pg_advisory_unlock(1869901932, lock_id) from outbox_relay.destinations where name = 'default'",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    // The claim takes the slow event, reads the fast one ahead, and is leased while the slow
+    // one is delivered.
+    while deliveries.next().await.event.id != slow {}
+    eventually("every event recorded", || async { db.outbox.queue_stats().await.unwrap().pending == 0 }).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let snapshot = relay.snapshot();
+    relay.stop().await;
+    assert_eq!(deliveries.counts(), HashMap::from([(slow, 1), (fast, 1)]), "each event delivered once");
+    assert!(snapshot.read_ahead > 0, "the fast event was read ahead behind the slow one: {snapshot:?}");
+    assert_eq!(snapshot.fast_delivered, 1, "{snapshot:?}");
 }
 
 #[tokio::test]
