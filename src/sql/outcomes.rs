@@ -9,6 +9,8 @@ use crate::error::Result;
 // Every delay and lease below is counted from the statement's clock (`clock_timestamp()`), not
 // from its transaction's start (`now()`): a held claim's transaction began when the claim did,
 // and a lease written when its delivery outlives the hold must last its whole length from then.
+// Each statement that writes due times reads the clock once (`(select clock_timestamp())`), not
+// once a row: what it writes with one delay comes due together.
 
 /// Per new event that waits for this destination: its id, how long from now it waits (at least
 /// until its own `available_at`), its error and its attempts.
@@ -104,7 +106,7 @@ pub(crate) async fn bury_new_events(
 /// commit while their delivery goes on (held new events are copied with `park_new_events`).
 const PARKED_LEASE_HELD: &str = "\
 update outbox_relay.parked
-   set available_at = clock_timestamp() + $3::int8 * interval '1 microsecond',
+   set available_at = (select clock_timestamp()) + $3::int8 * interval '1 microsecond',
        attempts = least(attempts, 2147483646) + 1,
        lease_token = $4
  where destination = $1 and id = any($2)";
@@ -122,7 +124,7 @@ pub(crate) async fn lease_held_parked(
 }
 
 const PARKED_RENEW_LEASE: &str = "\
-update outbox_relay.parked set available_at = clock_timestamp() + $4::int8 * interval '1 microsecond'
+update outbox_relay.parked set available_at = (select clock_timestamp()) + $4::int8 * interval '1 microsecond'
  where destination = $1 and id = any($2) and lease_token = $3";
 
 /// Extends the lease of the events `ids` still under `token` to `lease` from now (a delivery

@@ -478,6 +478,70 @@ async fn events_of_a_batch_that_fail_together_come_due_together() {
     assert_eq!(due, 1, "the 200 events failed in one batch with one delay: one due time");
 }
 
+/// Fails every event's first attempt, and holds each later one until the test lets it go.
+struct FailThenHold {
+    go: Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler for FailThenHold {
+    async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
+        if event.attempts == 1 {
+            return Err(DeliveryError::transient("503 from the receiver"));
+        }
+        drop(self.go.acquire().await.unwrap());
+        Ok(())
+    }
+}
+
+/// The parked events of one held claim whose delivery outlives `hold` are leased with one end:
+/// the statements that lease them, and renew the lease while the delivery goes on, read the
+/// clock once, not once a row (were the relay to die, they would come due together, for one
+/// claim, not a moment apart).
+#[tokio::test]
+async fn the_events_of_one_lease_end_together() {
+    let db = TestDb::new().await;
+    let go = Arc::new(tokio::sync::Semaphore::new(0));
+    let cfg = RelayConfig {
+        backoff_base: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(20),
+        backoff_jitter: 0.0,
+        hold: Duration::from_millis(200),
+        lease: Duration::from_secs(2),
+        // (one claim takes them all, each fails once, and one claim takes them all again)
+        fast_path: false,
+        breaker_threshold: 0,
+        ..config()
+    };
+    let events: Vec<NewEvent> = (0..200).map(|n| NewEvent::new("order.updated", json!({"n": n}))).collect();
+    db.outbox.publish_all(&events).await.unwrap();
+    let relay = support::start(&db.outbox, cfg, FailThenHold { go: go.clone() });
+    let client = db.client().await;
+    eventually("the retries of the 200 events leased", || async {
+        support::count(
+            &client,
+            "select count(*) from outbox_relay.parked where attempts = 2 and lease_token is not null",
+        )
+        .await
+            == 200
+    })
+    .await;
+    let ends = "select count(distinct available_at) from outbox_relay.parked";
+    assert_eq!(support::count(&client, ends).await, 1, "one lease, one end");
+    // Renewed while the delivery goes on (every half of the lease): still one end.
+    let first_end: String =
+        client.query_one("select min(available_at)::text from outbox_relay.parked", &[]).await.unwrap().get(0);
+    eventually("the lease renewed", || async {
+        let end: String =
+            client.query_one("select min(available_at)::text from outbox_relay.parked", &[]).await.unwrap().get(0);
+        end != first_end
+    })
+    .await;
+    assert_eq!(support::count(&client, ends).await, 1, "one lease renewed, one end");
+    go.add_permits(1000);
+    eventually("every event delivered", || async { db.outbox.queue_stats().await.unwrap().pending == 0 }).await;
+    relay.stop().await;
+}
+
 /// Fails a share of deliveries transiently and stalls on some events (past `hold`), logs the rest.
 struct SlowAndFlaky {
     log: Log,
