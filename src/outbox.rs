@@ -112,9 +112,13 @@ impl Outbox {
         self.inner.pool.get().await.map_err(|e| pool_error(&self.inner.url, e))
     }
 
-    /// Applies the pending migrations of `migrations/` and says what it applied.
+    /// Applies the pending migrations of `migrations/` and says what it applied. A table lock
+    /// the migrations need and another session holds (a `pg_dump`, a long transaction) is waited
+    /// for a moment at a time, so that claims and writes never queue behind the migration for
+    /// long; past the operation timeout ([`Outbox::with_timeout`]) the error names the sessions
+    /// that hold such locks, and nothing was applied.
     pub async fn migrate(&self) -> Result<MigrationReport> {
-        self.bounded("applying the migrations", async { migrate::run(&mut *self.pooled().await?).await }).await
+        migrate::run(self).await
     }
 
     /// Checks that the database has every migration of this version applied (and none of a newer

@@ -39,8 +39,10 @@ pub(crate) struct Cli {
 
     /// How long any one database operation of the command may wait for an answer (a count, a
     /// listing, an action, a migration; not the relay's own work) before the command fails
-    /// saying that the database did not answer. Making a connection is bounded by the URL's
-    /// connect_timeout (10 s when it gives none), handshake included.
+    /// saying that the database did not answer. A migration waits this long for table locks
+    /// another session holds (a pg_dump, a long transaction), a moment at a time so that relays
+    /// and writers go on, then fails naming that session. Making a connection is bounded by the
+    /// URL's connect_timeout (10 s when it gives none), handshake included.
     #[arg(long, global = true, value_name = "DUR", default_value = "30s", value_parser = db_timeout(), allow_hyphen_values = true)]
     pub(crate) db_timeout: Duration,
 

@@ -1,5 +1,7 @@
 //! The migrations' own bookkeeping (the migrations themselves are the files of `migrations/`).
 
+use std::time::Duration;
+
 use tokio_postgres::Transaction;
 
 use crate::error::{Error, ErrorKind, Result};
@@ -34,10 +36,47 @@ fn fail(what: &str) -> impl FnOnce(tokio_postgres::Error) -> Error + '_ {
     move |e| Error::new(ErrorKind::Migration, format!("migrations failed while {what}")).with_source(e)
 }
 
-/// Takes the migration lock for the rest of `tx` and makes sure the bookkeeping table exists.
-pub(crate) async fn lock_migrations(tx: &Transaction<'_>) -> Result<()> {
+/// Takes the migration lock for the rest of `tx` (waiting for another migration as long as it
+/// takes), then has every other lock of `tx` waited for at most `wait` (`lock_timeout`), and makes
+/// sure the bookkeeping table exists.
+pub(crate) async fn lock_migrations(tx: &Transaction<'_>, wait: Duration) -> Result<()> {
     tx.execute(MIGRATION_LOCK, &[&MIGRATION_LOCK_KEY]).await.map_err(fail("taking the lock"))?;
+    let wait = format!("{}ms", wait.as_millis().max(1));
+    tx.execute(LOCK_WAIT, &[&wait]).await.map_err(fail("setting lock_timeout"))?;
     tx.batch_execute(MIGRATION_TABLE_CREATE).await.map_err(fail("creating the migrations table"))
+}
+
+const LOCK_WAIT: &str = "select set_config('lock_timeout', $1, true)";
+
+/// The sessions holding locks on the schema's tables, the longest in a transaction first (at
+/// most 3), for an error: "pid 1234 (pg_dump, in a transaction for 47 s) holds outbox, parked".
+const LOCK_HOLDERS: &str = "\
+select a.pid, coalesce(nullif(a.application_name, ''), a.usename::text, 'a session of another role') as who,
+       coalesce(extract(epoch from now() - a.xact_start)::int8, 0) as secs,
+       string_agg(distinct c.relname::text, ', ' order by c.relname::text) as tables
+  from pg_locks l
+  join pg_class c on c.oid = l.relation
+  join pg_stat_activity a on a.pid = l.pid
+ where l.granted and l.pid <> pg_backend_pid()
+   and c.relnamespace = (select n.oid from pg_namespace n where n.nspname = 'outbox_relay')
+ group by a.pid, who, secs
+ order by secs desc
+ limit 3";
+
+/// Who holds locks on the schema's tables now ([`LOCK_HOLDERS`]), said in one line.
+pub(crate) async fn lock_holders(client: &tokio_postgres::Client) -> Result<String> {
+    let rows = client.query(LOCK_HOLDERS, &[]).await.map_err(|e| Error::database("reading who holds locks", e))?;
+    if rows.is_empty() {
+        return Ok("no other session holds a lock on the schema's tables now".to_string());
+    }
+    let holders: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            let (pid, who, secs, tables): (i32, String, i64, String) = (r.get(0), r.get(1), r.get(2), r.get(3));
+            format!("pid {pid} ({who}, in a transaction for {secs} s) holds outbox_relay's {tables}")
+        })
+        .collect();
+    Ok(holders.join("; "))
 }
 
 /// Applies one migration's SQL and records it.

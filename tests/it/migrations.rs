@@ -1,5 +1,7 @@
 //! Migrations: applied once, recorded, safe to run concurrently.
 
+use std::time::Duration;
+
 use futures::future::join_all;
 
 use crate::harness::TestDb;
@@ -237,4 +239,62 @@ async fn a_record_earlys_ids_are_compressed_with_lz4_where_the_server_has_it() {
         .unwrap()
         .get(0);
     assert_eq!(column as u8, if has_lz4 { b'l' } else { 0 }, "early_deliveries.ids's compression");
+}
+
+/// A session that holds what `pg_dump` holds on `early_deliveries` (the table migration 0023
+/// alters) in a transaction of its own, named `pg_dump`; 0023 made pending again.
+async fn dump_holding_early_deliveries(db: &TestDb) -> tokio_postgres::Client {
+    let client = db.client().await;
+    client.batch_execute("delete from outbox_relay.schema_migrations where version = 23").await.unwrap();
+    let dump = db.client().await;
+    dump.batch_execute(
+        "set application_name = 'pg_dump'; begin isolation level repeatable read;
+         lock table outbox_relay.early_deliveries in access share mode",
+    )
+    .await
+    .unwrap();
+    dump
+}
+
+/// A migration that needs a table lock another session holds waits for it a moment at a time:
+/// the claims' reads of that table meanwhile are never queued behind it for long (they were,
+/// until the holder ended), and the migration applies once the lock is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_waiting_for_a_lock_lets_readers_of_the_table_by() {
+    let db = TestDb::new().await;
+    let dump = dump_holding_early_deliveries(&db).await;
+    let outbox = db.outbox.clone();
+    let migration = tokio::spawn(async move { outbox.migrate().await });
+    let reader = db.client().await;
+    reader.batch_execute("set statement_timeout = '3s'").await.unwrap();
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        reader
+            .query_one("select count(*) from outbox_relay.early_deliveries", &[])
+            .await
+            .expect("a reader queued behind the waiting migration for at most a moment");
+    }
+    assert!(!migration.is_finished(), "the migration waits while the lock is held");
+    dump.batch_execute("commit").await.unwrap();
+    let report = migration.await.unwrap().expect("applied once the lock is free");
+    assert_eq!(report.applied, vec![(23, "early_records_lz4".to_string())]);
+}
+
+/// A migration that cannot take its locks within the outbox's operation timeout fails saying
+/// which session holds them, and applies nothing; run again once that session ended, it applies.
+#[tokio::test]
+async fn a_migration_that_cannot_take_its_locks_in_time_names_who_holds_them() {
+    let db = TestDb::new().await;
+    let dump = dump_holding_early_deliveries(&db).await;
+    let err = db.outbox.clone().with_timeout(Duration::from_secs(2)).migrate().await.unwrap_err();
+    assert_eq!(err.kind(), pg_outbox_relay::ErrorKind::Migration, "{err}");
+    let message = err.to_string();
+    for words in ["within 2s", "(pg_dump, in a transaction for", "early_deliveries", "nothing was applied"] {
+        assert!(message.contains(words), "{words:?} in {message}");
+    }
+    let client = db.client().await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.schema_migrations where version = 23").await, 0);
+    dump.batch_execute("commit").await.unwrap();
+    let report = db.outbox.migrate().await.unwrap();
+    assert_eq!(report.applied, vec![(23, "early_records_lz4".to_string())]);
 }
