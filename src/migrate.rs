@@ -3,11 +3,8 @@
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
-use tokio::time::Instant;
-use tokio_postgres::error::SqlState;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::outbox::{Outbox, within};
 use crate::sql;
 
 /// One migration: a numbered plain SQL file from `migrations/`, compiled into the crate.
@@ -110,65 +107,21 @@ impl Migration {
 }
 
 /// How long an attempt's statements wait for a table lock at first (`lock_timeout`); each attempt
-/// refused by a lock waits twice as long as the one before, up to [`LOCK_WAIT_MAX`].
-const LOCK_WAIT_FIRST: Duration = Duration::from_millis(100);
-const LOCK_WAIT_MAX: Duration = Duration::from_secs(2);
+/// refused by a lock waits twice as long as the one before, up to [`LOCK_WAIT_MAX`]
+/// ([`crate::Outbox::migrate`] runs the attempts).
+pub(crate) const LOCK_WAIT_FIRST: Duration = Duration::from_millis(100);
+pub(crate) const LOCK_WAIT_MAX: Duration = Duration::from_secs(2);
 
-/// Applies every pending migration in one transaction.
+/// Between two attempts: the claims and writes that queued behind the last go first.
+pub(crate) const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(20);
+
+/// One attempt at applying every pending migration, in one transaction, each table lock waited
+/// for at most `wait`.
 ///
 /// Safe when several processes migrate at once: they queue on a transaction-level advisory lock
 /// taken before anything else, and each finds the others' work recorded. A migration that was
 /// changed after it was applied is refused (its checksum differs).
-///
-/// Safe beside running relays and writers: a migration's DDL needs table locks, and while it
-/// waits for one (held by a `pg_dump`, a long transaction, a claim in delivery) every claim and
-/// write that comes after queues behind it. So a lock is waited for at most `lock_timeout`
-/// ([`LOCK_WAIT_FIRST`], doubled each attempt up to [`LOCK_WAIT_MAX`]); an attempt refused rolls
-/// back whole and is tried again until the outbox's operation timeout has passed. Then the error
-/// names the sessions holding locks on the schema's tables, and nothing was applied.
-pub(crate) async fn run(outbox: &Outbox) -> Result<MigrationReport> {
-    let started = Instant::now();
-    let mut wait = LOCK_WAIT_FIRST;
-    let mut warned = false;
-    loop {
-        let left = outbox.timeout().saturating_sub(started.elapsed());
-        let attempt = async { attempt(&mut *outbox.pooled().await?, wait).await };
-        let e = match within(left, outbox.url(), "applying the migrations", attempt).await {
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => e,
-            done => return done,
-        };
-        let holders = async { sql::lock_holders(&**outbox.pooled().await?).await };
-        let holders = within(Duration::from_secs(5), outbox.url(), "reading who holds locks", holders).await;
-        let holders = holders.unwrap_or_else(|e| format!("who holds them could not be read ({e})"));
-        // The next attempt waits twice as long, or what is left of the timeout (but a moment for
-        // the attempt's other statements).
-        let left = outbox.timeout().saturating_sub(started.elapsed() + LOCK_RETRY_PAUSE + LOCK_WAIT_FIRST);
-        if left < LOCK_WAIT_FIRST {
-            return Err(Error::new(
-                ErrorKind::Migration,
-                format!(
-                    "migrations could not take the table locks they need within {} ({holders}); nothing was \
-                     applied: run them again once those sessions end (Outbox::with_timeout, or the command's \
-                     --db-timeout, waits longer)",
-                    humantime::format_duration(outbox.timeout())
-                ),
-            )
-            .with_source(e));
-        }
-        if !warned {
-            warned = true;
-            tracing::warn!(error = %e, holders, "a migration waits for table locks; it gives them back and tries again, so that claims and writes queue behind it for at most {} at a time", humantime::format_duration(LOCK_WAIT_MAX));
-        }
-        tokio::time::sleep(LOCK_RETRY_PAUSE).await;
-        wait = (wait * 2).min(LOCK_WAIT_MAX).min(left);
-    }
-}
-
-/// Between two attempts: the claims and writes that queued behind the last go first.
-const LOCK_RETRY_PAUSE: Duration = Duration::from_millis(20);
-
-/// One attempt at applying the pending migrations, each table lock waited for at most `wait`.
-async fn attempt(client: &mut tokio_postgres::Client, wait: Duration) -> Result<MigrationReport> {
+pub(crate) async fn attempt(client: &mut tokio_postgres::Client, wait: Duration) -> Result<MigrationReport> {
     let tx = client.transaction().await.map_err(|e| {
         Error::new(ErrorKind::Migration, "migrations failed while starting a transaction").with_source(e)
     })?;

@@ -112,13 +112,52 @@ impl Outbox {
         self.inner.pool.get().await.map_err(|e| pool_error(&self.inner.url, e))
     }
 
-    /// Applies the pending migrations of `migrations/` and says what it applied. A table lock
-    /// the migrations need and another session holds (a `pg_dump`, a long transaction) is waited
-    /// for a moment at a time, so that claims and writes never queue behind the migration for
-    /// long; past the operation timeout ([`Outbox::with_timeout`]) the error names the sessions
-    /// that hold such locks, and nothing was applied.
+    /// Applies the pending migrations of `migrations/`, in one transaction, and says what it
+    /// applied. Several processes may migrate at once (they queue on an advisory lock).
+    ///
+    /// A migration's DDL needs table locks, and while it waits for one (held by a `pg_dump`, a
+    /// long transaction, a claim in delivery) every claim and write that comes after queues
+    /// behind it. So each attempt waits for a lock at most 100 ms, twice as long each attempt up
+    /// to 2 s (`lock_timeout`); an attempt refused rolls back whole and is tried again. Past the
+    /// operation timeout ([`Outbox::with_timeout`]) the error, of kind [`ErrorKind::Migration`],
+    /// names the sessions that hold locks on the schema's tables, and nothing was applied.
     pub async fn migrate(&self) -> Result<MigrationReport> {
-        migrate::run(self).await
+        let started = tokio::time::Instant::now();
+        let mut wait = migrate::LOCK_WAIT_FIRST;
+        let mut warned = false;
+        loop {
+            let left = self.timeout.saturating_sub(started.elapsed());
+            let attempt = async { migrate::attempt(&mut *self.pooled().await?, wait).await };
+            let e = match within(left, &self.inner.url, "applying the migrations", attempt).await {
+                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => e,
+                done => return done,
+            };
+            let holders = async { sql::lock_holders(&**self.pooled().await?).await };
+            let holders = within(Duration::from_secs(5), &self.inner.url, "reading who holds locks", holders).await;
+            let holders = holders.unwrap_or_else(|e| format!("who holds them could not be read ({e})"));
+            // The next attempt waits twice as long, or what is left of the timeout (but a moment
+            // for the attempt's other statements).
+            let spent = started.elapsed() + migrate::LOCK_RETRY_PAUSE + migrate::LOCK_WAIT_FIRST;
+            let left = self.timeout.saturating_sub(spent);
+            if left < migrate::LOCK_WAIT_FIRST {
+                return Err(Error::new(
+                    ErrorKind::Migration,
+                    format!(
+                        "migrations could not take the table locks they need within {} ({holders}); nothing \
+                         was applied: run them again once those sessions end (Outbox::with_timeout, or the \
+                         command's --db-timeout, waits longer)",
+                        humantime::format_duration(self.timeout)
+                    ),
+                )
+                .with_source(e));
+            }
+            if !warned {
+                warned = true;
+                tracing::warn!(error = %e, holders, "a migration waits for table locks; it gives them back and tries again, so that claims and writes queue behind it for at most {} at a time", humantime::format_duration(migrate::LOCK_WAIT_MAX));
+            }
+            tokio::time::sleep(migrate::LOCK_RETRY_PAUSE).await;
+            wait = (wait * 2).min(migrate::LOCK_WAIT_MAX).min(left);
+        }
     }
 
     /// Checks that the database has every migration of this version applied (and none of a newer
