@@ -124,23 +124,31 @@ impl Outbox {
     pub async fn migrate(&self) -> Result<MigrationReport> {
         let started = tokio::time::Instant::now();
         let mut wait = migrate::LOCK_WAIT_FIRST;
-        let mut warned = false;
+        // The last refusal by a lock (the first one is logged, with who held locks then).
+        let mut refused: Option<Error> = None;
         loop {
             let left = self.timeout.saturating_sub(started.elapsed());
-            let attempt = async { migrate::attempt(&mut *self.pooled().await?, wait).await };
-            let e = match within(left, &self.inner.url, "applying the migrations", attempt).await {
-                Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => e,
-                done => return done,
-            };
-            let holders = async { sql::lock_holders(&**self.pooled().await?).await };
-            let holders = within(Duration::from_secs(5), &self.inner.url, "reading who holds locks", holders).await;
-            let holders = holders.unwrap_or_else(|e| format!("who holds them could not be read ({e})"));
-            // The next attempt waits twice as long, or what is left of the timeout (but a moment
-            // for the attempt's other statements).
-            let spent = started.elapsed() + migrate::LOCK_RETRY_PAUSE + migrate::LOCK_WAIT_FIRST;
-            let left = self.timeout.saturating_sub(spent);
-            if left < migrate::LOCK_WAIT_FIRST {
-                return Err(Error::new(
+            // A lock is waited for within the time left, with some to spare for the other
+            // statements, so that the refusal, not the timeout, says why.
+            let attempt = async { migrate::attempt(&mut *self.pooled().await?, wait.min(left * 3 / 4)).await };
+            match tokio::time::timeout(left, attempt).await {
+                Ok(Err(e)) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
+                    if refused.is_none() {
+                        let holders = self.lock_holders().await;
+                        tracing::warn!(error = %e, holders, "a migration waits for table locks; it gives them back and tries again, so that claims and writes queue behind it for at most {} at a time", humantime::format_duration(migrate::LOCK_WAIT_MAX));
+                    }
+                    refused = Some(e);
+                }
+                Ok(done) => return done,
+                Err(_) if refused.is_none() => {
+                    return Err(unanswered(&self.inner.url, self.timeout, "applying the migrations"));
+                }
+                // Out of time in the attempt after a refusal: waiting for a lock again, most likely.
+                Err(_) => {}
+            }
+            if refused.is_some() && started.elapsed() + migrate::LOCK_RETRY_PAUSE >= self.timeout {
+                let holders = self.lock_holders().await;
+                let mut error = Error::new(
                     ErrorKind::Migration,
                     format!(
                         "migrations could not take the table locks they need within {} ({holders}); nothing \
@@ -148,15 +156,25 @@ impl Outbox {
                          command's --db-timeout, waits longer)",
                         humantime::format_duration(self.timeout)
                     ),
-                )
-                .with_source(e));
-            }
-            if !warned {
-                warned = true;
-                tracing::warn!(error = %e, holders, "a migration waits for table locks; it gives them back and tries again, so that claims and writes queue behind it for at most {} at a time", humantime::format_duration(migrate::LOCK_WAIT_MAX));
+                );
+                if let Some(e) = refused {
+                    error = error.with_source(e);
+                }
+                return Err(error);
             }
             tokio::time::sleep(migrate::LOCK_RETRY_PAUSE).await;
-            wait = (wait * 2).min(migrate::LOCK_WAIT_MAX).min(left);
+            wait = (wait * 2).min(migrate::LOCK_WAIT_MAX);
+        }
+    }
+
+    /// Who holds locks on the schema's tables now, in one line, for a migration's warning or
+    /// error (read within a second: it must not hold the error up).
+    async fn lock_holders(&self) -> String {
+        let read = async { sql::lock_holders(&**self.pooled().await?).await };
+        match tokio::time::timeout(Duration::from_secs(1), read).await {
+            Ok(Ok(holders)) => holders,
+            Ok(Err(e)) => format!("who holds them could not be read: {e}"),
+            Err(_) => "who holds them could not be read within 1s".to_string(),
         }
     }
 
@@ -193,15 +211,20 @@ pub(crate) async fn within<T>(
 ) -> Result<T> {
     match tokio::time::timeout(timeout, work).await {
         Ok(done) => done,
-        Err(_) => Err(Error::new(
-            ErrorKind::Connect,
-            format!(
-                "the database at {} did not answer within {} while {doing} (a frozen or overloaded server, or a hung proxy?)",
-                url.target(),
-                humantime::format_duration(timeout)
-            ),
-        )),
+        Err(_) => Err(unanswered(url, timeout, doing)),
     }
+}
+
+/// The database at `url` did not answer within `timeout` while `doing` something.
+fn unanswered(url: &DatabaseUrl, timeout: Duration, doing: &str) -> Error {
+    Error::new(
+        ErrorKind::Connect,
+        format!(
+            "the database at {} did not answer within {} while {doing} (a frozen or overloaded server, or a hung proxy?)",
+            url.target(),
+            humantime::format_duration(timeout)
+        ),
+    )
 }
 
 impl std::fmt::Debug for Outbox {

@@ -104,6 +104,9 @@ impl<H: Handler> Batches<H> {
         // The outcomes of the batch delivered last, written in the transaction beside the next
         // one's delivery (with the next batch's claim read ahead after them: one round trip).
         let mut adopt: Option<Adoption> = None;
+        // What the fast path decided for the events of the batch read ahead that `adopt` makes
+        // the transaction's: forgotten by the fast path once that is written (`Claims::adopted`).
+        let mut adopt_decided: Vec<(i64, bool)> = Vec::new();
         // Batches of the transaction delivered before this one.
         let mut delivered = 0;
         let mut batch = first;
@@ -153,7 +156,10 @@ impl<H: Handler> Batches<H> {
                         let ((adopted, read), done) = super::lease::beside(&mut delivery, work).await;
                         claim.set_read_ahead(!matches!(read, Ok(None)));
                         match adopted {
-                            Ok(adopted) => recorded_in.extend(adopted),
+                            Ok(adopted) => {
+                                self.claims.adopted(std::mem::take(&mut adopt_decided));
+                                recorded_in.extend(adopted);
+                            }
                             Err(e) => {
                                 // The transaction is aborted, with the savepoint of the batch in
                                 // delivery still there: nothing of it may commit (a lease's undo
@@ -211,6 +217,7 @@ impl<H: Handler> Batches<H> {
                 match self.in_transaction(claim, own_records, Some(adoption), false).await.0 {
                     Ok(adopted) => {
                         claim.set_read_ahead(false);
+                        self.claims.adopted(std::mem::take(&mut adopt_decided));
                         recorded_in.extend(adopted);
                     }
                     Err(e) => broken = Some(e),
@@ -234,7 +241,7 @@ impl<H: Handler> Batches<H> {
             // the delivery was cut off) this batch is the transaction's last.
             match (next, held) {
                 (Some(mut next), Some(claim)) if !cut_off => {
-                    self.claims.adopted(&next);
+                    adopt_decided = std::mem::take(&mut next.fast_decided);
                     self.carry(&progress, &outcomes, &early);
                     let behind = next.behind(&aftermath.waiting);
                     adopt = Some(Adoption { outcomes, parked, behind, aftermath });

@@ -127,8 +127,8 @@ pub(crate) struct Batch {
     /// Read ahead: the events whose outcome the fast path had decided (among `outcomes`), and
     /// whether each was delivered. The fast path keeps those outcomes until the batch is the
     /// transaction's ([`Claims::adopted`]): were the batch undone (the batch delivered before it
-    /// leased, or cut off), the claim that meets the events again records them instead of
-    /// handing them over a second time.
+    /// leased, cut off, or the transaction ended), the claim that meets the events again records
+    /// them instead of handing them over a second time.
     pub(crate) fast_decided: Vec<(i64, bool)>,
 }
 
@@ -360,11 +360,12 @@ impl Claims {
         Ok(batch)
     }
 
-    /// A batch read ahead is delivered next, in its transaction: the outcomes the fast path
-    /// decided for its events are its own now (recorded with it), no longer the fast path's.
-    pub(crate) fn adopted(&self, batch: &Batch) {
-        self.metrics.fast_delivered(batch.fast_decided.iter().filter(|(_, delivered)| *delivered).count());
-        self.fast.forget_decided(batch.fast_decided.iter().map(|(id, _)| *id));
+    /// A batch read ahead is the transaction's now (its savepoint released, its predecessor's
+    /// outcomes written): the outcomes the fast path decided for its events (`fast_decided`)
+    /// are recorded with it, no longer the fast path's.
+    pub(crate) fn adopted(&self, fast_decided: Vec<(i64, bool)>) {
+        self.metrics.fast_delivered(fast_decided.iter().filter(|(_, delivered)| *delivered).count());
+        self.fast.forget_decided(fast_decided.into_iter().map(|(id, _)| id));
     }
 
     /// The destination was dropped while this relay served it (its position is gone, so no claim

@@ -48,19 +48,22 @@ pub(crate) async fn lock_migrations(tx: &Transaction<'_>, wait: Duration) -> Res
 
 const LOCK_WAIT: &str = "select set_config('lock_timeout', $1, true)";
 
-/// The sessions holding locks on the schema's tables, the longest in a transaction first (at
-/// most 3), for an error: "pid 1234 (pg_dump, in a transaction for 47 s) holds outbox, parked".
+/// The sessions of this database holding locks on the schema's tables, the longest in a
+/// transaction first (those whose age this role may not see before them), at most 3, for an
+/// error: "pid 1234 (pg_dump, in a transaction for 47 s) holds outbox_relay's outbox, parked".
 const LOCK_HOLDERS: &str = "\
 select a.pid, coalesce(nullif(a.application_name, ''), a.usename::text, 'a session of another role') as who,
-       coalesce(extract(epoch from now() - a.xact_start)::int8, 0) as secs,
+       extract(epoch from now() - a.xact_start)::int8 as secs,
        string_agg(distinct c.relname::text, ', ' order by c.relname::text) as tables
   from pg_locks l
   join pg_class c on c.oid = l.relation
   join pg_stat_activity a on a.pid = l.pid
  where l.granted and l.pid <> pg_backend_pid()
+   and l.database = (select d.oid from pg_database d where d.datname = current_database())
+   and c.relkind in ('r', 'p')
    and c.relnamespace = (select n.oid from pg_namespace n where n.nspname = 'outbox_relay')
  group by a.pid, who, secs
- order by secs desc
+ order by secs desc nulls first
  limit 3";
 
 /// Who holds locks on the schema's tables now ([`LOCK_HOLDERS`]), said in one line.
@@ -72,8 +75,11 @@ pub(crate) async fn lock_holders(client: &tokio_postgres::Client) -> Result<Stri
     let holders: Vec<String> = rows
         .iter()
         .map(|r| {
-            let (pid, who, secs, tables): (i32, String, i64, String) = (r.get(0), r.get(1), r.get(2), r.get(3));
-            format!("pid {pid} ({who}, in a transaction for {secs} s) holds outbox_relay's {tables}")
+            let (pid, who, secs, tables): (i32, String, Option<i64>, String) = (r.get(0), r.get(1), r.get(2), r.get(3));
+            let age = secs.map_or("its transaction's age hidden from this role".to_string(), |secs| {
+                format!("in a transaction for {secs} s")
+            });
+            format!("pid {pid} ({who}, {age}) holds outbox_relay's {tables}")
         })
         .collect();
     Ok(holders.join("; "))

@@ -507,7 +507,9 @@ async fn the_events_of_one_lease_end_together() {
         backoff_jitter: 0.0,
         hold: Duration::from_millis(200),
         lease: Duration::from_secs(2),
-        // (one claim takes them all, each fails once, and one claim takes them all again)
+        // (one claim takes them all, each fails once, and one claim takes them all again: one
+        // worker, so that no second claim of parked events splits them)
+        workers: 1,
         fast_path: false,
         breaker_threshold: 0,
         ..config()

@@ -182,10 +182,11 @@ impl Handler for SlowFirst {
 async fn an_event_the_fast_path_delivered_is_not_sent_again_when_the_batch_read_ahead_with_it_is_undone() {
     let db = TestDb::new().await;
     let (inner, mut deliveries) = recorder();
-    let handler = SlowFirst { tried: Arc::default(), inner, stall: Duration::from_millis(1500) };
+    let handler = SlowFirst { tried: Arc::default(), inner, stall: Duration::from_millis(2500) };
     let cfg = RelayConfig {
         batch_size: 1,
-        hold: Duration::from_millis(300),
+        // (a claim reads ahead while its transaction is younger than half of this)
+        hold: Duration::from_secs(1),
         poll_interval: Duration::from_millis(200),
         ..config()
     };
@@ -193,13 +194,11 @@ async fn an_event_the_fast_path_delivered_is_not_sent_again_when_the_batch_read_
     armed(&relay).await;
 
     let blocker = db.client().await;
-    blocker
-        .query_one(
-            "select pg_advisory_lock(1869901932, lock_id) from outbox_relay.destinations where name = 'default'",
-            &[],
-        )
-        .await
-        .unwrap();
+    let new_events_lock = |verb: &str| {
+        // The lock of a destination's new events (src/sql/claim_new.sql), for the session.
+        format!("select pg_advisory_{verb}(1869901932, lock_id) from outbox_relay.destinations where name = 'default'")
+    };
+    blocker.query_one(&new_events_lock("lock"), &[]).await.unwrap();
     let writer = db.client().await;
     let slow_writer = db.client().await;
     slow_writer.batch_execute("begin").await.unwrap();
@@ -211,16 +210,10 @@ async fn an_event_the_fast_path_delivered_is_not_sent_again_when_the_batch_read_
     slow_writer.batch_execute("commit").await.unwrap();
     // The slow event's notification wakes a claim, which the test's lock turns away.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    blocker
-        .query_one(
-            "select pg_advisory_unlock(1869901932, lock_id) from outbox_relay.destinations where name = 'default'",
-            &[],
-        )
-        .await
-        .unwrap();
+    blocker.query_one(&new_events_lock("unlock"), &[]).await.unwrap();
 
     // The claim takes the slow event, reads the fast one ahead, and is leased while the slow
-    // one is delivered.
+    // one is delivered (past the hold).
     while deliveries.next().await.event.id != slow {}
     eventually("every event recorded", || async { db.outbox.queue_stats().await.unwrap().pending == 0 }).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
