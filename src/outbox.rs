@@ -131,24 +131,24 @@ impl Outbox {
             // A lock is waited for within the time left, with some to spare for the other
             // statements, so that the refusal, not the timeout, says why.
             let attempt = async { migrate::attempt(&mut *self.pooled().await?, wait.min(left * 3 / 4)).await };
-            match tokio::time::timeout(left, attempt).await {
+            let e = match tokio::time::timeout(left, attempt).await {
                 Ok(Err(e)) if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) => {
                     if refused.is_none() {
                         let holders = self.lock_holders().await;
                         tracing::warn!(error = %e, holders, "a migration waits for table locks; it gives them back and tries again, so that claims and writes queue behind it for at most {} at a time", humantime::format_duration(migrate::LOCK_WAIT_MAX));
                     }
-                    refused = Some(e);
+                    e
                 }
                 Ok(done) => return done,
-                Err(_) if refused.is_none() => {
-                    return Err(unanswered(&self.inner.url, self.timeout, "applying the migrations"));
-                }
-                // Out of time in the attempt after a refusal: waiting for a lock again, most likely.
-                Err(_) => {}
-            }
-            if refused.is_some() && started.elapsed() + migrate::LOCK_RETRY_PAUSE >= self.timeout {
+                // Out of time in an attempt after a refusal: waiting for a lock again, most likely.
+                Err(_) => match refused.take() {
+                    Some(e) => e,
+                    None => return Err(unanswered(&self.inner.url, self.timeout, "applying the migrations")),
+                },
+            };
+            if started.elapsed() + migrate::LOCK_RETRY_PAUSE >= self.timeout {
                 let holders = self.lock_holders().await;
-                let mut error = Error::new(
+                return Err(Error::new(
                     ErrorKind::Migration,
                     format!(
                         "migrations could not take the table locks they need within {} ({holders}); nothing \
@@ -156,12 +156,10 @@ impl Outbox {
                          command's --db-timeout, waits longer)",
                         humantime::format_duration(self.timeout)
                     ),
-                );
-                if let Some(e) = refused {
-                    error = error.with_source(e);
-                }
-                return Err(error);
+                )
+                .with_source(e));
             }
+            refused = Some(e);
             tokio::time::sleep(migrate::LOCK_RETRY_PAUSE).await;
             wait = (wait * 2).min(migrate::LOCK_WAIT_MAX);
         }
@@ -171,11 +169,9 @@ impl Outbox {
     /// error (read within a second: it must not hold the error up).
     async fn lock_holders(&self) -> String {
         let read = async { sql::lock_holders(&**self.pooled().await?).await };
-        match tokio::time::timeout(Duration::from_secs(1), read).await {
-            Ok(Ok(holders)) => holders,
-            Ok(Err(e)) => format!("who holds them could not be read: {e}"),
-            Err(_) => "who holds them could not be read within 1s".to_string(),
-        }
+        within(Duration::from_secs(1), &self.inner.url, "reading who holds locks", read)
+            .await
+            .unwrap_or_else(|e| format!("who holds them could not be read: {e}"))
     }
 
     /// Checks that the database has every migration of this version applied (and none of a newer
