@@ -8,8 +8,9 @@
 //! the fast path decided instead of handing them over again (`Decided`). A claim read ahead
 //! (`batch.rs`) leaves those outcomes here until its batch is the transaction's (its savepoint
 //! released): undone with its savepoint (the batch before it was leased), it takes none of them
-//! away, and the claim that meets the events again records them. At-least-once holds: an event is recorded only after its
-//! delivery, and a relay that dies in between leaves it to be claimed and delivered again.
+//! away, and the claim that meets the events again records them. At-least-once holds: an event
+//! is recorded only after its delivery, and a relay that dies in between leaves it to be claimed
+//! and delivered again.
 //!
 //! The fast path must keep every rule a claim keeps, from what it holds in memory:
 //!

@@ -174,9 +174,9 @@ impl Handler for SlowFirst {
 
 /// An event the fast path delivered, met by a batch read ahead behind an earlier event (of a
 /// transaction that committed after it, too large for a notification) whose delivery outlives
-/// the hold: the lease undoes the batch read ahead, and what the fast path decided goes back
-/// with it, so the claim that meets the event again records it instead of handing it over a
-/// second time. The test holds the destination's lock of new events meanwhile, so that no claim
+/// the hold: the lease undoes the batch read ahead, and what the fast path decided stays with
+/// the fast path, so the claim that meets the event again records it instead of handing it over
+/// a second time. The test holds the destination's lock of new events meanwhile, so that no claim
 /// records the fast delivery before the slow event commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_event_the_fast_path_delivered_is_not_sent_again_when_the_batch_read_ahead_with_it_is_undone() {
