@@ -236,6 +236,12 @@ where
     }
 }
 
+/// The planner settings of the relay's own sessions (`relay_pool` in src/connect.rs), for a test
+/// that runs the relay's statements on a connection of its own: generic plans, no JIT, no
+/// sequential or bitmap scan.
+pub const RELAY_PLANNER_SETTINGS: &str =
+    "set plan_cache_mode = force_generic_plan; set jit = off; set enable_seqscan = off; set enable_bitmapscan = off";
+
 /// The one number `sql` selects (a `count(*)`, a `sum(…)::int8`), on `client`.
 pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}")).get(0)

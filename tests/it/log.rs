@@ -11,7 +11,7 @@ use pg_outbox_relay::{Event, EventState, NewEvent, Route, TopicPattern};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, count, eventually, recorder};
+use crate::relay_support::{self as support, RELAY_PLANNER_SETTINGS, config, count, eventually, recorder};
 
 /// Publishes `n` events of `topic` over `keys` keys (`k-0` ...), one transaction each.
 async fn publish_each(db: &TestDb, topic: &str, n: usize, keys: usize) -> Vec<i64> {
@@ -404,12 +404,8 @@ async fn a_sweep_reads_no_row_the_retention_keeps() {
     // Rows of the outbox a sweep read, whatever the path (the relay's session settings).
     async fn sweep_reads(client: &mut tokio_postgres::Client, retention: Duration) -> (i64, i64) {
         let tx = client.transaction().await.unwrap();
-        tx.batch_execute(
-            "set local plan_cache_mode = force_generic_plan; set local enable_seqscan = off;
-             set local enable_bitmapscan = off; set local jit = off",
-        )
-        .await
-        .unwrap();
+        // (set in the transaction, which rolls back: the client's session keeps its own)
+        tx.batch_execute(RELAY_PLANNER_SETTINGS).await.unwrap();
         // (rows fetched from the table, and entries read from its indexes)
         let read = "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
                            + (select coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0)::int8

@@ -10,7 +10,7 @@ use pg_outbox_relay::{NewEvent, RelayConfig, publish};
 use serde_json::json;
 
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, Deliveries, config, count, eventually};
+use crate::relay_support::{self as support, Deliveries, RELAY_PLANNER_SETTINGS, config, count, eventually};
 
 /// Takes deliveries until every id of `ids` has arrived; returns them in arrival order.
 async fn until_delivered(deliveries: &mut Deliveries, ids: &[i64]) -> Vec<(i64, Option<String>)> {
@@ -426,14 +426,7 @@ async fn a_claim_reads_no_entry_of_the_events_delivered_before() {
     // The relay's session settings (see `relay_pool`), and statistics taken while the outbox
     // looks empty: the trap a generic plan built from them would fall into (reading the whole
     // table, every dead row with it, on every claim) is what the settings close.
-    client
-        .batch_execute(
-            "analyze outbox_relay.outbox;
-             set plan_cache_mode = force_generic_plan; set jit = off;
-             set enable_seqscan = off; set enable_bitmapscan = off",
-        )
-        .await
-        .unwrap();
+    client.batch_execute(&format!("analyze outbox_relay.outbox; {RELAY_PLANNER_SETTINGS}")).await.unwrap();
     // The relay's claim of new events, as it runs it.
     for (key, expect) in [(Some("order-7"), 1), (None, 1)] {
         let mut event = NewEvent::new("order.step", json!({"late": true}));

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::until_delivered;
 use crate::harness::TestDb;
-use crate::relay_support::{self as support, config, count, eventually, recorder};
+use crate::relay_support::{self as support, RELAY_PLANNER_SETTINGS, config, count, eventually, recorder};
 use crate::storage::OUTBOX_TUPLES_READ;
 
 /// The sweeper's statement, as the relay runs it (`src/sql/destinations.rs`).
@@ -179,8 +179,7 @@ async fn statements_by_id_read_a_few_entries_after_the_outbox_was_analyzed_empty
              analyze outbox_relay.outbox;
              delete from outbox_relay.outbox;
              analyze outbox_relay.outbox;
-             set plan_cache_mode = force_generic_plan; set jit = off;
-             set enable_seqscan = off; set enable_bitmapscan = off"
+             {RELAY_PLANNER_SETTINGS}"
         ))
         .await
         .unwrap();
