@@ -7,7 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use async_nats::HeaderMap;
-use pg_outbox_relay::sink::NatsSink;
+use async_nats::jetstream::context::PublishError;
+use async_nats::jetstream::publish::PublishAck;
+use futures::StreamExt;
+use pg_outbox_relay::sink::{NATS_ACKS_IN_FLIGHT, NatsSink};
 use pg_outbox_relay::{DeliveryError, Event, Handler, Slots};
 
 use super::BoxError;
@@ -41,9 +44,12 @@ impl NatsBench {
             Err(why) => return Ok(Err(why)),
         };
         let client = async_nats::ConnectOptions::new().connection_timeout(TIMEOUT).connect(url).await?;
-        let mut jetstream = async_nats::jetstream::new(client);
-        // (as long as the NATS sink waits for one by default: 10 s)
-        jetstream.set_timeout(TIMEOUT);
+        // (as long as the NATS sink waits for one by default: 10 s; as many acknowledgements in
+        // flight as the sink's)
+        let jetstream = async_nats::jetstream::ContextBuilder::new()
+            .timeout(TIMEOUT)
+            .max_ack_inflight(NATS_ACKS_IN_FLIGHT)
+            .build(client);
         Ok(Ok(NatsBench { sink, jetstream, stream: stream.to_owned() }))
     }
 
@@ -66,15 +72,24 @@ impl NatsBench {
     /// it (the event's JSON, about the bench event's size; the headers `Nats-Msg-Id`, a new one
     /// each, `Outbox-Event-Id` and `Outbox-Topic`). What the NATS drain reaches of it is what the
     /// relay's claims and records leave of the broker's own pace.
-    pub async fn publisher_rate(&self, messages: usize, window: usize) -> Result<f64, BoxError> {
+    ///
+    /// With `in_flight` above 1, the next window is sent while the acknowledgements of up to
+    /// `in_flight - 1` windows before it are awaited (the oldest window's first): what a delivery
+    /// that overlapped one batch's acknowledgements with the next batch's publishes could reach.
+    /// A window is at most [`NATS_ACKS_IN_FLIGHT`] messages, as the sink's, and fewer windows are
+    /// in flight where they would pass that many (the client makes a publish past it wait).
+    pub async fn publisher_rate(&self, messages: usize, window: usize, in_flight: usize) -> Result<f64, BoxError> {
         // A new `Nats-Msg-Id` for every message of the process: none is taken for a duplicate.
         static SENT: AtomicU64 = AtomicU64::new(0);
+        let window = window.clamp(1, NATS_ACKS_IN_FLIGHT);
+        let in_flight = in_flight.clamp(1, NATS_ACKS_IN_FLIGHT / window);
         let subject = format!("{}.bench.drain", self.stream.to_lowercase());
         let run = std::process::id();
         let started = Instant::now();
+        let mut awaited = futures::stream::FuturesOrdered::new();
         let mut n = 0;
         while n < messages {
-            let end = (n + window.max(1)).min(messages);
+            let end = (n + window).min(messages);
             let mut acks = Vec::with_capacity(end - n);
             for id in n..end {
                 let uuid = format!("{run:08x}-0000-4000-8000-{:012x}", SENT.fetch_add(1, Ordering::Relaxed));
@@ -85,13 +100,25 @@ impl NatsBench {
                 headers.insert("Outbox-Topic", "bench.drain");
                 acks.push(self.jetstream.publish_with_headers(subject.clone(), headers, payload.into()).await?);
             }
-            for ack in futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)).await {
-                ack?;
+            awaited.push_back(futures::future::join_all(acks.into_iter().map(std::future::IntoFuture::into_future)));
+            while awaited.len() >= in_flight {
+                acknowledged(awaited.next().await)?;
             }
             n = end;
         }
+        while !awaited.is_empty() {
+            acknowledged(awaited.next().await)?;
+        }
         Ok(messages as f64 / started.elapsed().as_secs_f64())
     }
+}
+
+/// Whether every acknowledgement of a window came (an error for the first that did not).
+fn acknowledged(window: Option<Vec<Result<PublishAck, PublishError>>>) -> Result<(), BoxError> {
+    for ack in window.unwrap_or_default() {
+        ack?;
+    }
+    Ok(())
 }
 
 /// The stdout sink's work (each event serialized to a JSON line, a batch written and flushed

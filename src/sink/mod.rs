@@ -40,7 +40,7 @@ pub use self::http::{ATTEMPT_HEADER, EVENT_ID_HEADER, EVENT_UUID_HEADER, HttpSin
 #[cfg(feature = "kafka")]
 pub use self::kafka::{KAFKA_UUID_HEADER, KafkaSasl, KafkaSink, KafkaSinkBuilder, SaslMechanism};
 #[cfg(feature = "nats")]
-pub use self::nats::{NatsSink, NatsSinkBuilder};
+pub use self::nats::{NATS_ACKS_IN_FLIGHT, NatsSink, NatsSinkBuilder};
 pub use self::stdout::StdoutSink;
 use crate::error::{Error, Result};
 use crate::event::Event;

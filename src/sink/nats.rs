@@ -4,7 +4,10 @@ use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::{self};
 use async_nats::{ConnectErrorKind, HeaderMap};
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::Semaphore;
 
 use super::{DEFAULT_HTTP_TIMEOUT, DEFAULT_SUBJECT_PREFIX, event_json};
 use crate::error::{Error, ErrorKind, Result};
@@ -17,9 +20,15 @@ use crate::relay::{DeliveryError, Handler, Slots};
 ///
 /// No acknowledgement (no stream captures the subject, a timeout, a lost connection) is a
 /// transient failure: the event stays pending with a `last_error` that says why.
+///
+/// At most [`NATS_ACKS_IN_FLIGHT`] publishes await their acknowledgements at once, across every batch
+/// the sink has in hand: a larger batch is published in windows of that many.
 #[derive(Debug, Clone)]
 pub struct NatsSink {
     jetstream: jetstream::Context,
+    /// One permit for each publish awaiting its acknowledgement: a window takes all of its
+    /// permits at once before its first publish (see [`NATS_ACKS_IN_FLIGHT`]).
+    acks: Arc<Semaphore>,
     prefix: String,
     /// The server's URL as it may be shown.
     pub(super) shown: String,
@@ -76,8 +85,13 @@ impl NatsSinkBuilder {
                 };
                 Error::new(kind, format!("cannot connect to NATS at {shown}: {}", crate::error::chain(&e)))
             })?;
-        let mut jetstream = jetstream::new(client);
-        jetstream.set_timeout(timeout);
+        // The client's own bound on acknowledgements in flight is the sink's, and an
+        // acknowledgement it awaits alone (a delivery cut off) is given up after the timeout too.
+        let jetstream = jetstream::ContextBuilder::new()
+            .timeout(timeout)
+            .ack_timeout(timeout)
+            .max_ack_inflight(NATS_ACKS_IN_FLIGHT)
+            .build(client);
         if let Some(name) = &create_stream {
             let subjects = format!("{subject_prefix}.>");
             jetstream
@@ -94,7 +108,7 @@ impl NatsSinkBuilder {
                     )
                 })?;
         }
-        Ok(NatsSink { jetstream, prefix: subject_prefix, shown })
+        Ok(NatsSink { jetstream, acks: Arc::new(Semaphore::new(NATS_ACKS_IN_FLIGHT)), prefix: subject_prefix, shown })
     }
 }
 
@@ -174,16 +188,41 @@ fn publish_error(subject: &str, e: &async_nats::jetstream::context::PublishError
 
 impl Handler for NatsSink {
     async fn handle(&self, event: &Event) -> Result<(), DeliveryError> {
-        let (subject, ack) = self.send(event).await?;
-        ack.await.map(drop).map_err(|e| publish_error(&subject, &e))
+        self.publish_window(std::slice::from_ref(event)).await.pop().unwrap_or(Ok(()))
     }
 
     /// Publishes the whole batch, then awaits the acknowledgements together: one pipelined
-    /// exchange, one slot.
+    /// exchange, one slot (in windows of [`NATS_ACKS_IN_FLIGHT`] events, one after the other, for a
+    /// larger batch).
     async fn handle_batch(&self, events: &[Event], slots: &Slots) -> Vec<Result<(), DeliveryError>> {
         let _slot = slots.take_for(events.len()).await;
-        let mut sent = Vec::with_capacity(events.len());
-        for event in events {
+        let mut results = Vec::with_capacity(events.len());
+        for window in events.chunks(NATS_ACKS_IN_FLIGHT) {
+            results.extend(self.publish_window(window).await);
+        }
+        results
+    }
+}
+
+/// How many publishes a [`NatsSink`] has awaiting their acknowledgements at most. The NATS
+/// client bounds them too (5,000 unless told otherwise) and makes a publish past its bound wait
+/// for an acknowledgement to be awaited; a batch published whole before its acknowledgements
+/// (larger than the bound, or several batches at once) would wait for itself for ever. So a
+/// window takes its permits from the sink's own bound all at once, before its first publish.
+pub const NATS_ACKS_IN_FLIGHT: usize = 5_000;
+
+impl NatsSink {
+    /// Publishes `window` (at most [`NATS_ACKS_IN_FLIGHT`] events), then awaits the acknowledgements
+    /// together.
+    async fn publish_window(&self, window: &[Event]) -> Vec<Result<(), DeliveryError>> {
+        let permits = u32::try_from(window.len()).unwrap_or(u32::MAX);
+        let _permits = match self.acks.acquire_many(permits).await {
+            Ok(permits) => permits,
+            // The semaphore is never closed.
+            Err(closed) => return window.iter().map(|_| Err(DeliveryError::transient(closed.to_string()))).collect(),
+        };
+        let mut sent = Vec::with_capacity(window.len());
+        for event in window {
             sent.push(self.send(event).await);
         }
         let acks = sent.into_iter().map(|sent| async move {

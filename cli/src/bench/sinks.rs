@@ -24,13 +24,22 @@ pub(super) struct SinksReport {
     pub(super) amqp: Result<f64, String>,
     pub(super) kafka: Result<KafkaFigures, String>,
     /// Where the machine's CPU went during each drain (stdout, two destinations, NATS,
-    /// RabbitMQ, Kafka) and the plain JetStream publisher and Kafka producer, over every round.
-    pub(super) cpu: [CpuProfile; 7],
+    /// RabbitMQ, Kafka), the plain JetStream publisher and Kafka producer, and the publisher with
+    /// two windows in flight, over every round.
+    pub(super) cpu: [CpuProfile; 8],
 }
 
 /// The drains and plain clients of [`SinksReport::cpu`], in its order.
-const DRAINS: [&str; 7] =
-    ["stdout", "stdout_two_destinations", "nats", "amqp", "kafka", "nats_publisher", "kafka_producer"];
+const DRAINS: [&str; 8] = [
+    "stdout",
+    "stdout_two_destinations",
+    "nats",
+    "amqp",
+    "kafka",
+    "nats_publisher",
+    "kafka_producer",
+    "nats_publisher_two_windows",
+];
 
 /// The JetStream stream of the NATS drain and of the plain publisher.
 const NATS_STREAM: &str = "OUTBOX_BENCH";
@@ -53,10 +62,13 @@ fn cpu_line(profile: &CpuProfile) -> String {
 }
 
 /// The NATS drain beside a plain JetStream publisher on the same stream, publishing as the NATS
-/// sink does (a batch's publishes, then their acknowledgements), in windows of the drain's batch.
+/// sink does (a batch's publishes, then their acknowledgements), in windows of the drain's batch;
+/// and the same publisher with two windows in flight (the next window's publishes while the
+/// acknowledgements of the one before are awaited), which the sink does not do.
 pub(super) struct NatsFigures {
     pub(super) drain: f64,
     pub(super) publisher: f64,
+    pub(super) publisher_two_windows: f64,
 }
 
 /// The Kafka drain beside a plain producer on the same broker.
@@ -85,8 +97,8 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             eprintln!("  {name} skipped: {why}");
         }
     }
-    let mut rates: [Vec<f64>; 7] = Default::default();
-    let mut cpu: [CpuProfile; 7] = Default::default();
+    let mut rates: [Vec<f64>; 8] = Default::default();
+    let mut cpu: [CpuProfile; 8] = Default::default();
     let config = setup.config();
     for round in 0..ROUNDS {
         let mut record = |i: usize, (per_s, profile): (f64, CpuProfile)| {
@@ -104,8 +116,12 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             record(2, drained(bench::drain_measured(outbox, setup, config.clone(), nats.sink.clone()).await?));
             nats.purge().await?;
             let sample = CpuSample::now();
-            let per_s = nats.publisher_rate(setup.events, setup.batch_size).await?;
+            let per_s = nats.publisher_rate(setup.events, setup.batch_size, 1).await?;
             record(5, (per_s, sample.profile()));
+            nats.purge().await?;
+            let sample = CpuSample::now();
+            let per_s = nats.publisher_rate(setup.events, setup.batch_size, 2).await?;
+            record(7, (per_s, sample.profile()));
         }
         if let Ok(amqp) = &amqp {
             record(3, drained(bench::drain_measured(outbox, setup, config.clone(), Arc::clone(&amqp.sink)).await?));
@@ -124,7 +140,8 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
             kafka.delete_topic(&topic).await?;
         }
     }
-    let [stdout, two, nats_rates, amqp_rates, kafka_rates, publisher_rates, producer_rates] = &mut rates;
+    let [stdout, two, nats_rates, amqp_rates, kafka_rates, publisher_rates, producer_rates, pipelined_rates] =
+        &mut rates;
     let report = SinksReport {
         events: setup.events,
         stdout: median(stdout),
@@ -132,7 +149,11 @@ pub(super) async fn stage(args: &BenchArgs, outbox: &Outbox) -> Result<SinksRepo
         nats: match nats {
             Ok(nats) => {
                 nats.remove().await?;
-                Ok(NatsFigures { drain: median(nats_rates), publisher: median(publisher_rates) })
+                Ok(NatsFigures {
+                    drain: median(nats_rates),
+                    publisher: median(publisher_rates),
+                    publisher_two_windows: median(pipelined_rates),
+                })
             }
             Err(why) => Err(why),
         },
@@ -164,6 +185,7 @@ impl SinksReport {
             "nats_share_of_stdout": nats.ok().map(|n| rounded(n.drain / self.stdout, 3)),
             "nats_publisher_messages_per_s": nats.ok().map(|n| rounded(n.publisher, 1)),
             "nats_share_of_publisher": nats.ok().map(|n| rounded(n.drain / n.publisher, 3)),
+            "nats_publisher_two_windows_messages_per_s": nats.ok().map(|n| rounded(n.publisher_two_windows, 1)),
             "amqp_events_per_s": figure(&self.amqp),
             "amqp_share_of_stdout": share(&self.amqp),
             "kafka_events_per_s": kafka.ok().map(|k| rounded(k.drain, 1)),
@@ -187,7 +209,8 @@ impl SinksReport {
                 out!("    {}", cpu_line(cpu));
             }
         };
-        let [stdout_cpu, two_cpu, nats_cpu, amqp_cpu, kafka_cpu, publisher_cpu, producer_cpu] = &self.cpu;
+        let [stdout_cpu, two_cpu, nats_cpu, amqp_cpu, kafka_cpu, publisher_cpu, producer_cpu, pipelined_cpu] =
+            &self.cpu;
         line("to the stdout sink's work (/dev/null)", self.stdout, String::new(), Some(stdout_cpu));
         let share = self.stdout_two / self.stdout * 100.0;
         line(
@@ -205,6 +228,8 @@ impl SinksReport {
                 );
                 line("to NATS JetStream", n.drain, shares, Some(nats_cpu));
                 line("a plain JetStream publisher, same stream", n.publisher, String::new(), Some(publisher_cpu));
+                let share = format!("; {:.0} % of stdout", n.publisher_two_windows / self.stdout * 100.0);
+                line("the same, two windows in flight", n.publisher_two_windows, share, Some(pipelined_cpu));
             }
             Err(why) => out!("  {:<44}{:>12} ({why})", "to NATS JetStream", "skipped"),
         }

@@ -12,7 +12,7 @@ use tokio::process::Command;
 
 use crate::factory::{OutboxRow, pass_everything};
 use crate::harness::TestDb;
-use crate::relay_support::{PATIENCE, count, eventually};
+use crate::relay_support::{PATIENCE, count, eventually, eventually_within};
 
 use crate::binary::{
     BIN, cli, cli_within, publish, spawn_run, spawn_run_as_shipped, stderr, stdout, terminate, terminate_with_output,
@@ -637,6 +637,35 @@ mod needs_nats {
         js.delete_stream(&prefix).await.unwrap();
     }
 
+    /// A batch of more events than the NATS client lets await their acknowledgements at once
+    /// (5,000) is delivered: published whole before its acknowledgements, it used to wait for
+    /// itself for ever (nothing delivered, and the relay cut off at its shutdown grace).
+    #[tokio::test]
+    async fn run_nats_delivers_a_batch_of_more_events_than_the_client_lets_await_acknowledgements() {
+        let db = TestDb::new().await;
+        let js = nats().await;
+        let prefix = unique("outboxwide");
+        let mut stream = stream_for(&js, &prefix).await;
+        db.client()
+            .await
+            .execute(
+                "insert into outbox_relay.outbox (topic, payload)
+                 select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 12000) g",
+                &[],
+            )
+            .await
+            .unwrap();
+        let child = spawn_run(&db.url, &["--sink", &nats_url(), "--subject-prefix", &prefix, "--batch-size", "6000"]);
+        eventually_within("12,000 events delivered in batches of 6,000", Duration::from_secs(60), || async {
+            settled(&db, 12_000).await
+        })
+        .await;
+        assert_eq!(terminate(child).await, Some(0), "the relay stopped within its grace");
+        assert_eq!(db.outbox.queue_stats().await.unwrap().dead_letters, 0);
+        assert_eq!(stream.info().await.unwrap().state.messages, 12_000);
+        js.delete_stream(&prefix).await.unwrap();
+    }
+
     #[tokio::test]
     async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() {
         let db = TestDb::new().await;
@@ -764,6 +793,7 @@ mod needs_nats {
             "nats_share_of_stdout",
             "nats_publisher_messages_per_s",
             "nats_share_of_publisher",
+            "nats_publisher_two_windows_messages_per_s",
             "trickle_cpu_share",
             "write_tps_trigger",
             "write_tps_no_trigger",
