@@ -120,7 +120,7 @@ pub use self::receivers::{
     SLOW_LATENCY, SMALL_BACKLOG, SMALL_PACE, SMALL_SWEEP, Settings, drain_to_receiver, receivers,
 };
 pub use self::server::{BenchDb, DATABASE_PREFIX, ServerInfo, server_info};
-pub use self::sinks::{DevNullLines, NatsBench, nats_sink};
+pub use self::sinks::{DevNullLines, NatsBench, nats_sink, windows_in_flight};
 pub use self::trickle::{Trickle, TrickleReport, trickle};
 pub use self::write::{ArticleRun, Way, WriteTx, Writers, article_run, reset_write_tables, write_tps};
 

@@ -77,12 +77,13 @@ impl NatsBench {
     /// `in_flight - 1` windows before it are awaited (the oldest window's first): what a delivery
     /// that overlapped one batch's acknowledgements with the next batch's publishes could reach.
     /// A window is at most [`NATS_ACKS_IN_FLIGHT`] messages, as the sink's, and fewer windows are
-    /// in flight where they would pass that many (the client makes a publish past it wait).
+    /// in flight where they would pass that many ([`windows_in_flight`]: the client makes a
+    /// publish past it wait).
     pub async fn publisher_rate(&self, messages: usize, window: usize, in_flight: usize) -> Result<f64, BoxError> {
         // A new `Nats-Msg-Id` for every message of the process: none is taken for a duplicate.
         static SENT: AtomicU64 = AtomicU64::new(0);
+        let in_flight = windows_in_flight(window, in_flight);
         let window = window.clamp(1, NATS_ACKS_IN_FLIGHT);
-        let in_flight = in_flight.clamp(1, NATS_ACKS_IN_FLIGHT / window);
         let subject = format!("{}.bench.drain", self.stream.to_lowercase());
         let run = std::process::id();
         let started = Instant::now();
@@ -111,6 +112,13 @@ impl NatsBench {
         }
         Ok(messages as f64 / started.elapsed().as_secs_f64())
     }
+}
+
+/// How many windows of `window` messages [`NatsBench::publisher_rate`] has in flight when asked
+/// for `wanted`: no more than fit in the client's bound on acknowledgements awaited
+/// ([`NATS_ACKS_IN_FLIGHT`]), and at least one.
+pub fn windows_in_flight(window: usize, wanted: usize) -> usize {
+    wanted.clamp(1, (NATS_ACKS_IN_FLIGHT / window.clamp(1, NATS_ACKS_IN_FLIGHT)).max(1))
 }
 
 /// Whether every acknowledgement of a window came (an error for the first that did not).

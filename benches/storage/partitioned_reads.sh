@@ -17,6 +17,9 @@
 #   read_leaves   scan_id, then its rows read again by tuple id naming each leaf (its own tuple ids).
 #
 #   bash benches/storage/partitioned_reads.sh 'postgresql://postgres@127.0.0.1:5432/postgres' [SECONDS] [ROUNDS]
+#
+# PostgreSQL 15 or later (min and max of xid8). It makes, and drops at the end, the schema
+# `partitioned_reads` in that database (one of that name already there is dropped first).
 set -euo pipefail
 db=${1:?usage: partitioned_reads.sh DATABASE_URL [SECONDS] [ROUNDS]}
 secs=${2:-4}
@@ -79,16 +82,29 @@ scan_xid parted >"$work/scan_xid_parted.sql"
     echo ") x;"
 } >"$work/read_leaves_parted.sql"
 
+# pgbench's latency average (ms) of one script; fails, with pgbench's output, when it gives none.
 run() {
-    PGOPTIONS="-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c enable_bitmapscan=off -c jit=off" \
-        pgbench -n -M prepared -T "$secs" -f "$work/$1.sql" "$db" 2>&1 |
-        sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p'
+    local out ms
+    out=$(PGOPTIONS="-c plan_cache_mode=force_generic_plan -c enable_seqscan=off -c enable_bitmapscan=off -c jit=off" \
+        pgbench -n -M prepared -T "$secs" -f "$work/$1.sql" "$db" 2>&1) || true
+    ms=$(sed -n 's/^latency average = \([0-9.]*\) ms$/\1/p' <<<"$out")
+    if [ -z "$ms" ]; then
+        echo "pgbench gave no latency for $1:" >&2
+        echo "$out" >&2
+        exit 1
+    fi
+    echo "$ms"
 }
 printf '%-12s %10s %10s %10s\n' query flat parted 'read by leaf'
 for r in $(seq 1 "$rounds"); do
     for q in scan_xid scan_id read_parent; do
-        printf '%-12s %10s %10s' "$q" "$(run "${q}_flat")" "$(run "${q}_parted")"
-        if [ "$q" = read_parent ]; then printf ' %10s' "$(run read_leaves_parted)"; fi
+        flat=$(run "${q}_flat")
+        parted=$(run "${q}_parted")
+        printf '%-12s %10s %10s' "$q" "$flat" "$parted"
+        if [ "$q" = read_parent ]; then
+            leaves=$(run read_leaves_parted)
+            printf ' %10s' "$leaves"
+        fi
         printf '\n'
     done
 done

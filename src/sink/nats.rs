@@ -215,6 +215,7 @@ impl NatsSink {
     /// Publishes `window` (at most [`NATS_ACKS_IN_FLIGHT`] events), then awaits the acknowledgements
     /// together.
     async fn publish_window(&self, window: &[Event]) -> Vec<Result<(), DeliveryError>> {
+        debug_assert!(window.len() <= NATS_ACKS_IN_FLIGHT, "a window the bound could never admit");
         let permits = u32::try_from(window.len()).unwrap_or(u32::MAX);
         let _permits = match self.acks.acquire_many(permits).await {
             Ok(permits) => permits,

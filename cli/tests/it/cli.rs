@@ -794,6 +794,7 @@ mod needs_nats {
             "nats_publisher_messages_per_s",
             "nats_share_of_publisher",
             "nats_publisher_two_windows_messages_per_s",
+            "nats_publisher_windows_in_flight",
             "trickle_cpu_share",
             "write_tps_trigger",
             "write_tps_no_trigger",

@@ -147,6 +147,7 @@ mod needs_kafka {
         assert!(report["nats_events_per_s"].is_null() && report["skipped"]["nats"].is_string(), "{report}");
         assert!(report["nats_publisher_messages_per_s"].is_null(), "{report}");
         assert!(report["nats_publisher_two_windows_messages_per_s"].is_null(), "{report}");
+        assert!(report["nats_publisher_windows_in_flight"].is_null(), "{report}");
         assert!(report["sinks_cpu"]["kafka_producer"]["cores_by_command"].is_object(), "{report}");
         assert!(report["amqp_events_per_s"].is_null() && report["skipped"]["amqp"].is_string(), "{report}");
         assert!(!out.contains("guest:guest"), "no password in the report: {out}");
