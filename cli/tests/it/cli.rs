@@ -666,6 +666,56 @@ mod needs_nats {
         js.delete_stream(&prefix).await.unwrap();
     }
 
+    /// Batches one NATS sink has in hand at once, each within the client's bound on
+    /// acknowledgements awaited (5,000) but past it together (eight of 1,500, on tasks of a
+    /// runtime with threads of its own, so that their publishes interleave), are all delivered:
+    /// each window takes its share of the bound before its first publish (a destination's parked
+    /// and new events are delivered by several workers at once).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn nats_batches_in_hand_at_once_past_the_clients_bound_together_are_all_delivered() {
+        use pg_outbox_relay::{Event, Handler, Payload, Slots, Uuid};
+        const BATCHES: u16 = 8;
+        const EACH: u16 = 1500;
+        let js = nats().await;
+        let prefix = unique("outboxshared");
+        let mut stream = stream_for(&js, &prefix).await;
+        let sink =
+            pg_outbox_relay::sink::NatsSink::builder(&nats_url()).subject_prefix(&prefix).connect().await.unwrap();
+        let event = |id: u16| Event {
+            id: i64::from(id),
+            uuid: Uuid::from_u128(0x5eed_0000_0000_4000_8000_0000_0000_0000 + u128::from(id)),
+            topic: "order.placed".to_owned(),
+            key: None,
+            payload: Payload::from_json(format!("{{\"n\": {id}}}")).unwrap(),
+            created_at: std::time::SystemTime::now(),
+            attempts: 1,
+            headers: Default::default(),
+        };
+        let slots = Slots::new(64);
+        let start = Arc::new(tokio::sync::Barrier::new(usize::from(BATCHES)));
+        let tasks: Vec<_> = (0..BATCHES)
+            .map(|b| {
+                let batch: Vec<Event> = (0..EACH).map(|i| event(b * EACH + i)).collect();
+                let (sink, slots, start) = (sink.clone(), slots.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    let results = sink.handle_batch(&batch, &slots).await;
+                    (batch.len(), results)
+                })
+            })
+            .collect();
+        let done = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks))
+            .await
+            .expect("eight batches of 1,500 delivered within 60 s");
+        for task in done {
+            let (events, results) = task.unwrap();
+            assert_eq!(results.len(), events);
+            assert!(results.iter().all(Result::is_ok), "{:?}", results.iter().find(|r| r.is_err()));
+        }
+        assert_eq!(stream.info().await.unwrap().state.messages, u64::from(BATCHES) * u64::from(EACH));
+        js.delete_stream(&prefix).await.unwrap();
+    }
+
     #[tokio::test]
     async fn run_nats_without_a_stream_keeps_the_event_pending_with_a_clear_error() {
         let db = TestDb::new().await;
