@@ -88,6 +88,7 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0022_receipt_written_once.sql"),
     },
     Migration { version: 23, name: "early_records_lz4", sql: include_str!("../migrations/0023_early_records_lz4.sql") },
+    Migration { version: 24, name: "outbox_in_leaves", sql: include_str!("../migrations/0024_outbox_in_leaves.sql") },
 ];
 
 /// What a migration run did.

@@ -58,6 +58,7 @@ mod rate;
 mod rebase;
 mod record;
 mod report;
+mod rotation;
 mod route;
 mod row;
 mod signed;
@@ -346,6 +347,16 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ("outbox_relay.outbox", "SELECT"),
         ("outbox_relay.outbox", "UPDATE"),
         ("outbox_relay.outbox", "DELETE"),
+        // A claim reads each leaf by its name (migration 0024).
+        ("outbox_relay.outbox_before", "SELECT"),
+        ("outbox_relay.outbox_0", "SELECT"),
+        ("outbox_relay.outbox_1", "SELECT"),
+        ("outbox_relay.outbox_2", "SELECT"),
+        ("outbox_relay.outbox_3", "SELECT"),
+        ("outbox_relay.outbox_4", "SELECT"),
+        ("outbox_relay.outbox_5", "SELECT"),
+        ("outbox_relay.outbox_6", "SELECT"),
+        ("outbox_relay.outbox_7", "SELECT"),
         ("outbox_relay.dead_letters", "INSERT"),
         ("outbox_relay.dead_letters", "UPDATE"),
         ("outbox_relay.relays", "SELECT"),

@@ -6,7 +6,8 @@
 //! walks again over the rows it removed, and reads at most a batch a sweep, and only rows whose
 //! retention is over: a destination that is down (whose position holds rows) costs a batch's
 //! read a second, not its backlog's, and the retained rows cost nothing. After a full batch it
-//! sweeps again at once, so that a drain's rows go at the pace they came.
+//! sweeps again at once, so that a drain's rows go at the pace they came. Then (at most once a
+//! second) it truncates the outbox's leaves it has emptied (src/relay/rotation.rs).
 
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::config::RelayConfig;
 use super::pool::RelayPool;
+use super::rotation::Rotation;
 use crate::sql;
 
 /// How often the sweeper looks when its last look found less than a batch.
@@ -33,6 +35,7 @@ impl Sweeper {
         let mut from = sql::SweepFrom::default();
         let mut failing = false;
         let mut locked = Locked::default();
+        let mut rotation = Rotation::default();
         loop {
             let swept =
                 async { sql::sweep_outbox(&*self.pool.client().await?, &from, batch, self.config.retention).await };
@@ -80,6 +83,7 @@ impl Sweeper {
                 }
                 Err(e) => tracing::debug!(error = %e, "sweeping the outbox failed again"),
             }
+            rotation.turn(&self.pool, self.config.retention).await;
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(pause) => {}

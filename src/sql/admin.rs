@@ -35,9 +35,10 @@ low as (
 n as (
     select count(*) filter (where available_at <= now()) as ready,
            count(*) filter (where available_at > now()) as delayed,
-           greatest((select case when c.reltuples < 100000 then (select count(*) from outbox_relay.outbox)
-                                 else c.reltuples::int8 end
-                       from pg_class c where c.oid = 'outbox_relay.outbox'::regclass) - count(*), 0) as processed,
+           greatest((select case when sum(greatest(c.reltuples, 0)) < 100000 then (select count(*) from outbox_relay.outbox)
+                                 else sum(greatest(c.reltuples, 0))::int8 end
+                       from pg_inherits i join pg_class c on c.oid = i.inhrelid
+                      where i.inhparent = 'outbox_relay.outbox'::regclass) - count(*), 0) as processed,
            min(created_at) as oldest,
            min(available_at) filter (where available_at <= now()) as oldest_ready
       from outbox_relay.outbox e
@@ -264,8 +265,9 @@ forgotten as (
 ),
 unrouted as (
     insert into outbox_relay.outbox (id, uuid, topic, key, payload, headers, created_at)
-    select id, uuid, topic, key, payload, headers, created_at from revived where destination = ''
-    on conflict (id) do nothing
+    select r.id, r.uuid, r.topic, r.key, r.payload, r.headers, r.created_at from revived r
+     where r.destination = '' and not exists (select 1 from outbox_relay.outbox e where e.id = r.id)
+    on conflict (id, slot) do nothing
     returning id
 )
 select r.id from revived r
@@ -392,10 +394,10 @@ select (select (extract(epoch from max(clock_timestamp() - xact_start)) * 1000):
        greatest((select max(age(backend_xmin)) from pg_stat_activity where pid <> pg_backend_pid()),
                 (select max(age(xmin)) from pg_replication_slots),
                 (select max(age(transaction)) from pg_prepared_xacts))::int8 as xmin_horizon_age,
-       (select coalesce(n_dead_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
-         as outbox_dead_tuples,
-       (select coalesce(n_live_tup, 0) from pg_stat_all_tables where relid = 'outbox_relay.outbox'::regclass)
-         as outbox_live_tuples,
+       (select coalesce(sum(t.n_dead_tup), 0)::int8 from pg_inherits i join pg_stat_all_tables t on t.relid = i.inhrelid
+         where i.inhparent = 'outbox_relay.outbox'::regclass) as outbox_dead_tuples,
+       (select coalesce(sum(t.n_live_tup), 0)::int8 from pg_inherits i join pg_stat_all_tables t on t.relid = i.inhrelid
+         where i.inhparent = 'outbox_relay.outbox'::regclass) as outbox_live_tuples,
        pg_notification_queue_usage() as notification_queue_usage,
        (select sum(numbackends) from pg_stat_database)::int8 as connections,
        current_setting('max_connections')::int8 as max_connections";

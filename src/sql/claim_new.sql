@@ -50,25 +50,25 @@ pos as materialized (
 -- from the first and filters on xid: that walk would pass every event ever delivered), each
 -- event with whether the pattern matches it, then sorted.
 delta as materialized (
-    select e.id, e.ctid, e.key, e.matches, e.stored from pos k cross join lateral (
-        select e.id, e.ctid, e.key, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
+    select e.id, e.slot, e.ctid, e.key, e.matches, e.stored from pos k cross join lateral (
+        select e.id, e.slot, e.ctid, e.key, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
                pg_column_size(e.payload) as stored from outbox_relay.outbox e
          where k.after_id is null and e.xid >= pg_snapshot_xmax(k.snapshot) and e.xid <> '0'::xid8
          order by e.xid) e
     union all
-    select e.id, e.ctid, e.key, e.matches, e.stored from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
+    select e.id, e.slot, e.ctid, e.key, e.matches, e.stored from pos k cross join lateral pg_snapshot_xip(k.snapshot) as x(xid)
      cross join lateral (
-        select e.id, e.ctid, e.key, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
+        select e.id, e.slot, e.ctid, e.key, ($6::text is null or ('.' || e.topic) ~ $6::text) as matches,
                pg_column_size(e.payload) as stored from outbox_relay.outbox e
          where k.after_id is null and e.xid = x.xid and e.xid <> '0'::xid8
          order by e.xid) e
 ),
 cand as materialized (
-    select x.id, x.ctid, x.key, x.stored from (
-        select d.id, d.ctid, d.key, d.stored from delta d where d.matches
+    select x.id, x.slot, x.ctid, x.key, x.stored from (
+        select d.id, d.slot, d.ctid, d.key, d.stored from delta d where d.matches
         union all
-        select c.id, c.ctid, c.key, c.stored from pos k cross join lateral (
-            select e.id, e.ctid, e.key, pg_column_size(e.payload) as stored from outbox_relay.outbox e
+        select c.id, c.slot, c.ctid, c.key, c.stored from pos k cross join lateral (
+            select e.id, e.slot, e.ctid, e.key, pg_column_size(e.payload) as stored from outbox_relay.outbox e
              where k.after_id is not null and e.id > k.after_id
                and pg_visible_in_snapshot(e.xid, k.snapshot) and not pg_visible_in_snapshot(e.xid, k.since)
                and ($6::text is null or ('.' || e.topic) ~ $6::text)
@@ -86,26 +86,29 @@ small as materialized (
     select coalesce(bool_and(c.stored < 1024), true) as all_inline from cand c
 ),
 ids as materialized (
-    select coalesce(array_agg(c.id order by c.id), '{}') as a, coalesce(array_agg(c.ctid order by c.id), '{}') as t
+    select coalesce(array_agg(c.id order by c.id), '{}') as a, coalesce(array_agg(c.ctid order by c.id), '{}') as t,
+           coalesce(array_agg(c.slot order by c.id), '{}') as s
       from cand c where not (select m.all_inline from small m)
 ),
-sized(n, id, ctid, upto) as (
-    select 1, i.a[1], i.t[1], (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.ctid = i.t[1])
+sized(n, id, slot, ctid, upto) as (
+    select 1, i.a[1], i.s[1], i.t[1],
+           (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.ctid = i.t[1] and e.slot = i.s[1])
       from ids i where cardinality(i.a) > 0
     union all
-    select s.n + 1, i.a[s.n + 1], i.t[s.n + 1],
-           s.upto + (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e where e.ctid = i.t[s.n + 1])
+    select s.n + 1, i.a[s.n + 1], i.s[s.n + 1], i.t[s.n + 1],
+           s.upto + (select outbox_relay.payload_bytes(e.payload) from outbox_relay.outbox e
+                      where e.ctid = i.t[s.n + 1] and e.slot = i.s[s.n + 1])
       from sized s, ids i
      where s.n < least(cardinality(i.a), $1::int4) and s.upto <= $7::int8
 ),
 taken as materialized (
-    select t.id, t.ctid from (
-        select w.id, w.ctid from (
-            select c.id, c.ctid, row_number() over w as n, sum(c.stored) over w as upto
+    select t.id, t.slot, t.ctid from (
+        select w.id, w.slot, w.ctid from (
+            select c.id, c.slot, c.ctid, row_number() over w as n, sum(c.stored) over w as upto
               from cand c window w as (order by c.id rows unbounded preceding)) w
          where (select m.all_inline from small m) and w.n <= $1::int8 and (w.n = 1 or w.upto <= $7::int8)
         union all
-        select s.id, s.ctid from sized s where s.n = 1 or s.upto <= $7::int8
+        select s.id, s.slot, s.ctid from sized s where s.n = 1 or s.upto <= $7::int8
     ) t order by t.id
 ),
 -- The batch's keys (`taken` is the first of the candidates in id order) that have an event
@@ -156,7 +159,9 @@ moved as (
 -- (Each probe is a scalar subquery ordered as its index, and the events are read again by the
 -- tuple ids the scan found (`taken`: a TID scan, no index descent; the row version the scan
 -- saw stays at its tuple id while this statement's snapshot sees it): no plan may choose to walk an index
--- from its start, past the dead entries a held snapshot keeps.)
+-- from its start, past the dead entries a held snapshot keeps. A tuple id names a row within its
+-- leaf only (migration 0024): each leaf is read by its own name with the tuple ids of its slot;
+-- through the partitioned table, every leaf would be read with every tuple id, six times the cost.)
 select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        case when o.created_at >= '1970-01-01 00:00:00+00' and o.created_at < '10000-01-01 00:00:00+00'
             then (date_part('epoch', clock_timestamp() - o.created_at) * 1000000)::int8 end as age_us,
@@ -181,8 +186,35 @@ select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        null::int8 as next_due_us, null::boolean as held, null::boolean as moved, null::boolean as more,
        null::boolean as overtaken, null::boolean as foreign_position, null::boolean as unregistered,
        null::text as snapshot
-  from outbox_relay.outbox o
- where o.ctid = any (array(select t.ctid from taken t)) and exists (select 1 from moved)
+  from (
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_before o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = -1))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_0 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 0))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_1 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 1))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_2 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 2))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_3 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 3))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_4 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 4))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_5 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 5))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_6 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 6))
+        union all
+        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_7 o
+         where o.ctid = any (array(select t.ctid from taken t where t.slot = 7))
+       ) o
+ where exists (select 1 from moved)
 union all
 select null, null, null, null, null, null, null, null, null, null, null, null,
        (select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e

@@ -406,11 +406,13 @@ async fn a_sweep_reads_no_row_the_retention_keeps() {
         let tx = client.transaction().await.unwrap();
         // (set in the transaction, which rolls back: the client's session keeps its own)
         tx.batch_execute(RELAY_PLANNER_SETTINGS).await.unwrap();
-        // (rows fetched from the table, and entries read from its indexes)
-        let read = "select coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+        // (rows fetched from the table's leaves, and entries read from their indexes)
+        let read = "select coalesce(sum(coalesce(t.seq_tup_read, 0) + coalesce(t.idx_tup_fetch, 0)), 0)::int8
                            + (select coalesce(sum(pg_stat_get_xact_tuples_returned(i.indexrelid)), 0)::int8
-                                from pg_index i where i.indrelid = 'outbox_relay.outbox'::regclass)
-                      from pg_stat_xact_user_tables where relid = 'outbox_relay.outbox'::regclass";
+                                from pg_index i join pg_inherits h on h.inhrelid = i.indrelid
+                               where h.inhparent = 'outbox_relay.outbox'::regclass)
+                      from pg_stat_xact_user_tables t join pg_inherits h on h.inhrelid = t.relid
+                     where h.inhparent = 'outbox_relay.outbox'::regclass";
         let before: i64 = tx.query_one(read, &[]).await.unwrap().get(0);
         let retention = i64::try_from(retention.as_micros()).unwrap();
         let swept = tx.query_one(SWEEP, &[&"0", &1000_i64, &retention, &0_i64, &Vec::<String>::new()]).await.unwrap();

@@ -15,6 +15,7 @@ mod http_sink;
 mod inbox;
 mod kafka;
 mod leases;
+mod leaves;
 mod limits;
 mod log;
 mod migrations;

@@ -48,6 +48,12 @@ pub(crate) struct BenchArgs {
     /// while another session holds a transaction (and its snapshot) open.
     #[arg(long, value_name = "DUR", value_parser = crate::values::duration_in(Duration::from_secs(1), Duration::from_secs(24 * 3600)), allow_hyphen_values = true, default_value = "20s")]
     pub(crate) held_duration: Duration,
+    /// The span of the outbox's slots during the held-snapshot stage (`outbox_relay.set_slot_span`,
+    /// migration 0024; the installation's own span is set back at the end): a leaf is truncated
+    /// once the sweeper has emptied it and writers have moved on, so the outbox's disk under the
+    /// hold is bounded by the relay's retention plus about two spans. Unset: the installation's.
+    #[arg(long, value_name = "DUR", value_parser = crate::values::duration_in(Duration::from_secs(1), Duration::from_secs(86400)), allow_hyphen_values = true)]
+    pub(crate) held_slot_span: Option<Duration>,
     /// Events per second of the held-snapshot stage.
     #[arg(long, value_name = "N", default_value_t = 800.0)]
     pub(crate) held_rate: f64,

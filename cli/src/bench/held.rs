@@ -24,9 +24,12 @@ pub(super) fn phase_length(args: &BenchArgs) -> Duration {
 pub(super) fn held_step(args: &BenchArgs) -> String {
     let phase = humantime::format_duration(phase_length(args));
     format!(
-        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process ({}), {phase} with nothing held, then {phase} with a transaction held open",
+        "held snapshot: {} events/s, a key each, to an `outbox-relay run --sink stdout` process ({}), {phase} with nothing held, then {phase} with a transaction held open{}",
         args.held_rate,
         relay_settings(args),
+        args.held_slot_span
+            .map(|span| format!(", the outbox's slots {} each", humantime::format_duration(span)))
+            .unwrap_or_default(),
     )
 }
 
@@ -39,13 +42,40 @@ pub(super) async fn held_stage(args: &BenchArgs, outbox: &pg_outbox_relay::Outbo
             None => format!("{sql}: {e}"),
         })?;
     }
+    let span_was: Option<i32> = match args.held_slot_span {
+        Some(span) => {
+            let was = db
+                .query_one("select seconds from outbox_relay.slot_span", &[])
+                .await
+                .map_err(|e| format!("reading the outbox's slot span: {e}"))?
+                .get(0);
+            set_slot_span(&db, i32::try_from(span.as_secs()).unwrap_or(i32::MAX)).await?;
+            Some(was)
+        }
+        None => None,
+    };
     let held = bench::held_snapshot(
         outbox,
         relay_command(args, outbox)?,
         HeldSnapshot { rate: args.held_rate, phase: phase_length(args) },
     )
-    .await?;
-    Ok(held)
+    .await;
+    if let Some(was) = span_was {
+        set_slot_span(&db, was).await?;
+    }
+    held
+}
+
+/// `outbox_relay.set_slot_span`: the span of the outbox's slots, in seconds, for the
+/// transactions that start from now on.
+async fn set_slot_span(db: &tokio_postgres::Client, seconds: i32) -> Result<(), BenchError> {
+    db.execute("select outbox_relay.set_slot_span($1)", &[&seconds]).await.map_err(|e| {
+        format!(
+            "setting the outbox's slot span to {seconds} s: {}",
+            e.as_db_error().map_or(e.to_string(), |d| d.message().to_string())
+        )
+    })?;
+    Ok(())
 }
 
 /// A window's figures as JSON.
@@ -96,6 +126,7 @@ pub(super) fn held_json(args: &BenchArgs, held: &HeldReport) -> serde_json::Valu
     json!({
         "held_rate": args.held_rate,
         "held_relay_args": args.relay_args,
+        "held_slot_span_seconds": args.held_slot_span.map(|span| span.as_secs()),
         "held_writers": bench::HELD_WRITERS,
         "held_phase_seconds": phase_length(args).as_secs_f64(),
         "held_window_seconds": bench::HELD_WINDOW.as_secs_f64(),

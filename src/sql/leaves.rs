@@ -1,0 +1,91 @@
+//! The outbox's leaves (migration 0024): what each holds, and the truncation of one the sweeper
+//! has emptied.
+
+use super::{Db, Error, all, one};
+
+/// Each leaf of the outbox: its slot (-1: the rows written before migration 0024), its size on
+/// disk (indexes and TOAST included), the statistics' count of its live rows (a hint, late by
+/// seconds), whether its slot is the one writers use now, or the last one for the first minute
+/// of this one (transactions that began in it), or the next one for the last minute before it
+/// (a truncate then could make the first writers wait for its lock): those are left alone;
+/// and the span of a slot.
+const LEAVES: &str = "\
+select s.slot::int2, pg_relation_size(s.leaf) > 0 as used, pg_total_relation_size(s.leaf) as bytes,
+       coalesce((select t.n_live_tup from pg_stat_all_tables t where t.relid = s.leaf), 0) as live,
+       s.slot in (outbox_relay.current_slot(),
+                  outbox_relay.slot_at(now() - make_interval(secs => least(p.seconds, 60))),
+                  outbox_relay.slot_at(now() + make_interval(secs => least(p.seconds, 60)))) as near,
+       p.seconds as span_seconds
+  from (values (-1::int2, 'outbox_relay.outbox_before'::regclass), (0, 'outbox_relay.outbox_0'),
+               (1, 'outbox_relay.outbox_1'), (2, 'outbox_relay.outbox_2'), (3, 'outbox_relay.outbox_3'),
+               (4, 'outbox_relay.outbox_4'), (5, 'outbox_relay.outbox_5'), (6, 'outbox_relay.outbox_6'),
+               (7, 'outbox_relay.outbox_7')) s(slot, leaf)
+ cross join outbox_relay.slot_span p
+ order by s.slot";
+
+/// One leaf of the outbox, as [`LEAVES`] reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Leaf {
+    pub(crate) slot: i16,
+    pub(crate) used: bool,
+    pub(crate) bytes: i64,
+    pub(crate) live: i64,
+    pub(crate) near: bool,
+    /// The span of a slot, in seconds (`outbox_relay.slot_span`).
+    pub(crate) span_seconds: i32,
+}
+
+/// The outbox's leaves.
+pub(crate) async fn outbox_leaves(db: &impl Db) -> Result<Vec<Leaf>, Error> {
+    let rows = all(db, LEAVES, &[], "reading the outbox's leaves").await?;
+    Ok(rows
+        .iter()
+        .map(|r| Leaf {
+            slot: r.get(0),
+            used: r.get(1),
+            bytes: r.get(2),
+            live: r.get(3),
+            near: r.get(4),
+            span_seconds: r.get(5),
+        })
+        .collect())
+}
+
+/// `outbox_relay.truncate_leaf` (migration 0024): the leaf of a slot truncated if nothing in it is
+/// visible any more.
+const TRUNCATE_LEAF: &str = "\
+select t.outcome, t.seen::text from outbox_relay.truncate_leaf($1::int2, $2::text::pg_snapshot, $3::int4) t";
+
+/// What a try to truncate a leaf came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Truncation {
+    /// Truncated: the disk its removed rows took is free.
+    Truncated,
+    /// Nothing to free (its heap is empty already).
+    Empty,
+    /// Something in it is still visible: rows the sweeper has not removed (their retention, a
+    /// destination behind), or written since.
+    Rows,
+    /// Its lock was not granted in time (claims in flight, a dump); `seen` is the snapshot its
+    /// rows were checked in, for the next try.
+    Locked { seen: Option<String> },
+}
+
+/// Truncates the leaf of `slot` if nothing in it is visible any more, waiting at most
+/// `lock_wait_ms` for its lock; `seen`, the snapshot of an earlier try's check that found
+/// nothing visible, spares a read of the whole leaf.
+pub(crate) async fn truncate_leaf(
+    db: &impl Db,
+    slot: i16,
+    seen: Option<&str>,
+    lock_wait_ms: i32,
+) -> Result<Truncation, Error> {
+    let row = one(db, TRUNCATE_LEAF, &[&slot, &seen, &lock_wait_ms], "truncating an outbox leaf").await?;
+    let outcome: String = row.get(0);
+    Ok(match outcome.as_str() {
+        "truncated" => Truncation::Truncated,
+        "empty" => Truncation::Empty,
+        "locked" => Truncation::Locked { seen: row.get(1) },
+        _ => Truncation::Rows,
+    })
+}

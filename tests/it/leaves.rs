@@ -1,0 +1,258 @@
+//! The outbox in leaves of time (issue 42, migration 0024): a leaf is truncated only once nothing
+//! in it is visible (a writer that commits into it while its truncate waits for the lock is seen
+//! under the lock), a truncate killed while it waits removes nothing, the relay truncates the
+//! leaves its sweeper emptied while a snapshot is held (their disk is free: range deletes alone
+//! leave it to the hold), and it waits for `pg_dump`'s lock while delivery goes on.
+
+use std::time::Duration;
+
+use pg_outbox_relay::RelayConfig;
+
+use crate::harness::TestDb;
+use crate::relay_support::{self as support, config, count, eventually, eventually_within, recorder};
+
+/// A try of `outbox_relay.truncate_leaf`: its outcome, and the snapshot it checked the leaf in.
+async fn truncate_leaf(
+    client: &tokio_postgres::Client,
+    slot: i16,
+    seen: Option<&str>,
+    wait_ms: i32,
+) -> (String, Option<String>) {
+    let row = client
+        .query_one(
+            "select outcome, seen::text from outbox_relay.truncate_leaf($1::int2, $2::text::pg_snapshot, $3::int4)",
+            &[&slot, &seen, &wait_ms],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// A slot four slots away from the one writers use now: no writer's, and not a neighbour's.
+async fn far_slot(client: &tokio_postgres::Client) -> i16 {
+    client.query_one("select ((outbox_relay.current_slot() + 4) % 8)::int2", &[]).await.unwrap().get(0)
+}
+
+/// The heap size of the leaf of `slot`, in bytes.
+async fn leaf_size(client: &tokio_postgres::Client, slot: i16) -> i64 {
+    count(client, &format!("select pg_relation_size('outbox_relay.outbox_{slot}')")).await
+}
+
+/// Rows written into a leaf by hand (a slot of their own): a leaf with rows visible is left, one
+/// whose rows are all removed is truncated while a transaction is held open (which range
+/// deletes' disk waits for), and a writer that committed into the leaf while the truncate waited
+/// for its lock is seen under the lock, not truncated with it.
+#[tokio::test]
+async fn a_leaf_is_truncated_only_once_nothing_in_it_is_visible() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let slot = far_slot(&client).await;
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload, slot)
+             select 'order.placed', jsonb_build_object('n', g), $1 from generate_series(1, 100) g",
+            &[&slot],
+        )
+        .await
+        .unwrap();
+    assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "rows");
+    assert_eq!(count(&client, &format!("select count(*) from outbox_relay.outbox_{slot}")).await, 100);
+
+    let held = db.client().await;
+    held.batch_execute("begin; select txid_current()").await.unwrap();
+    client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
+    let writer = db.client().await;
+    writer
+        .batch_execute(&format!(
+            "begin; insert into outbox_relay.outbox (topic, payload, slot) values ('order.late', '{{}}', {slot})"
+        ))
+        .await
+        .unwrap();
+    // Nothing visible yet, but the writer's lock is held: refused, with the snapshot it checked.
+    let (outcome, seen) = truncate_leaf(&client, slot, None, 5).await;
+    assert_eq!(outcome, "locked");
+    let seen = seen.expect("the snapshot the leaf was checked in");
+    writer.batch_execute("commit").await.unwrap();
+    // Under the lock, the rows of the transactions that snapshot could not see are looked for.
+    assert_eq!(truncate_leaf(&client, slot, Some(&seen), 5).await.0, "rows");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where topic = 'order.late'").await, 1);
+
+    client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
+    assert!(leaf_size(&client, slot).await > 0, "the removed rows stay on disk while the transaction is held");
+    assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "truncated");
+    assert_eq!(leaf_size(&client, slot).await, 0, "their disk is free, the transaction still held");
+    assert_eq!(count(&held, "select 1::int8").await, 1);
+    held.batch_execute("commit").await.unwrap();
+    assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "empty");
+}
+
+/// A truncate whose session is terminated while it waits for the leaf's lock removes nothing,
+/// neither in its leaf nor elsewhere; the next one, once the lock is free, frees the leaf.
+#[tokio::test]
+async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let slot = far_slot(&client).await;
+    let other = (slot + 1) % 8;
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload, slot)
+             select 'order.placed', jsonb_build_object('n', g), case when g <= 50 then $1::int2 else $2::int2 end
+               from generate_series(1, 80) g",
+            &[&slot, &other],
+        )
+        .await
+        .unwrap();
+    client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
+    let size = leaf_size(&client, slot).await;
+    assert!(size > 0);
+    let holder = db.client().await;
+    holder.batch_execute(&format!("begin; lock table outbox_relay.outbox_{slot} in access share mode")).await.unwrap();
+
+    let separator = if db.url.contains('?') { '&' } else { '?' };
+    let (rotation, connection) = tokio_postgres::connect(
+        &format!("{}{separator}application_name=truncate_under_test", db.url),
+        tokio_postgres::NoTls,
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let waiting = tokio::spawn(async move { truncate_leaf(&rotation, slot, None, 60_000).await });
+    eventually("the truncate waits for the leaf's lock", || async {
+        count(
+            &client,
+            "select count(*) from pg_locks l join pg_stat_activity a on a.pid = l.pid
+              where a.application_name = 'truncate_under_test' and not l.granted",
+        )
+        .await
+            == 1
+    })
+    .await;
+    assert_eq!(
+        count(
+            &client,
+            "select count(pg_terminate_backend(pid)) from pg_stat_activity where application_name = 'truncate_under_test'"
+        )
+        .await,
+        1
+    );
+    assert!(waiting.await.is_err(), "the truncate's session ended under it");
+    holder.batch_execute("commit").await.unwrap();
+    assert_eq!(leaf_size(&client, slot).await, size, "nothing truncated");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30, "the other leaf's rows all there");
+    assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "truncated");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30);
+}
+
+/// Slots of one second; a transaction held open the whole time. Events written over four
+/// seconds fill several leaves; the relay delivers each once, its sweeper removes them
+/// (retention 0), and the leaves it emptied that writers no longer use are truncated under the
+/// hold: their disk is free.
+#[tokio::test]
+async fn the_relay_truncates_the_leaves_it_emptied_while_a_transaction_is_held() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute("select outbox_relay.set_slot_span(1)").await.unwrap();
+    let held = db.client().await;
+    held.batch_execute("begin; select txid_current()").await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
+    let mut slots = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        for row in client
+            .query(
+                "insert into outbox_relay.outbox (topic, payload)
+                 select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 10) g returning slot",
+                &[],
+            )
+            .await
+            .unwrap()
+        {
+            slots.insert(row.get::<_, i16>(0));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(slots.len() >= 3, "the events went into several leaves: {slots:?}");
+    deliveries.take(160).await;
+    eventually_within(
+        "every leaf the relay emptied, but the ones in use, truncated",
+        Duration::from_secs(60),
+        || async {
+            let left = count(
+                &client,
+                "select count(*) from (values (0), (1), (2), (3), (4), (5), (6), (7)) s(slot)
+              where pg_relation_size(('outbox_relay.outbox_' || s.slot)::regclass) > 0
+                and s.slot not in (outbox_relay.current_slot(), outbox_relay.slot_at(now() - interval '1 s'),
+                                   outbox_relay.slot_at(now() + interval '1 s'))",
+            )
+            .await;
+            left == 0 && count(&client, "select count(*) from outbox_relay.outbox").await == 0
+        },
+    )
+    .await;
+    assert!(deliveries.counts().values().all(|&n| n == 1), "each event delivered once");
+    assert_eq!(count(&held, "select 1::int8").await, 1, "the held transaction goes on");
+    held.batch_execute("commit").await.unwrap();
+    relay.stop().await;
+}
+
+/// With `pg_dump`'s lock on the outbox (ACCESS SHARE on every leaf, in a repeatable-read
+/// snapshot) held, the rotation's truncate is refused, delivery goes on, and nothing is
+/// truncated under the dump; once the dump ends, the emptied leaf is.
+#[tokio::test]
+async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    client.batch_execute("select outbox_relay.set_slot_span(1)").await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
+    let slot: i16 = client
+        .query(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 20) g returning slot",
+            &[],
+        )
+        .await
+        .unwrap()[0]
+        .get(0);
+    deliveries.take(20).await;
+    let dump = db.client().await;
+    dump.batch_execute(
+        "begin isolation level repeatable read;
+         lock table outbox_relay.outbox in access share mode;
+         select count(*) from outbox_relay.outbox",
+    )
+    .await
+    .unwrap();
+    eventually("the sweeper removed the delivered events", || async {
+        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+    })
+    .await;
+    // Long enough for the slot to leave the ones in use, and for tries of the rotation.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 20) g",
+        )
+        .await
+        .unwrap();
+    deliveries.take(20).await;
+    assert!(leaf_size(&client, slot).await > 0, "not truncated under the dump");
+    assert!(
+        count(
+            &client,
+            "select count(*) from pg_locks where relation = 'outbox_relay.outbox'::regclass and mode = 'AccessShareLock' and granted"
+        )
+        .await
+            >= 1,
+        "the dump's lock held throughout"
+    );
+    dump.batch_execute("commit").await.unwrap();
+    eventually_within("the emptied leaf truncated once the dump ended", Duration::from_secs(60), || async {
+        leaf_size(&client, slot).await == 0
+    })
+    .await;
+    assert!(deliveries.counts().values().all(|&n| n == 1), "each event delivered once");
+    relay.stop().await;
+}
