@@ -4,8 +4,8 @@
 -- transaction open for minutes, a long report, a dump): the table grew with the hold, not with
 -- the retention. Truncation frees a table's disk whatever is held, so the outbox is now a table
 -- list-partitioned by `slot`, a column writers fill without a read of their own (the transaction's
--- clock: `outbox_relay.current_slot()`, eight slots of `span` seconds used in turn, fifteen
--- minutes unless `outbox_relay.set_slot_span` says otherwise), and the relays' janitor truncates a leaf
+-- clock: `outbox_relay.current_slot()`, four slots of `span` seconds used in turn, thirty minutes
+-- unless `outbox_relay.set_slot_span` says otherwise), and the relays' janitor truncates a leaf
 -- once the sweeper has removed every row of it (`outbox_relay.truncate_leaf`): it removes nothing
 -- the sweeper has not removed already, and frees what a held snapshot keeps.
 --
@@ -20,7 +20,7 @@
 -- * A primary key on (id, slot): PostgreSQL allows no unique index on a partitioned table without
 --   its partition key. Ids still come from one sequence.
 
--- The slots: eight, each `span` seconds of the clock (the writing transaction's start), used in
+-- The slots: four, each `span` seconds of the clock (the writing transaction's start), used in
 -- turn. `slot_at` is inlined into the column's default, so that a write costs no lookup and no
 -- function call (stable, not immutable: `extract` from a timestamptz is stable, and an immutable
 -- SQL function with a stable body is called, not inlined); it is written again, with the new
@@ -29,14 +29,14 @@ create table outbox_relay.slot_span (
     one boolean primary key default true check (one),
     seconds integer not null check (seconds between 1 and 86400)
 );
-insert into outbox_relay.slot_span (seconds) values (900);
+insert into outbox_relay.slot_span (seconds) values (1800);
 comment on table outbox_relay.slot_span is
-    'How many seconds of the clock each of the outbox''s eight slots (its leaves) takes in turn; '
+    'How many seconds of the clock each of the outbox''s four slots (its leaves) takes in turn; '
     'outbox_relay.set_slot_span changes it.';
 
 create function outbox_relay.slot_at(at timestamptz) returns smallint
 language sql stable parallel safe as $$
-    select ((floor(extract(epoch from $1))::int8 / 900) % 8)::int2
+    select ((floor(extract(epoch from $1))::int8 / 1800) % 4)::int2
 $$;
 comment on function outbox_relay.slot_at(timestamptz) is
     'The outbox slot (leaf) a transaction that started at this time writes into.';
@@ -61,12 +61,12 @@ begin
     end if;
     update outbox_relay.slot_span set seconds = set_slot_span.seconds;
     execute format($f$create or replace function outbox_relay.slot_at(at timestamptz) returns smallint
-language sql stable parallel safe as 'select ((floor(extract(epoch from $1))::int8 / %s) %% 8)::int2'$f$, seconds);
+language sql stable parallel safe as 'select ((floor(extract(epoch from $1))::int8 / %s) %% 4)::int2'$f$, seconds);
 end
 $$;
 revoke execute on function outbox_relay.set_slot_span(integer) from public;
 comment on function outbox_relay.set_slot_span(integer) is
-    'Sets how many seconds each of the outbox''s eight slots takes, for transactions that start from now on.';
+    'Sets how many seconds each of the outbox''s four slots takes, for transactions that start from now on.';
 
 -- The view that reads the outbox is made again on the new table (a view keeps its table's oid):
 -- its text, comment and grants are kept here and restored below.
@@ -123,7 +123,7 @@ $$;
 alter table outbox_relay.outbox attach partition outbox_relay.outbox_before for values in (-1);
 do $$
 begin
-    for s in 0..7 loop
+    for s in 0..3 loop
         execute format('create table outbox_relay.outbox_%s partition of outbox_relay.outbox for values in (%s)', s, s);
     end loop;
 end
@@ -300,8 +300,7 @@ begin
     loop
         if g.privilege_type = 'SELECT' then
             execute format('grant select on outbox_relay.outbox_before, outbox_relay.outbox_0, outbox_relay.outbox_1, '
-                           'outbox_relay.outbox_2, outbox_relay.outbox_3, outbox_relay.outbox_4, outbox_relay.outbox_5, '
-                           'outbox_relay.outbox_6, outbox_relay.outbox_7 to %s', g.who);
+                           'outbox_relay.outbox_2, outbox_relay.outbox_3 to %s', g.who);
         else
             execute format('grant execute on function outbox_relay.truncate_leaf(smallint, pg_snapshot, integer) to %s', g.who);
         end if;

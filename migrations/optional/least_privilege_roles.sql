@@ -69,8 +69,7 @@ grant select, insert, update, delete on outbox_relay.outbox to outbox_relayer;
 -- A claim reads the outbox's leaves by their names (migration 0024); the janitor truncates a leaf
 -- the sweeper has emptied (a function that runs as the schema's owner, and only on such a leaf).
 grant select on outbox_relay.outbox_before, outbox_relay.outbox_0, outbox_relay.outbox_1, outbox_relay.outbox_2,
-    outbox_relay.outbox_3, outbox_relay.outbox_4, outbox_relay.outbox_5, outbox_relay.outbox_6, outbox_relay.outbox_7
-    to outbox_relayer;
+    outbox_relay.outbox_3 to outbox_relayer;
 grant execute on function outbox_relay.truncate_leaf(smallint, pg_snapshot, integer) to outbox_relayer;
 grant select, insert, update, delete on outbox_relay.dead_letters to outbox_relayer;
 -- The claims' positions (migration 0008): every claim that moves one inserts a row, the janitor deletes old ones.

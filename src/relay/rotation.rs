@@ -1,6 +1,6 @@
 //! The rotation (migration 0024): truncates the outbox's leaves the sweeper has emptied.
 //!
-//! The outbox is list-partitioned by `slot`, the writing transaction's slot of the clock (eight
+//! The outbox is list-partitioned by `slot`, the writing transaction's slot of the clock (four
 //! slots of `span` seconds, used in turn). The sweeper removes rows by range deletes, which leave
 //! dead rows on disk for as long as any older snapshot is held; once nothing in a leaf is visible
 //! any more, a truncate frees all of it, whatever is held. So after its sweeps (at most once a
@@ -141,18 +141,18 @@ impl Rotation {
     }
 
     /// Says once when the retention is longer than the leaves can keep apart: a leaf's slot comes
-    /// round again (8 spans, less the minute before it) before the retention of the rows written
+    /// round again (4 spans, less the minute before it) before the retention of the rows written
     /// at its end is over, so the leaf is never empty, and only range deletes remain (whose disk a
     /// held snapshot keeps).
     fn warn_of_span(&mut self, span: Duration, retention: Duration) {
-        if self.warned_span || span.is_zero() || retention + span + span.min(Duration::from_secs(60)) <= span * 8 {
+        if self.warned_span || span.is_zero() || retention + span + span.min(Duration::from_secs(60)) <= span * 4 {
             return;
         }
         self.warned_span = true;
         tracing::warn!(
             retention = %humantime::format_duration(retention),
             slot_span = %humantime::format_duration(span),
-            "the retention is longer than the outbox's leaves keep apart (7 slots of the span, less a minute): \
+            "the retention is longer than the outbox's leaves keep apart (3 slots of the span, less a minute): \
              a leaf's slot comes round again before its rows' retention is over, so it is never emptied and never \
              truncated, and a held snapshot keeps what the sweeper removes; make the span longer: \
              select outbox_relay.set_slot_span(seconds)"

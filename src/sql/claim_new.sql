@@ -116,6 +116,10 @@ taken as materialized (
 -- below (a claim of 500 keyed events spent a quarter of its time on a lookup for each; a key
 -- without a parked event, the common case, is now probed once a claim, and under a held
 -- snapshot its dead parked entries are walked once, not once an event).
+-- The batch's tuple ids, by leaf: each leaf is read with its own (below).
+tids as materialized (
+    select t.slot, array_agg(t.ctid) as a from taken t group by t.slot
+),
 waiting as materialized (
     select coalesce(array_agg(k.key), '{}') as keys
       from (select distinct c.key from cand c
@@ -188,31 +192,19 @@ select o.id, o.topic, o.key, o.payload, o.created_at, 1 as attempt,
        null::text as snapshot
   from (
         select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_before o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = -1))
+         where o.ctid = any (coalesce((select d.a from tids d where d.slot = -1), '{}'))
         union all
         select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_0 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 0))
+         where o.ctid = any (coalesce((select d.a from tids d where d.slot = 0), '{}'))
         union all
         select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_1 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 1))
+         where o.ctid = any (coalesce((select d.a from tids d where d.slot = 1), '{}'))
         union all
         select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_2 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 2))
+         where o.ctid = any (coalesce((select d.a from tids d where d.slot = 2), '{}'))
         union all
         select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_3 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 3))
-        union all
-        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_4 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 4))
-        union all
-        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_5 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 5))
-        union all
-        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_6 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 6))
-        union all
-        select o.id, o.topic, o.key, o.payload, o.created_at, o.available_at, o.uuid, o.headers from outbox_relay.outbox_7 o
-         where o.ctid = any (array(select t.ctid from taken t where t.slot = 7))
+         where o.ctid = any (coalesce((select d.a from tids d where d.slot = 3), '{}'))
        ) o
  where exists (select 1 from moved)
 union all

@@ -11,15 +11,14 @@ use super::{Db, Error, all, one};
 /// and the span of a slot.
 const LEAVES: &str = "\
 select s.slot::int2, pg_relation_size(s.leaf) > 0 as used, pg_total_relation_size(s.leaf) as bytes,
-       coalesce((select t.n_live_tup from pg_stat_all_tables t where t.relid = s.leaf), 0) as live,
+       pg_stat_get_live_tuples(s.leaf) as live,
        s.slot in (outbox_relay.current_slot(),
                   outbox_relay.slot_at(now() - make_interval(secs => least(p.seconds, 60))),
                   outbox_relay.slot_at(now() + make_interval(secs => least(p.seconds, 60)))) as near,
        p.seconds as span_seconds
   from (values (-1::int2, 'outbox_relay.outbox_before'::regclass), (0, 'outbox_relay.outbox_0'),
-               (1, 'outbox_relay.outbox_1'), (2, 'outbox_relay.outbox_2'), (3, 'outbox_relay.outbox_3'),
-               (4, 'outbox_relay.outbox_4'), (5, 'outbox_relay.outbox_5'), (6, 'outbox_relay.outbox_6'),
-               (7, 'outbox_relay.outbox_7')) s(slot, leaf)
+               (1, 'outbox_relay.outbox_1'), (2, 'outbox_relay.outbox_2'), (3, 'outbox_relay.outbox_3'))
+       s(slot, leaf)
  cross join outbox_relay.slot_span p
  order by s.slot";
 
