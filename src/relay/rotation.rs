@@ -77,18 +77,28 @@ impl Rotation {
             Ok(()) => {}
             Err(e) if !self.failing => {
                 self.failing = true;
+                self.forget();
                 tracing::warn!(
                     error = %e,
                     "could not truncate the outbox's emptied leaves; the sweeper's range deletes go on, and the disk \
                      they leave is reused once no older snapshot is held (trying every second)"
                 );
             }
-            Err(e) => tracing::debug!(error = %e, "truncating the outbox's emptied leaves failed again"),
+            Err(e) => {
+                self.forget();
+                tracing::debug!(error = %e, "truncating the outbox's emptied leaves failed again");
+            }
         }
     }
 
+    /// Forgets every leaf's tries (their snapshots are this cluster's: after a rebase of the
+    /// positions, the database may be another one).
+    pub(crate) fn forget(&mut self) {
+        self.tries.clear();
+    }
+
     async fn look(&mut self, pool: &RelayPool, retention: Duration) -> crate::error::Result<()> {
-        let client = pool.client().await?;
+        let mut client = pool.client().await?;
         let leaves = sql::outbox_leaves(&*client).await?;
         if let Some(span) = leaves.first().map(|l| Duration::from_secs(u64::try_from(l.span_seconds).unwrap_or(0))) {
             self.warn_of_span(span, retention);
@@ -103,7 +113,17 @@ impl Rotation {
                 continue;
             }
             let wait = t.wait_ms.max(LOCK_WAIT_FIRST_MS);
-            match sql::truncate_leaf(&*client, leaf.slot, t.seen.as_deref(), wait).await? {
+            // READ COMMITTED whatever the session's default: the look under the lock must see what
+            // committed while the lock was waited for (the function refuses otherwise).
+            let tx = client
+                .build_transaction()
+                .isolation_level(tokio_postgres::IsolationLevel::ReadCommitted)
+                .start()
+                .await
+                .map_err(|e| crate::error::Error::database("starting a transaction", e))?;
+            let tried = sql::truncate_leaf(&tx, leaf.slot, t.seen.as_deref(), wait).await?;
+            tx.commit().await.map_err(|e| crate::error::Error::database("committing a truncate", e))?;
+            match tried {
                 Truncation::Truncated => {
                     tracing::info!(
                         slot = leaf.slot,
@@ -123,7 +143,7 @@ impl Rotation {
                     let since = *t.locked_since.get_or_insert_with(Instant::now);
                     if !t.warned && since.elapsed() >= LOCKED_WARNING_AFTER {
                         t.warned = true;
-                        let holders = sql::lock_holders(&client)
+                        let holders = sql::leaf_lock_holders(&client, leaf.slot)
                             .await
                             .unwrap_or_else(|e| format!("who holds it could not be read: {e}"));
                         tracing::warn!(
@@ -131,7 +151,8 @@ impl Rotation {
                             bytes = leaf.bytes,
                             refused_for = ?since.elapsed(),
                             "an outbox leaf the sweeper has emptied cannot be truncated: its lock is not granted \
-                             (a dump, or claims that stay open); its disk is freed once they end. {holders}"
+                             (a dump, claims that stay open, a prepared transaction); its disk is freed once they \
+                             end: {holders}"
                         );
                     }
                 }

@@ -50,6 +50,7 @@ impl Sweeper {
                         // Nothing was finished on their word; fresh positions, and sweep anew.
                         if super::rebase::rebase(&self.pool, &self.metrics).await {
                             from = sql::SweepFrom::default();
+                            rotation.forget();
                             continue;
                         }
                     }

@@ -81,10 +81,47 @@ pub(crate) async fn truncate_leaf(
 ) -> Result<Truncation, Error> {
     let row = one(db, TRUNCATE_LEAF, &[&slot, &seen, &lock_wait_ms], "truncating an outbox leaf").await?;
     let outcome: String = row.get(0);
-    Ok(match outcome.as_str() {
-        "truncated" => Truncation::Truncated,
-        "empty" => Truncation::Empty,
-        "locked" => Truncation::Locked { seen: row.get(1) },
-        _ => Truncation::Rows,
-    })
+    match outcome.as_str() {
+        "truncated" => Ok(Truncation::Truncated),
+        "empty" => Ok(Truncation::Empty),
+        "rows" => Ok(Truncation::Rows),
+        "locked" => Ok(Truncation::Locked { seen: row.get(1) }),
+        other => Err(Error::new(
+            crate::error::ErrorKind::Database,
+            format!(
+                "truncating an outbox leaf: outbox_relay.truncate_leaf said {other:?}, which this relay does not know"
+            ),
+        )),
+    }
+}
+
+/// Who holds a lock on the leaf of `$1` now: sessions (the longest in a transaction first) and
+/// prepared transactions (which hold their locks until COMMIT PREPARED or ROLLBACK PREPARED), at
+/// most 5, each said in a few words.
+const LEAF_LOCK_HOLDERS: &str = "\
+select coalesce(
+         format('pid %s (%s, %s)', a.pid, coalesce(nullif(a.application_name, ''), a.usename::text, 'a session of another role'),
+                coalesce('in a transaction for ' || extract(epoch from now() - a.xact_start)::int8 || ' s',
+                         'its transaction''s age hidden from this role')),
+         format('the prepared transaction %L (prepared %s s ago)', p.gid, extract(epoch from now() - p.prepared)::int8),
+         'a session this role may not see') as who
+  from pg_locks l
+  left join pg_stat_activity a on a.pid = l.pid
+  left join pg_prepared_xacts p on l.pid is null and l.virtualtransaction = '-1/' || p.transaction::text
+ where l.locktype = 'relation' and l.granted and l.pid is distinct from pg_backend_pid()
+   and l.relation = to_regclass(case when $1::int2 = -1 then 'outbox_relay.outbox_before'
+                                     else 'outbox_relay.outbox_' || $1::int2 end)
+ order by a.xact_start nulls first
+ limit 5";
+
+/// Who holds a lock on the leaf of `slot` now, in one line.
+pub(crate) async fn leaf_lock_holders(client: &tokio_postgres::Client, slot: i16) -> Result<String, Error> {
+    let rows = client
+        .query(LEAF_LOCK_HOLDERS, &[&slot])
+        .await
+        .map_err(|e| Error::database("reading who holds an outbox leaf's lock", e))?;
+    if rows.is_empty() {
+        return Ok("no session holds a lock on the leaf now".to_string());
+    }
+    Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("; "))
 }

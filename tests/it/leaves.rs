@@ -1,8 +1,9 @@
 //! The outbox in leaves of time (issue 42, migration 0024): a leaf is truncated only once nothing
 //! in it is visible (a writer that commits into it while its truncate waits for the lock is seen
-//! under the lock), a truncate killed while it waits removes nothing, the relay truncates the
-//! leaves its sweeper emptied while a snapshot is held (their disk is free: range deletes alone
-//! leave it to the hold), and it waits for `pg_dump`'s lock while delivery goes on.
+//! under the lock), a truncate killed while it waits removes nothing, the relay truncates a leaf
+//! its sweeper emptied while a snapshot is held (its disk is free: range deletes alone leave it
+//! to the hold), it waits for `pg_dump`'s lock while delivery goes on, and the slots' span is set
+//! for new transactions.
 
 use std::time::Duration;
 
@@ -56,6 +57,20 @@ async fn a_leaf_is_truncated_only_once_nothing_in_it_is_visible() {
         .await
         .unwrap();
     assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "rows");
+    // A snapshot this cluster has not reached (another cluster's, or made up) proves nothing: the
+    // leaf is read whole again, not only for the transactions such a snapshot could not see.
+    assert_eq!(truncate_leaf(&client, slot, Some("999999999:999999999:"), 5).await.0, "rows");
+    // Outside READ COMMITTED the look under the lock would not see what committed meanwhile.
+    client.batch_execute("begin isolation level repeatable read").await.unwrap();
+    let refused = client
+        .query_one("select outcome from outbox_relay.truncate_leaf($1::int2, null, 5)", &[&slot])
+        .await
+        .unwrap_err();
+    assert!(
+        refused.as_db_error().is_some_and(|e| e.message().contains("only in a read committed transaction")),
+        "{refused:?}"
+    );
+    client.batch_execute("rollback").await.unwrap();
     assert_eq!(count(&client, &format!("select count(*) from outbox_relay.outbox_{slot}")).await, 100);
 
     let held = db.client().await;
@@ -144,78 +159,86 @@ async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30);
 }
 
-/// Slots of one second; a transaction held open the whole time. Events written over four
-/// seconds fill several leaves; the relay delivers each once, its sweeper removes them
-/// (retention 0), and the leaves it emptied that writers no longer use are truncated under the
-/// hold: their disk is free.
+/// Writes `n` events into the leaf of `slot` (by hand, a slot of their own), and waits until the
+/// statistics count them (the rotation tries only a leaf they say has no live row: a try while they
+/// are late finds rows and leaves the leaf for a minute).
+async fn fill_leaf(client: &tokio_postgres::Client, slot: i16, n: i64) {
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload, slot)
+             select 'order.placed', jsonb_build_object('n', g), $1 from generate_series(1, $2::int8) g",
+            &[&slot, &n],
+        )
+        .await
+        .unwrap();
+    client.batch_execute("select pg_stat_force_next_flush()").await.unwrap();
+    eventually("the statistics count the leaf's rows", || async {
+        count(client, &format!("select pg_stat_get_live_tuples('outbox_relay.outbox_{slot}'::regclass)")).await >= n
+    })
+    .await;
+}
+
+/// A transaction held open the whole time: the relay delivers each event of a leaf writers no
+/// longer use once, its sweeper removes them (retention 0), and the emptied leaf is truncated
+/// under the hold: its disk is free, which range deletes alone leave to the end of the hold.
 #[tokio::test]
-async fn the_relay_truncates_the_leaves_it_emptied_while_a_transaction_is_held() {
+async fn the_relay_truncates_a_leaf_it_emptied_while_a_transaction_is_held() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    client.batch_execute("select outbox_relay.set_slot_span(1)").await.unwrap();
+    let slot = far_slot(&client).await;
+    fill_leaf(&client, slot, 160).await;
     let held = db.client().await;
     held.batch_execute("begin; select txid_current()").await.unwrap();
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
-    let mut slots = std::collections::BTreeSet::new();
-    for _ in 0..16 {
-        for row in client
-            .query(
-                "insert into outbox_relay.outbox (topic, payload)
-                 select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 10) g returning slot",
-                &[],
-            )
-            .await
-            .unwrap()
-        {
-            slots.insert(row.get::<_, i16>(0));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    assert!(slots.len() >= 3, "the events went into several leaves: {slots:?}");
     deliveries.take(160).await;
-    eventually_within(
-        "every leaf the relay emptied, but the ones in use, truncated",
-        Duration::from_secs(60),
-        || async {
-            let left = count(
-                &client,
-                "select count(*) from (values (0), (1), (2), (3)) s(slot)
-              where pg_relation_size(('outbox_relay.outbox_' || s.slot)::regclass) > 0
-                and s.slot not in (outbox_relay.current_slot(), outbox_relay.slot_at(now() - interval '1 s'),
-                                   outbox_relay.slot_at(now() + interval '1 s'))",
-            )
-            .await;
-            left == 0 && count(&client, "select count(*) from outbox_relay.outbox").await == 0
-        },
-    )
+    eventually("the sweeper removed the delivered events", || async {
+        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+    })
     .await;
+    eventually("the emptied leaf truncated under the hold", || async { leaf_size(&client, slot).await == 0 }).await;
     assert!(deliveries.counts().values().all(|&n| n == 1), "each event delivered once");
     assert_eq!(count(&held, "select 1::int8").await, 1, "the held transaction goes on");
     held.batch_execute("commit").await.unwrap();
     relay.stop().await;
 }
 
+/// `set_slot_span` sets the span of the slots for the transactions that start from then on
+/// (writers' plans are made again): with a span of one second, rows written over 2.5 s go into
+/// three leaves or more. A span out of range is refused, saying so.
+#[tokio::test]
+async fn the_slots_span_is_set_and_checked() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let refused = client.batch_execute("select outbox_relay.set_slot_span(0)").await.unwrap_err();
+    assert!(
+        refused.as_db_error().is_some_and(|e| e.message() == "a slot's span must be 1 to 86400 seconds, not 0"),
+        "{refused:?}"
+    );
+    let insert = client
+        .prepare("insert into outbox_relay.outbox (topic, payload) values ('order.placed', '{}') returning slot")
+        .await
+        .unwrap();
+    let before: i16 = client.query_one(&insert, &[]).await.unwrap().get(0);
+    client.batch_execute("select outbox_relay.set_slot_span(1)").await.unwrap();
+    let mut slots = std::collections::BTreeSet::new();
+    for _ in 0..11 {
+        slots.insert(client.query_one(&insert, &[]).await.unwrap().get::<_, i16>(0));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(slots.len() >= 3, "rows went into several leaves after the span was set: {slots:?} (before: {before})");
+    assert!(slots.iter().all(|s| (0..4).contains(s)), "{slots:?}");
+}
+
 /// With `pg_dump`'s lock on the outbox (ACCESS SHARE on every leaf, in a repeatable-read
-/// snapshot) held, the rotation's truncate is refused, delivery goes on, and nothing is
-/// truncated under the dump; once the dump ends, the emptied leaf is.
+/// snapshot) held, the rotation's truncate of a leaf the sweeper emptied is refused, delivery goes
+/// on, and nothing is truncated under the dump; once the dump ends, the leaf is.
 #[tokio::test]
 async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    client.batch_execute("select outbox_relay.set_slot_span(1)").await.unwrap();
-    let (handler, mut deliveries) = recorder();
-    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
-    let slot: i16 = client
-        .query(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 20) g returning slot",
-            &[],
-        )
-        .await
-        .unwrap()[0]
-        .get(0);
-    deliveries.take(20).await;
+    let slot = far_slot(&client).await;
+    fill_leaf(&client, slot, 20).await;
     let dump = db.client().await;
     dump.batch_execute(
         "begin isolation level repeatable read;
@@ -224,11 +247,14 @@ async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
     )
     .await
     .unwrap();
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
+    deliveries.take(20).await;
     eventually("the sweeper removed the delivered events", || async {
-        count(&client, "select count(*) from outbox_relay.outbox").await == 0
+        count(&client, &format!("select count(*) from outbox_relay.outbox_{slot}")).await == 0
     })
     .await;
-    // Long enough for the slot to leave the ones in use, and for tries of the rotation.
+    // Long enough for the statistics to see the leaf emptied, and for tries of the rotation.
     tokio::time::sleep(Duration::from_secs(5)).await;
     client
         .batch_execute(

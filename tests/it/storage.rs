@@ -195,6 +195,16 @@ fn migrations_to(upto: i32) -> Vec<(i32, &'static str, &'static str)> {
         (11, "global_event_ids_and_inbox", include_str!("../../migrations/0011_global_event_ids_and_inbox.sql")),
         (12, "destinations", include_str!("../../migrations/0012_destinations.sql")),
         (13, "event_headers", include_str!("../../migrations/0013_event_headers.sql")),
+        (14, "storage_edges", include_str!("../../migrations/0014_storage_edges.sql")),
+        (15, "index_paths", include_str!("../../migrations/0015_index_paths.sql")),
+        (16, "destination_expiry", include_str!("../../migrations/0016_destination_expiry.sql")),
+        (17, "early_deliveries", include_str!("../../migrations/0017_early_deliveries.sql")),
+        (18, "events_in_notifications", include_str!("../../migrations/0018_events_in_notifications.sql")),
+        (19, "outbox_as_a_log", include_str!("../../migrations/0019_outbox_as_a_log.sql")),
+        (20, "unit_of_work_in_sql", include_str!("../../migrations/0020_unit_of_work_in_sql.sql")),
+        (21, "cheaper_write_path", include_str!("../../migrations/0021_cheaper_write_path.sql")),
+        (22, "receipt_written_once", include_str!("../../migrations/0022_receipt_written_once.sql")),
+        (23, "early_records_lz4", include_str!("../../migrations/0023_early_records_lz4.sql")),
     ];
     all.into_iter().filter(|(v, _, _)| *v <= upto).collect()
 }
@@ -660,4 +670,69 @@ async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_on
         assert!(claims > 10, "{name}: {claims} claims (the bound cut them)");
         client.execute("delete from outbox_relay.outbox", &[]).await.unwrap();
     }
+}
+
+/// Migration 0024 on an installation at 0023 that someone adjusted by hand: a check its old rows
+/// break, left NOT VALID; the notification trigger disabled; autovacuum settings on the outbox;
+/// and a view of the service's own on it, which the migration refuses, naming it (the view would
+/// go on reading the old table), and applies once the view is gone. The old rows are the leaf
+/// `outbox_before`, delivered with a new event; the check stays NOT VALID, the trigger disabled,
+/// the settings and `xid`'s statistics target on the new leaves.
+#[tokio::test]
+async fn a_0023_outbox_becomes_leaves_keeping_its_rows_checks_triggers_and_settings() {
+    let db = TestDb::empty().await;
+    migrate_as_released(&db, 23).await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('n', g) from generate_series(1, 50) g;
+             alter table outbox_relay.outbox drop constraint outbox_created_at_valid;
+             alter table outbox_relay.outbox add constraint outbox_created_at_valid
+                 check (created_at >= '1970-01-01 00:00:00+00' and created_at < '10000-01-01 00:00:00+00') not valid;
+             alter table outbox_relay.outbox disable trigger outbox_notify_relay;
+             alter table outbox_relay.outbox set (autovacuum_vacuum_scale_factor = 0.01);
+             create view public.orders_told as select id, topic from outbox_relay.outbox;",
+        )
+        .await
+        .unwrap();
+    let refused = db.outbox.migrate().await.unwrap_err();
+    assert!(refused.to_string().contains("public.orders_told"), "{refused}");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.schema_migrations where version = 24").await, 0);
+    client.batch_execute("drop view public.orders_told").await.unwrap();
+    let report = db.outbox.migrate().await.unwrap();
+    assert_eq!(report.applied, vec![(24, "outbox_in_leaves".to_string())]);
+
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox where slot = -1").await, 50);
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox_before").await, 50);
+    let kept = [
+        "select count(*) from pg_constraint where conrelid = 'outbox_relay.outbox'::regclass
+          and conname = 'outbox_created_at_valid' and not convalidated",
+        "select count(*) from pg_trigger where tgrelid = 'outbox_relay.outbox'::regclass
+          and tgname = 'outbox_notify_relay' and tgenabled = 'D'",
+        "select count(*) from pg_class where oid = 'outbox_relay.outbox_2'::regclass
+          and 'autovacuum_vacuum_scale_factor=0.01' = any (reloptions)",
+        "select count(*) from pg_attribute where attrelid = 'outbox_relay.outbox_1'::regclass
+          and attname = 'xid' and attoptions @> '{n_distinct=-1}'",
+    ];
+    for sql in kept {
+        assert_eq!(count(&client, sql).await, 1, "{sql}");
+    }
+    let new = db.outbox.publish(&NewEvent::new("order.placed", json!({"n": 51}))).await.unwrap();
+    assert_eq!(
+        count(&client, &format!("select count(*) from outbox_relay.outbox where id = {new} and slot between 0 and 3"))
+            .await,
+        1,
+        "a new event goes into a slot's leaf"
+    );
+    // The trigger disabled: the relay finds the events by its poll.
+    let (handler, mut deliveries) = support::recorder();
+    let relay =
+        support::start(&db.outbox, RelayConfig { poll_interval: Duration::from_millis(100), ..config() }, handler);
+    let delivered = deliveries.take(51).await;
+    let mut ids: Vec<i64> = delivered.iter().map(|d| d.event.id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 51, "each event once");
+    relay.stop().await;
 }
