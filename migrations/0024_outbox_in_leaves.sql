@@ -5,18 +5,21 @@
 -- the retention. Truncation frees a table's disk whatever is held, so the outbox is now a table
 -- list-partitioned by `slot`, a column writers fill without a read of their own (the transaction's
 -- clock: `outbox_relay.current_slot()`, four slots of `span` seconds used in turn, thirty minutes
--- unless `outbox_relay.set_slot_span` says otherwise), and the relays' janitor truncates a leaf
--- once the sweeper has removed every row of it (`outbox_relay.truncate_leaf`): it removes nothing
--- the sweeper has not removed already, and frees what a held snapshot keeps.
+-- unless `outbox_relay.set_slot_span` says otherwise), and each relay's sweeper truncates a leaf
+-- once it has removed every row of it (`outbox_relay.truncate_leaf`): that removes nothing the
+-- sweeper has not removed already, and frees what a held snapshot keeps.
 --
 -- * Writers change nothing: `slot` has a default (a row written by hand with its own slot is
 --   refused unless the slot is one of the leaves', and a row's slot never changes).
 -- * The outbox of before is attached as the leaf of slot -1 (`outbox_relay.outbox_before`), not
 --   copied: this reads it once, under its lock, to check every row's slot and to build the
---   leaf's index on (id, slot) (0.5 s for a million events here: writers and claims wait). No new row goes there; once the sweeper has emptied it, it is
---   truncated like any leaf.
--- * Its constraints, triggers, comments, grants (of the table and of its columns), its id
---   sequence and the view `event_state` move to the new table.
+--   leaf's index on (id, slot) (0.5 s for a million events here: writers and claims wait). No
+--   new row goes there; once the sweeper has emptied it, it is truncated like any leaf.
+-- * Its checks (as valid as they were), triggers (as enabled), comments, grants (of the table
+--   and of its columns), its id sequence and the view `event_state` move to the new table; the
+--   new leaves take its storage options; a publication of it publishes the new table too. A view
+--   of the service's own on the outbox is refused, naming it (it would go on reading the old
+--   table): drop it, migrate, create it again.
 -- * A primary key on (id, slot): PostgreSQL allows no unique index on a partitioned table without
 --   its partition key. Ids still come from one sequence.
 
@@ -264,7 +267,7 @@ begin
 end
 $$;
 
--- The truncation of a leaf, by the relays' janitor (src/relay/rotation.rs). It runs as the owner
+-- The truncation of a leaf, by each relay's sweeper (src/relay/rotation.rs). It runs as the owner
 -- of this function (the relay's role may not truncate), and truncates only a leaf in which
 -- nothing is visible: every row the sweeper removed, every row a transaction that did not commit
 -- wrote. Returns 'truncated', 'rows' (something is visible in it), 'locked' (its lock was not
@@ -341,7 +344,7 @@ $$;
 revoke execute on function outbox_relay.truncate_leaf(smallint, pg_snapshot, integer) from public;
 comment on function outbox_relay.truncate_leaf(smallint, pg_snapshot, integer) is
     'Truncates the outbox''s leaf of a slot when nothing in it is visible any more (the sweeper removed '
-    'every row): truncated, rows, locked or empty. Run by the relays'' janitor.';
+    'every row): truncated, rows, locked or empty. Run by each relay''s sweeper.';
 
 -- The relay's role: a claim reads each leaf by its name (src/sql/claim_new.sql), so whoever may
 -- read the outbox may read its leaves; whoever may delete from it (the sweeper) may truncate a
