@@ -343,16 +343,11 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
              set it back with `alter sequence outbox_relay.outbox_id_seq cache 1`"
         );
     }
-    let mut needed = vec![
-        ("outbox_relay.outbox", "SELECT"),
-        ("outbox_relay.outbox", "UPDATE"),
-        ("outbox_relay.outbox", "DELETE"),
-        // A claim reads each leaf by its name (migration 0024).
-        ("outbox_relay.outbox_before", "SELECT"),
-        ("outbox_relay.outbox_0", "SELECT"),
-        ("outbox_relay.outbox_1", "SELECT"),
-        ("outbox_relay.outbox_2", "SELECT"),
-        ("outbox_relay.outbox_3", "SELECT"),
+    let mut needed =
+        vec![("outbox_relay.outbox", "SELECT"), ("outbox_relay.outbox", "UPDATE"), ("outbox_relay.outbox", "DELETE")];
+    // A claim reads each leaf by its name (migration 0024).
+    needed.extend(sql::OUTBOX_LEAVES.iter().map(|&(_, leaf)| (leaf, "SELECT")));
+    needed.extend([
         ("outbox_relay.dead_letters", "INSERT"),
         ("outbox_relay.dead_letters", "UPDATE"),
         ("outbox_relay.relays", "SELECT"),
@@ -375,7 +370,7 @@ async fn preflight(pool: &RelayPool, config: &RelayConfig) -> Result<()> {
         ("outbox_relay.positions", "INSERT"),
         ("outbox_relay.installation", "SELECT"),
         ("outbox_relay.installation", "UPDATE"),
-    ];
+    ]);
     if !config.janitor_interval.is_zero() {
         needed.extend([("outbox_relay.idempotency", "UPDATE"), ("outbox_relay.idempotency", "DELETE")]);
     }

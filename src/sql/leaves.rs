@@ -3,6 +3,17 @@
 
 use super::{Db, Error, all, one};
 
+/// The outbox's leaves, by slot: the rows written before migration 0024 (slot -1), then one per
+/// slot of the clock. Migration 0024 made them; the claim (`claim_new.sql`) and [`LEAVES`] name
+/// them too.
+pub(crate) const OUTBOX_LEAVES: [(i16, &str); 5] = [
+    (-1, "outbox_relay.outbox_before"),
+    (0, "outbox_relay.outbox_0"),
+    (1, "outbox_relay.outbox_1"),
+    (2, "outbox_relay.outbox_2"),
+    (3, "outbox_relay.outbox_3"),
+];
+
 /// Each leaf of the outbox: its slot (-1: the rows written before migration 0024), its size on
 /// disk (indexes and TOAST included), the statistics' count of its live rows (a hint, late by
 /// seconds), whether its slot is the one writers use now, or the last one for the first minute
@@ -95,7 +106,7 @@ pub(crate) async fn truncate_leaf(
     }
 }
 
-/// Who holds a lock on the leaf of `$1` now: sessions (the longest in a transaction first) and
+/// Who holds a lock on the leaf `$1` now: sessions (the longest in a transaction first) and
 /// prepared transactions (which hold their locks until COMMIT PREPARED or ROLLBACK PREPARED), at
 /// most 5, each said in a few words.
 const LEAF_LOCK_HOLDERS: &str = "\
@@ -109,15 +120,15 @@ select coalesce(
   left join pg_stat_activity a on a.pid = l.pid
   left join pg_prepared_xacts p on l.pid is null and l.virtualtransaction = '-1/' || p.transaction::text
  where l.locktype = 'relation' and l.granted and l.pid is distinct from pg_backend_pid()
-   and l.relation = to_regclass(case when $1::int2 = -1 then 'outbox_relay.outbox_before'
-                                     else 'outbox_relay.outbox_' || $1::int2 end)
+   and l.relation = $1::text::regclass
  order by a.xact_start nulls first
  limit 5";
 
 /// Who holds a lock on the leaf of `slot` now, in one line.
 pub(crate) async fn leaf_lock_holders(client: &tokio_postgres::Client, slot: i16) -> Result<String, Error> {
+    let leaf = OUTBOX_LEAVES.iter().find(|(s, _)| *s == slot).map_or("outbox_relay.outbox", |(_, leaf)| *leaf);
     let rows = client
-        .query(LEAF_LOCK_HOLDERS, &[&slot])
+        .query(LEAF_LOCK_HOLDERS, &[&leaf])
         .await
         .map_err(|e| Error::database("reading who holds an outbox leaf's lock", e))?;
     if rows.is_empty() {
