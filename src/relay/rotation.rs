@@ -75,18 +75,18 @@ impl Rotation {
                 self.failing = false;
             }
             Ok(()) => {}
-            Err(e) if !self.failing => {
-                self.failing = true;
-                self.forget();
-                tracing::warn!(
-                    error = %e,
-                    "could not truncate the outbox's emptied leaves; the sweeper's range deletes go on, and the disk \
-                     they leave is reused once no older snapshot is held (trying every second)"
-                );
-            }
             Err(e) => {
                 self.forget();
-                tracing::debug!(error = %e, "truncating the outbox's emptied leaves failed again");
+                if self.failing {
+                    tracing::debug!(error = %e, "truncating the outbox's emptied leaves failed again");
+                } else {
+                    self.failing = true;
+                    tracing::warn!(
+                        error = %e,
+                        "could not truncate the outbox's emptied leaves; the sweeper's range deletes go on, and the \
+                         disk they leave is reused once no older snapshot is held (trying every second)"
+                    );
+                }
             }
         }
     }
