@@ -247,6 +247,28 @@ pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e}")).get(0)
 }
 
+/// Opens on `session` what `pg_dump` holds for its whole run: a repeatable-read snapshot, and
+/// ACCESS SHARE on the outbox (so on each of its leaves), until the caller commits.
+pub async fn hold_as_pg_dump(session: &tokio_postgres::Client) {
+    session
+        .batch_execute(
+            "begin isolation level repeatable read;
+             lock table outbox_relay.outbox in access share mode;
+             select count(*) from outbox_relay.outbox",
+        )
+        .await
+        .unwrap();
+}
+
+/// How many sessions hold ACCESS SHARE on the outbox now (a dump's lock among them).
+pub async fn outbox_share_locks(client: &tokio_postgres::Client) -> i64 {
+    count(
+        client,
+        "select count(*) from pg_locks where relation = 'outbox_relay.outbox'::regclass and mode = 'AccessShareLock' and granted",
+    )
+    .await
+}
+
 /// A TCP port of 127.0.0.1 that nothing listens on right now (for a server a test starts).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free loopback port").port()

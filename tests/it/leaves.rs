@@ -240,13 +240,7 @@ async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
     let slot = far_slot(&client).await;
     fill_leaf(&client, slot, 20).await;
     let dump = db.client().await;
-    dump.batch_execute(
-        "begin isolation level repeatable read;
-         lock table outbox_relay.outbox in access share mode;
-         select count(*) from outbox_relay.outbox",
-    )
-    .await
-    .unwrap();
+    support::hold_as_pg_dump(&dump).await;
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
     deliveries.take(20).await;
@@ -265,15 +259,7 @@ async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
         .unwrap();
     deliveries.take(20).await;
     assert!(leaf_size(&client, slot).await > 0, "not truncated under the dump");
-    assert!(
-        count(
-            &client,
-            "select count(*) from pg_locks where relation = 'outbox_relay.outbox'::regclass and mode = 'AccessShareLock' and granted"
-        )
-        .await
-            >= 1,
-        "the dump's lock held throughout"
-    );
+    assert!(support::outbox_share_locks(&client).await >= 1, "the dump's lock held throughout");
     dump.batch_execute("commit").await.unwrap();
     eventually_within("the emptied leaf truncated once the dump ended", Duration::from_secs(60), || async {
         leaf_size(&client, slot).await == 0

@@ -252,13 +252,7 @@ async fn removal_goes_on_while_pg_dump_holds_its_lock_and_snapshot() {
     let db = TestDb::new().await;
     publish_each(&db, "order.placed", 10, 5).await;
     let dump = db.client().await;
-    dump.batch_execute(
-        "begin isolation level repeatable read;
-         lock table outbox_relay.outbox in access share mode;
-         select count(*) from outbox_relay.outbox",
-    )
-    .await
-    .unwrap();
+    support::hold_as_pg_dump(&dump).await;
     let (handler, mut deliveries) = recorder();
     let relay =
         support::start(&db.outbox, pg_outbox_relay::RelayConfig { retention: Duration::ZERO, ..config() }, handler);
@@ -269,11 +263,7 @@ async fn removal_goes_on_while_pg_dump_holds_its_lock_and_snapshot() {
     })
     .await;
     assert_eq!(count(&dump, "select count(*) from outbox_relay.outbox").await, 10, "the dump reads what it saw");
-    let lock_held = count(
-        &db.client().await,
-        "select count(*) from pg_locks where relation = 'outbox_relay.outbox'::regclass and mode = 'AccessShareLock' and granted",
-    )
-    .await;
+    let lock_held = support::outbox_share_locks(&db.client().await).await;
     assert!(lock_held >= 1, "the dump's lock was held throughout");
     dump.batch_execute("commit").await.unwrap();
     relay.stop().await;
