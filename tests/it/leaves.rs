@@ -3,7 +3,8 @@
 //! under the lock), a truncate killed while it waits removes nothing, the relay truncates a leaf
 //! its sweeper emptied while a snapshot is held (its disk is free: range deletes alone leave it
 //! to the hold), it waits for `pg_dump`'s lock while delivery goes on, and the slots' span is set
-//! for new transactions.
+//! for new transactions. A truncate terminated before its commit leaves the leaf as it was, and two
+//! relays with different settings rotate beside each other.
 
 use std::time::Duration;
 
@@ -124,14 +125,7 @@ async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
     let holder = db.client().await;
     holder.batch_execute(&format!("begin; lock table outbox_relay.outbox_{slot} in access share mode")).await.unwrap();
 
-    let separator = if db.url.contains('?') { '&' } else { '?' };
-    let (rotation, connection) = tokio_postgres::connect(
-        &format!("{}{separator}application_name=truncate_under_test", db.url),
-        tokio_postgres::NoTls,
-    )
-    .await
-    .unwrap();
-    tokio::spawn(connection);
+    let rotation = named_session(&db, "truncate_under_test").await;
     let waiting = tokio::spawn(async move { truncate_leaf(&rotation, slot, None, 60_000).await });
     eventually("the truncate waits for the leaf's lock", || async {
         count(
@@ -157,6 +151,75 @@ async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30, "the other leaf's rows all there");
     assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "truncated");
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30);
+}
+
+/// A session of its own, named so that the test can find its backend and terminate it.
+async fn named_session(db: &TestDb, name: &str) -> tokio_postgres::Client {
+    let separator = if db.url.contains('?') { '&' } else { '?' };
+    let (client, connection) =
+        tokio_postgres::connect(&format!("{}{separator}application_name={name}", db.url), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    client
+}
+
+/// A truncate whose session is terminated after it truncated the leaf, before its commit (a
+/// relay killed between the two steps), leaves the leaf as it was: its removed rows still on disk,
+/// every other row there, writers and the relay going on. The relay then delivers each event once,
+/// and its rotation truncates the leaf.
+#[tokio::test]
+async fn a_truncate_terminated_before_its_commit_leaves_the_leaf_as_it_was() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let slot = far_slot(&client).await;
+    let other = (slot + 1) % 4;
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload, slot)
+             select 'order.placed', jsonb_build_object('n', g), case when g <= 50 then $1::int2 else $2::int2 end
+               from generate_series(1, 80) g",
+            &[&slot, &other],
+        )
+        .await
+        .unwrap();
+    client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
+    let size = leaf_size(&client, slot).await;
+    assert!(size > 0);
+
+    let rotation = named_session(&db, "truncate_before_commit").await;
+    rotation.batch_execute("begin").await.unwrap();
+    assert_eq!(truncate_leaf(&rotation, slot, None, 5).await.0, "truncated");
+    assert_eq!(
+        count(
+            &client,
+            "select count(pg_terminate_backend(pid)) from pg_stat_activity where application_name = 'truncate_before_commit'"
+        )
+        .await,
+        1
+    );
+    assert!(rotation.batch_execute("commit").await.is_err(), "the truncate's session ended before its commit");
+    assert_eq!(leaf_size(&client, slot).await, size, "the leaf's file as it was: the truncate rolled back");
+    assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30, "the other leaf's rows all there");
+
+    let (handler, mut deliveries) = recorder();
+    let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 20) g",
+        )
+        .await
+        .unwrap();
+    deliveries.take(50).await;
+    eventually_within("the leaf truncated by the relay", Duration::from_secs(60), || async {
+        leaf_size(&client, slot).await == 0
+    })
+    .await;
+    let counts = deliveries.counts();
+    assert_eq!(counts.len(), 50, "every event delivered");
+    assert!(counts.values().all(|&n| n == 1), "each event delivered once");
+    relay.stop().await;
 }
 
 /// Writes `n` events into the leaf of `slot` (by hand, a slot of their own), and waits until the
@@ -267,4 +330,54 @@ async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
     .await;
     assert!(deliveries.counts().values().all(|&n| n == 1), "each event delivered once");
     relay.stop().await;
+}
+
+/// Two relays with different settings (one sweeping at once in batches of 7 on one worker, the
+/// other keeping a day's retention and leasing batches of 500), a transaction held open, events
+/// in an old leaf and more written while they run: each event is delivered once, and the leaf
+/// the first relay's sweeper empties is truncated under the hold, whichever relay's rotation
+/// does it (their looks may refuse each other's lock once, then are tried again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_with_different_settings_rotate_beside_each_other() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let slot = far_slot(&client).await;
+    fill_leaf(&client, slot, 300).await;
+    let held = db.client().await;
+    held.batch_execute("begin; select txid_current()").await.unwrap();
+    let (handler, mut deliveries) = recorder();
+    let second = pg_outbox_relay::Outbox::connect_with(db.database_url(), 8).await.unwrap();
+    let relays = [
+        support::start(
+            &db.outbox,
+            RelayConfig { retention: Duration::ZERO, batch_size: 7, workers: 1, ..config() },
+            handler.labelled("sweeping"),
+        ),
+        support::start(
+            &second,
+            RelayConfig { retention: Duration::from_secs(86_400), batch_size: 500, hold: Duration::ZERO, ..config() },
+            handler.labelled("keeping"),
+        ),
+    ];
+    client
+        .batch_execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 200) g",
+        )
+        .await
+        .unwrap();
+    deliveries.take(500).await;
+    eventually_within("the old leaf emptied and truncated under the hold", Duration::from_secs(60), || async {
+        count(&client, &format!("select count(*) from outbox_relay.outbox_{slot}")).await == 0
+            && leaf_size(&client, slot).await == 0
+    })
+    .await;
+    assert_eq!(count(&held, "select 1::int8").await, 1, "the held transaction goes on");
+    held.batch_execute("commit").await.unwrap();
+    for relay in relays {
+        relay.stop().await;
+    }
+    let counts = deliveries.counts();
+    assert_eq!(counts.len(), 500, "every event delivered");
+    assert!(counts.values().all(|&n| n == 1), "each event delivered once");
 }
