@@ -592,7 +592,8 @@ async fn a_live_0013_installation_keeps_each_destinations_state_as_a_log() {
 /// prefix in id order, at most the batch, whose payloads count no more than the bound (a payload
 /// stored inline counts its stored size, a larger one its text's length), but always the first.
 /// Checked on both of the claim's paths: the delta of new transactions and a cut delta going on
-/// from its last id.
+/// from its last id. The events lie in all four leaves in turn (migration 0024), where the same
+/// tuple ids recur: each event comes back with its own payload, read from its own leaf.
 #[tokio::test]
 async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_one() {
     let db = TestDb::new().await;
@@ -605,8 +606,8 @@ async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_on
         db.outbox.add_destination(name, &every, None).await.unwrap();
         client
             .execute(
-                "insert into outbox_relay.outbox (topic, payload)
-                 select 'bytes.counted', jsonb_build_object('n', g,
+                "insert into outbox_relay.outbox (topic, slot, payload)
+                 select 'bytes.counted', (g % 4)::int2, jsonb_build_object('n', g,
                         'pad', case when $1 and g % 7 = 3
                                     then (select string_agg(md5(g::text || '.' || i), '') from generate_series(1, 40 + 20 * (g % 3)) i)
                                     else repeat('x', (g * 37) % 300) end)
@@ -629,6 +630,13 @@ async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_on
             .await
             .unwrap()
             .get(0);
+        let written: std::collections::HashMap<i64, i64> = client
+            .query("select id, (payload->>'n')::int8 from outbox_relay.outbox where topic = 'bytes.counted'", &[])
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
         let mut claimed = Vec::new();
         let mut claims = 0;
         loop {
@@ -660,6 +668,10 @@ async fn the_claims_byte_bound_takes_the_same_events_summed_at_once_or_one_by_on
             let rows = client.query(CLAIM, &params).await.unwrap();
             let ids: Vec<i64> = rows.iter().filter_map(|r| r.get::<_, Option<i64>>(0)).collect();
             assert_eq!(ids, expected, "{name}: claim {claims}");
+            for row in rows.iter().filter(|r| r.get::<_, Option<i64>>(0).is_some()) {
+                let (id, payload): (i64, serde_json::Value) = (row.get(0), row.get(3));
+                assert_eq!(payload["n"].as_i64(), written.get(&id).copied(), "{name}: event {id}'s own payload");
+            }
             if ids.is_empty() {
                 break;
             }
