@@ -530,6 +530,75 @@ async fn at_a_trickle_the_relay_claims_only_when_notified() {
     assert!(claims <= 3 * events as u64, "{claims} claims for {events} events: the relay lingered");
 }
 
+/// How often each of the parked events' indexes was scanned, by name, once the relay's sessions
+/// have ended (a session's statistics are flushed when it ends).
+async fn parked_index_scans(client: &tokio_postgres::Client) -> std::collections::HashMap<String, i64> {
+    eventually("the relay's sessions ended, their statistics flushed", || async {
+        count(
+            client,
+            "select count(*) from pg_stat_activity
+              where datname = current_database() and application_name like 'outbox-relay %'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    client.batch_execute("select pg_stat_clear_snapshot()").await.unwrap();
+    client
+        .query(
+            "select indexrelname::text, idx_scan from pg_stat_user_indexes
+              where schemaname = 'outbox_relay' and relname = 'parked'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect()
+}
+
+/// An idle destination's polls look for parked events with one index probe of `parked`:
+/// the claim of parked events, planned anew at each run (about 2.5 ms of the server's time, once
+/// a poll for every destination), runs only once the destination has one. That claim, and no
+/// other statement, reads the events without a key through `parked_unkeyed_idx`: with nothing
+/// parked, no poll reads it; with an event parked (due in an hour), the polls do.
+#[tokio::test]
+async fn an_idle_destinations_polls_run_no_claim_of_parked_events() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (handler, _deliveries) = recorder();
+    let polling = RelayConfig { poll_interval: Duration::from_millis(50), ..config() };
+    let relay = support::start(&db.outbox, polling.clone(), handler.clone());
+    relay_waiting(&client).await;
+    // Some 30 polls.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    relay.stop().await;
+    eventually("the polls' looks for parked events counted", || async {
+        let scans = parked_index_scans(&client).await;
+        scans["parked_pkey"] + scans["parked_due_idx"] >= 10
+    })
+    .await;
+    let idle = parked_index_scans(&client).await;
+    assert_eq!(idle["parked_unkeyed_idx"], 0, "no claim of parked events ran: {idle:?}");
+
+    client
+        .batch_execute(
+            "insert into outbox_relay.parked (destination, id, uuid, topic, key, payload, created_at, available_at)
+             values ('default', 1, gen_random_uuid(), 'order.placed', 'k', '{}', now(), now() + interval '1 hour')",
+        )
+        .await
+        .unwrap();
+    let relay = support::start(&db.outbox, polling, handler);
+    relay_waiting(&client).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    relay.stop().await;
+    eventually("with an event parked, the polls ran the claim", || async {
+        parked_index_scans(&client).await["parked_unkeyed_idx"] > 0
+    })
+    .await;
+    assert_eq!(count(&client, "select count(*) from outbox_relay.parked").await, 1, "not due: still parked");
+}
+
 /// Under sustained load the relay never marks itself waiting, so writers do not notify.
 ///
 /// The writers commit twenty events at a time with short pauses between, so that the relay
