@@ -25,10 +25,10 @@ const NEXT_DUE: &str = "\
 select (extract(epoch from min(e.available_at) - now()) * 1000000)::int8 from outbox_relay.parked e
  where e.destination = $1 and e.available_at > now() and isfinite(e.available_at)";
 const CLAIM_PARKED: &str = include_str!("claim_parked.sql");
-/// Whether the destination has any parked event at all: a kept statement, one probe of the
-/// primary key. The claim of parked events is planned anew at each run (about 2.5 ms of the
-/// server's time: [`Replanned`]), and the relay looks at them at every poll, once a second for
-/// every destination, most often to find none.
+/// Whether the destination has any parked event at all: a kept statement, one index probe (of
+/// `parked_due_idx`, in the relay's settings). The claim of parked events is planned anew at each
+/// run (about 2.5 ms of the server's time: [`Replanned`]), and the relay looks at them at every
+/// poll, once a second for every destination, most often to find none.
 const ANY_PARKED: &str = "select exists (select 1 from outbox_relay.parked e where e.destination = $1)";
 
 /// A claimed event as the claim returns it.

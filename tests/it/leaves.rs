@@ -102,13 +102,10 @@ async fn a_leaf_is_truncated_only_once_nothing_in_it_is_visible() {
     assert_eq!(truncate_leaf(&client, slot, None, 5).await.0, "empty");
 }
 
-/// A truncate whose session is terminated while it waits for the leaf's lock removes nothing,
-/// neither in its leaf nor elsewhere; the next one, once the lock is free, frees the leaf.
-#[tokio::test]
-async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
-    let db = TestDb::new().await;
-    let client = db.client().await;
-    let slot = far_slot(&client).await;
+/// A leaf two slots away from writers' whose 50 rows were deleted (their dead rows still on
+/// disk: its slot and size), and 30 rows in the next leaf, kept.
+async fn emptied_leaf_beside_rows(client: &tokio_postgres::Client) -> (i16, i64) {
+    let slot = far_slot(client).await;
     let other = (slot + 1) % 4;
     client
         .execute(
@@ -120,8 +117,31 @@ async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
         .await
         .unwrap();
     client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
-    let size = leaf_size(&client, slot).await;
+    let size = leaf_size(client, slot).await;
     assert!(size > 0);
+    (slot, size)
+}
+
+/// Terminates the one session named `name`.
+async fn terminate(client: &tokio_postgres::Client, name: &str) {
+    let ended: i64 = client
+        .query_one(
+            "select count(pg_terminate_backend(pid)) from pg_stat_activity where application_name = $1",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(ended, 1, "one session named {name}");
+}
+
+/// A truncate whose session is terminated while it waits for the leaf's lock removes nothing,
+/// neither in its leaf nor elsewhere; the next one, once the lock is free, frees the leaf.
+#[tokio::test]
+async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
+    let db = TestDb::new().await;
+    let client = db.client().await;
+    let (slot, size) = emptied_leaf_beside_rows(&client).await;
     let holder = db.client().await;
     holder.batch_execute(&format!("begin; lock table outbox_relay.outbox_{slot} in access share mode")).await.unwrap();
 
@@ -137,14 +157,7 @@ async fn a_truncate_killed_while_it_waits_for_its_lock_removes_nothing() {
             == 1
     })
     .await;
-    assert_eq!(
-        count(
-            &client,
-            "select count(pg_terminate_backend(pid)) from pg_stat_activity where application_name = 'truncate_under_test'"
-        )
-        .await,
-        1
-    );
+    terminate(&client, "truncate_under_test").await;
     assert!(waiting.await.is_err(), "the truncate's session ended under it");
     holder.batch_execute("commit").await.unwrap();
     assert_eq!(leaf_size(&client, slot).await, size, "nothing truncated");
@@ -172,32 +185,12 @@ async fn named_session(db: &TestDb, name: &str) -> tokio_postgres::Client {
 async fn a_truncate_terminated_before_its_commit_leaves_the_leaf_as_it_was() {
     let db = TestDb::new().await;
     let client = db.client().await;
-    let slot = far_slot(&client).await;
-    let other = (slot + 1) % 4;
-    client
-        .execute(
-            "insert into outbox_relay.outbox (topic, payload, slot)
-             select 'order.placed', jsonb_build_object('n', g), case when g <= 50 then $1::int2 else $2::int2 end
-               from generate_series(1, 80) g",
-            &[&slot, &other],
-        )
-        .await
-        .unwrap();
-    client.execute("delete from outbox_relay.outbox where slot = $1", &[&slot]).await.unwrap();
-    let size = leaf_size(&client, slot).await;
-    assert!(size > 0);
+    let (slot, size) = emptied_leaf_beside_rows(&client).await;
 
     let rotation = named_session(&db, "truncate_before_commit").await;
     rotation.batch_execute("begin").await.unwrap();
     assert_eq!(truncate_leaf(&rotation, slot, None, 5).await.0, "truncated");
-    assert_eq!(
-        count(
-            &client,
-            "select count(pg_terminate_backend(pid)) from pg_stat_activity where application_name = 'truncate_before_commit'"
-        )
-        .await,
-        1
-    );
+    terminate(&client, "truncate_before_commit").await;
     assert!(rotation.batch_execute("commit").await.is_err(), "the truncate's session ended before its commit");
     assert_eq!(leaf_size(&client, slot).await, size, "the leaf's file as it was: the truncate rolled back");
     assert_eq!(count(&client, "select count(*) from outbox_relay.outbox").await, 30, "the other leaf's rows all there");
