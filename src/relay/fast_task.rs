@@ -33,11 +33,13 @@ const FAST_HOLD_MIN: Duration = Duration::from_millis(100);
 /// How soon a lease that could not be written is tried again.
 const LEASE_RETRY: Duration = Duration::from_secs(1);
 /// How long after a delivery from notifications the claim that records it may wait for more to
-/// record with it, once no notification waits. At 40 events a second, one claim a tenth of a
-/// second records four: the claim (its statement, its position, its commit) was most of what a
-/// trickle cost the relay and its backends, one per event. A relay killed meanwhile sends those
-/// deliveries again (at least once), as it does what was in flight.
-const RECORD_LINGER: Duration = Duration::from_millis(100);
+/// record with it, once no notification waits. At 40 events a second, one claim a quarter of a
+/// second records ten: the claim (its statement, its position, its commit) was most of what a
+/// trickle cost the relay and its backends, one per event (a relay and its backends at 40 events
+/// a second, `benches/storage/trickle_cpu.sh`: 2.44 to 2.89 % of a core with a tenth of a
+/// second, 1.94 to 2.14 % with a quarter). A relay killed meanwhile sends those deliveries again
+/// (at least once), as it does what was in flight; a relay that stops records them first.
+const RECORD_LINGER: Duration = Duration::from_millis(250);
 /// At a stop, how often the claim that records what is left is tried, and how far apart.
 const STOP_RECORD_TRIES: u32 = 40;
 const STOP_RECORD_RETRY: Duration = Duration::from_millis(25);
