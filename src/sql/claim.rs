@@ -404,16 +404,16 @@ async fn claim_parked(
     turn: &Turn,
     claimed: &mut Claimed,
 ) -> Result<()> {
-    if !one(db, ANY_PARKED, &[&to.name], "looking for parked events").await?.get::<_, bool>(0) {
+    let rows = if one(db, ANY_PARKED, &[&to.name], "looking for parked events").await?.get::<_, bool>(0) {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name, &turn.bytes];
+        all(&Replanned(db), CLAIM_PARKED, &params, "claiming parked events").await?
+    } else {
         // What the claim would have found: no event, and a walk that reached the last key. (Its
         // statement reads nothing but `parked` to find its events, in the same kind of snapshot.)
         claimed.walked_to = Some(None);
-        claimed.parked_all = turn.walk_after.is_empty();
-        return Ok(());
-    }
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
-        [&limit, &dead_letters_hold, &turn.walk_after, &turn.walk_keys, &&*turn.paused, &to.name, &turn.bytes];
-    let rows = all(&Replanned(db), CLAIM_PARKED, &params, "claiming parked events").await?;
+        Vec::new()
+    };
     let mut taken = 0;
     let mut cut = false;
     let mut early = Vec::new();
