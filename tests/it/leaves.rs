@@ -197,13 +197,7 @@ async fn a_truncate_terminated_before_its_commit_leaves_the_leaf_as_it_was() {
 
     let (handler, mut deliveries) = recorder();
     let relay = support::start(&db.outbox, RelayConfig { retention: Duration::ZERO, ..config() }, handler);
-    client
-        .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 20) g",
-        )
-        .await
-        .unwrap();
+    write_now(&client, 20).await;
     deliveries.take(50).await;
     eventually_within("the leaf truncated by the relay", Duration::from_secs(60), || async {
         leaf_size(&client, slot).await == 0
@@ -213,6 +207,18 @@ async fn a_truncate_terminated_before_its_commit_leaves_the_leaf_as_it_was() {
     assert_eq!(counts.len(), 50, "every event delivered");
     assert!(counts.values().all(|&n| n == 1), "each event delivered once");
     relay.stop().await;
+}
+
+/// Writes `n` events now, into the leaf of the current slot.
+async fn write_now(client: &tokio_postgres::Client, n: i64) {
+    client
+        .execute(
+            "insert into outbox_relay.outbox (topic, payload)
+             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, $1::int8) g",
+            &[&n],
+        )
+        .await
+        .unwrap();
 }
 
 /// Writes `n` events into the leaf of `slot` (by hand, a slot of their own), and waits until the
@@ -306,13 +312,7 @@ async fn the_rotation_waits_for_pg_dump_while_delivery_goes_on() {
     .await;
     // Long enough for the statistics to see the leaf emptied, and for tries of the rotation.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    client
-        .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 20) g",
-        )
-        .await
-        .unwrap();
+    write_now(&client, 20).await;
     deliveries.take(20).await;
     assert!(leaf_size(&client, slot).await > 0, "not truncated under the dump");
     assert!(support::outbox_share_locks(&client).await >= 1, "the dump's lock held throughout");
@@ -352,13 +352,7 @@ async fn two_relays_with_different_settings_rotate_beside_each_other() {
             handler.labelled("keeping"),
         ),
     ];
-    client
-        .batch_execute(
-            "insert into outbox_relay.outbox (topic, payload)
-             select 'order.placed', jsonb_build_object('late', g) from generate_series(1, 200) g",
-        )
-        .await
-        .unwrap();
+    write_now(&client, 200).await;
     deliveries.take(500).await;
     eventually_within("the old leaf emptied and truncated under the hold", Duration::from_secs(60), || async {
         count(&client, &format!("select count(*) from outbox_relay.outbox_{slot}")).await == 0
